@@ -1,0 +1,384 @@
+"""
+Prepare data for the trainers: one subcommand per source, each writing its --data_dir.
+
+Text, for train_gpt.py:
+    python prepare_data.py stdlib                          # default, no network: Python's own stdlib .py files
+    python prepare_data.py stdlib --tokenizer=bpe:4353     # train a 4096-merge BPE on it first
+    python prepare_data.py text PATH... --data_dir=data/mytext --tokenizer=gpt2
+    python prepare_data.py shakespeare                     # downloads tinyshakespeare (1.1 MB)
+    python prepare_data.py fineweb --shards=10             # downloads GPT-2 tokenized FineWeb-10B, 100M tokens a shard
+
+A text data dir holds llm.c shards train_000000.bin, ..., val_000000.bin, ... (a header of 256 int32:
+magic 20240520, version 1, token count; then the uint16 tokens) in which every document is written as
+[EOT] + tokens(document), and meta.json, written last: a dir without meta.json is not prepared.
+--tokenizer: byte (UTF-8 bytes 0..255, EOT 256), gpt2 (tiktoken, EOT 50256), or bpe:N (a byte-level BPE
+trained on the train split, N tokens in all, saved as tokenizer.tiktoken, EOT N-1).
+"""
+import argparse
+import base64
+import gzip
+import heapq
+import json
+import lzma
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+import zlib
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import regex
+import tiktoken
+
+# -----------------------------------------------------------------------------
+# Config
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c shard header: 256 int32
+EOT = "<|endoftext|>"
+# GPT-4's (cl100k) pre-split: no merge crosses a chunk, so tokens stay inside a word, a run of at most
+# 3 digits, of punctuation or of whitespace
+PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+
+
+def fail(message):
+    """Stop with a one-line error that names the problem and the fix: a non-zero exit, no traceback."""
+    raise SystemExit(f"prepare_data.py: error: {message}")
+
+
+# -----------------------------------------------------------------------------
+# Shards
+
+def write_shard(path, tokens):
+    """Write tokens as an llm.c shard: a 256-int32 header (magic, version, count), then uint16 tokens."""
+    tokens = np.asarray(tokens)
+    assert tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2**16), "tokens must fit in uint16"
+    header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
+    header[:3] = MAGIC, VERSION, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def num_tokens(path):
+    """Token count of an llm.c shard from its header, checked against the file size."""
+    size = os.path.getsize(path)
+    header = np.fromfile(path, dtype="<i4", count=3) if size >= HEADER_BYTES else None
+    if header is None or header[0] != MAGIC or header[1] != VERSION:
+        fail(f"{path} is not an llm.c token shard (bad header); delete it and prepare the data again")
+    if size != HEADER_BYTES + 2 * int(header[2]):
+        fail(f"{path} holds {(size - HEADER_BYTES) // 2} tokens but its header says {header[2]} (truncated?); "
+             "delete it and prepare the data again")
+    return int(header[2])
+
+
+def read_shard(path):
+    """Read an llm.c shard into a uint16 array, after checking magic, version and token count."""
+    num_tokens(path)
+    return np.fromfile(path, dtype="<u2", offset=HEADER_BYTES)
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers
+
+def check_bpe_vocab(n):
+    """Refuse a bpe:N vocabulary too small for the 256 bytes + EOT, or too large for uint16 token ids."""
+    if not 257 <= n <= 65535:
+        fail(f"bpe:{n}: N must be at least 257 (256 byte tokens + the end-of-text token) and at most 65535 "
+             "(token ids are stored as uint16); try bpe:4353")
+
+
+def tokenizer_spec(s):
+    """argparse type of --tokenizer: byte, gpt2, or bpe:N with 257 <= N <= 65535."""
+    if s.startswith("bpe:") and s[4:].isdigit():
+        check_bpe_vocab(int(s[4:]))
+    elif s not in ("byte", "gpt2"):
+        raise argparse.ArgumentTypeError(f"unknown tokenizer {s!r}; use byte, gpt2 or bpe:N (e.g. bpe:4353)")
+    return s
+
+
+def merge(word, pair, new):
+    """Replace each occurrence of pair in word, left to right, by the token new."""
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]:
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def train_bpe(chunk_counts_or_text, vocab_size):
+    """Train a byte-level BPE; return tiktoken's mergeable_ranks {token bytes: rank}, ranks 0..vocab_size-2."""
+    check_bpe_vocab(vocab_size)
+    counts = chunk_counts_or_text
+    counts = Counter(regex.findall(PAT, counts)) if isinstance(counts, str) else counts
+    # each unique chunk is a word of token ids weighted by its count, and a merge only visits the words
+    # that hold its pair: the 4096 merges on the stdlib take seconds, not a pass over 31 MB each
+    words = [list(c.encode() if isinstance(c, str) else c) for c in counts]
+    freq = list(counts.values())
+    vocab = [bytes([i]) for i in range(256)]  # token id (= rank) -> bytes
+    pair_counts, where = defaultdict(int), defaultdict(set)  # pair -> occurrences, pair -> words holding it
+    for w, word in enumerate(words):
+        for p in zip(word, word[1:]):
+            pair_counts[p] += freq[w]
+            where[p].add(w)
+    heap = [(-c, p) for p, c in pair_counts.items()]  # max count first, ties to the smaller ids: deterministic
+    heapq.heapify(heap)
+    t0, n_merges = time.time(), vocab_size - 257
+    while len(vocab) < vocab_size - 1:
+        if not heap:
+            fail(f"the training text allows only {len(vocab) - 256} merges, fewer than bpe:{vocab_size} needs; "
+                 "use a smaller N or more text")
+        neg, pair = heapq.heappop(heap)
+        c = pair_counts.get(pair, 0)
+        if c != -neg:  # stale: the count fell since this push (a rise always pushes), so re-queue it as it is now
+            if c > 0:
+                heapq.heappush(heap, (-c, pair))
+            continue
+        new = len(vocab)
+        vocab.append(vocab[pair[0]] + vocab[pair[1]])
+        grown = set()
+        for w in where.pop(pair):
+            word, f = words[w], freq[w]
+            words[w] = new_word = merge(word, pair, new)
+            if len(new_word) == len(word):  # an earlier merge already took this word's pair
+                continue
+            for p in zip(word, word[1:]):
+                pair_counts[p] -= f
+            for p in zip(new_word, new_word[1:]):
+                pair_counts[p] += f
+                where[p].add(w)
+                if new in p:  # only pairs with the new token gain counts: all others lose or keep theirs
+                    grown.add(p)
+        for p in grown:
+            heapq.heappush(heap, (-pair_counts[p], p))
+        if (new - 255) % max(1, n_merges // 8) == 0 or new - 255 == n_merges:
+            print(f"bpe: {new - 255}/{n_merges} merges | {time.time() - t0:.1f} s", flush=True)
+    ranks = {b: i for i, b in enumerate(vocab)}
+    assert len(ranks) == len(vocab), "two merges made the same token"  # never seen; it would leave holes in the ranks
+    return ranks
+
+
+def make_tokenizer(spec, train_docs, out_dir):
+    """Return (encode: list of str -> list of token arrays, meta.json fields) for a --tokenizer spec."""
+    if spec == "byte":
+        info = dict(vocab_size=257, eot_id=256, pat_str=None, tokenizer_file=None)
+        return (lambda docs: [np.frombuffer(d.encode(), np.uint8) for d in docs]), info
+    if spec == "gpt2":
+        try:  # tiktoken downloads its gpt2 files on first use, then reads them from TIKTOKEN_CACHE_DIR
+            enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}); set TIKTOKEN_CACHE_DIR to a cache "
+                 "that has them (or run once online), or use --tokenizer=byte or --tokenizer=bpe:N")
+        info = dict(vocab_size=enc.n_vocab, eot_id=enc.eot_token, pat_str=None, tokenizer_file=None)
+    else:
+        n = int(spec[4:])
+        ranks = train_bpe(Counter(c for d in train_docs for c in regex.findall(PAT, d)), n)
+        # the format of tiktoken.load.load_tiktoken_bpe; beware that it caches any file by its path (in
+        # TIKTOKEN_CACHE_DIR or /tmp/data-gym-cache), so it returns the old tokenizer after a re-train
+        (out_dir / "tokenizer.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+        enc = tiktoken.Encoding(f"bpe_{n}", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: n - 1})
+        info = dict(vocab_size=n, eot_id=n - 1, pat_str=PAT, tokenizer_file="tokenizer.tiktoken")
+    # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
+    encode = lambda docs: [np.array(t, np.uint16) for t in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())]
+    return encode, info
+
+
+# -----------------------------------------------------------------------------
+# Downloads: the only network access in trainsuite
+
+def download(url, path):
+    """Fetch url to path with a progress bar, resuming from path.part; skip it if path exists."""
+    if path.exists():
+        return
+    part = path.with_name(path.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Range": f"bytes={have}-"}), timeout=60) as r:
+            if r.status != 206:  # the server (or a file:// URL) sent the whole file, not the rest
+                have = 0
+            length = r.headers.get("Content-Length")
+            total, n, t0, shown = (have + int(length)) if length else 0, have, time.time(), 0.0
+            with open(part, "ab" if have else "wb") as f:
+                while chunk := r.read(1 << 20):
+                    f.write(chunk)
+                    n += len(chunk)
+                    if time.time() - shown > 0.5 or n == total:
+                        shown = time.time()
+                        print(f"\r{path.name}: {n / 1e6:.1f}/{total / 1e6:.1f} MB, "
+                              f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
+            print(file=sys.stderr)
+    except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
+        fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use 'python prepare_data.py stdlib' "
+             "or 'python prepare_data.py text PATH...' instead")
+    if total and n != total:
+        fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
+    os.replace(part, path)
+
+
+# -----------------------------------------------------------------------------
+# Sources: a subcommand each; a text source returns (train documents, val documents)
+
+def split_tail(text, val_percent):
+    """Cut text at a line break near (100 - val_percent)% of its length; return (head, tail)."""
+    k = len(text) * (100 - val_percent) // 100
+    cut = text.rfind("\n", 0, k) + 1 or k
+    return text[:cut], text[cut:]
+
+
+def split_files(named, val_percent):
+    """Split (relative path, text) pairs by whole files: val when crc32(path) % 100 < val_percent."""
+    # hashing the path, not its place in the list, keeps a file on its side as other files come and go
+    val = [zlib.crc32(name.encode()) % 100 < val_percent for name, _ in named]
+    if all(val) or not any(val):  # too few files to split whole: hold out the tail of every file instead
+        pieces = [split_tail(text, val_percent) for _, text in named]
+        return [h for h, _ in pieces if h], [t for _, t in pieces if t]
+    return [t for (_, t), v in zip(named, val) if not v], [t for (_, t), v in zip(named, val) if v]
+
+
+def source_stdlib(args):
+    """The running Python's standard library, a document per .py file; installed packages left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    return split_files([(p.relative_to(root).as_posix(), p.read_bytes().decode(errors="replace")) for p in files],
+                       args.val_percent)
+
+
+def source_text(args):
+    """The files named, and all files under the folders named (hidden ones aside), a document per file."""
+    named = []
+    for arg in map(Path, args.paths):
+        if not arg.exists():
+            fail(f"{arg} does not exist; give text files or folders of them")
+        files = [(arg.name, arg)] if arg.is_file() else [
+            (p.relative_to(arg).as_posix(), p) for p in sorted(arg.rglob("*"))
+            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(arg).parts)]  # e.g. .git
+        # a NUL byte marks a binary file: skip it; other invalid UTF-8 becomes U+FFFD
+        named += [(name, data.decode(errors="replace")) for name, p in files if b"\0" not in (data := p.read_bytes())]
+    if not named:
+        fail(f"no text files found in {' '.join(args.paths)}; give text files or folders of them")
+    return split_files(named, args.val_percent)
+
+
+def source_shakespeare(args):
+    """tinyshakespeare as one document, its last val_percent (10) % of text, cut at a line break, as val."""
+    path = Path(args.data_dir) / "input.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    download(SHAKESPEARE_URL, path)
+    train, val = split_tail(path.read_text(encoding="utf-8"), args.val_percent)
+    return [train], [val]
+
+
+def prepare_text(args):
+    """Read args.source, tokenize both splits into shards, and publish them with meta.json in args.data_dir."""
+    t0, data_dir = time.time(), Path(args.data_dir)
+    if not 0 < args.val_percent < 100 or args.shard_tokens < 1:
+        fail("need 0 < --val_percent < 100 and --shard_tokens >= 1")
+    train_docs, val_docs = args.source(args)
+    if not any(train_docs) or not any(val_docs):
+        fail("the train or the val split has no text; give more text or change --val_percent")
+    # build everything in a hidden sibling dir and move it in at the end: a run killed halfway leaves
+    # the previous data (or none) in data_dir, never a mix that looks prepared
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
+    try:
+        encode, info = make_tokenizer(args.tokenizer, train_docs, stage)
+        splits, eot = {}, np.array([info["eot_id"]], np.uint16)
+        for split, docs in (("train", train_docs), ("val", val_docs)):
+            stream = np.concatenate([a for tokens in encode(docs) for a in (eot, tokens)]).astype(np.uint16)
+            shards = [f"{split}_{i:06d}.bin" for i in range(-(-len(stream) // args.shard_tokens))]
+            for i, name in enumerate(shards):
+                write_shard(stage / name, stream[i * args.shard_tokens:(i + 1) * args.shard_tokens])
+            splits[split] = dict(tokens=len(stream), bytes=sum(len(d.encode()) for d in docs), docs=len(docs), shards=shards)
+        raw = b"\n".join(d.encode() for d in val_docs)  # the baselines a trained model's val bits per byte should beat
+        meta = dict(format="trainsuite-text-1", source=args.command, tokenizer=args.tokenizer, **info, splits=splits,
+                    val_gzip_bpb=8 * len(gzip.compress(raw, compresslevel=9)) / len(raw),
+                    val_xz_bpb=8 * len(lzma.compress(raw, preset=9)) / len(raw))
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (data_dir / "meta.json").unlink(missing_ok=True)  # from here until the last move, data_dir is not prepared
+        for old in [*data_dir.glob("train_*.bin"), *data_dir.glob("val_*.bin"), data_dir / "tokenizer.tiktoken"]:
+            old.unlink(missing_ok=True)
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
+            os.replace(f, data_dir / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    for split, s in splits.items():
+        print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | {len(s['shards'])} shard(s)")
+    print(f"val bits per byte: gzip -9 {meta['val_gzip_bpb']:.3f} | xz -9 {meta['val_xz_bpb']:.3f}")
+    print(f"wrote {data_dir} ({args.tokenizer}, vocab {info['vocab_size']}) in {time.time() - t0:.1f} s")
+
+
+def prepare_fineweb(args):
+    """Download the val shard and the first --shards train shards of GPT-2 tokenized FineWeb-10B; write meta.json."""
+    if not 1 <= args.shards <= 103:
+        fail(f"--shards={args.shards}: FineWeb-10B has train shards 1..103")
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    names = {"train": [f"fineweb_train_{i:06d}.bin" for i in range(1, args.shards + 1)], "val": ["fineweb_val_000000.bin"]}
+    for name in names["val"] + names["train"]:
+        download(FINEWEB_URL + name, data_dir / name)
+    splits = {s: dict(tokens=sum(num_tokens(data_dir / n) for n in ns), bytes=None, docs=None, shards=ns)
+              for s, ns in names.items()}
+    val = read_shard(data_dir / names["val"][0])
+    splits["val"]["docs"] = int((val == 50256).sum())  # every document starts with EOT
+    try:  # val bytes, for bits per byte: each token stands for a fixed byte string
+        enc = tiktoken.get_encoding("gpt2")
+        lengths = np.array([len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)])
+        lengths[enc.eot_token] = 0
+        splits["val"]["bytes"] = int(lengths[val].sum())
+    except Exception as e:
+        print(f"val bytes unknown: cannot load tiktoken's gpt2 files ({type(e).__name__}); see TIKTOKEN_CACHE_DIR")
+    meta = dict(format="trainsuite-text-1", source="fineweb", tokenizer="gpt2", vocab_size=50257, eot_id=50256,
+                pat_str=None, tokenizer_file=None, splits=splits, val_gzip_bpb=None, val_xz_bpb=None)
+    (data_dir / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(data_dir / "meta.json.tmp", data_dir / "meta.json")  # atomic: never a half-written meta.json
+    for split, s in splits.items():
+        print(f"{split}: {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
+
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own error prints the usage over several lines
+        fail(f"{message} (see python {self.prog} -h)")
+
+
+def main(argv=None):
+    """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
+    # allow_abbrev=False: a typo such as --shard=5 must fail, not become --shard_tokens=5
+    parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, source, help in [("stdlib", source_stdlib, "Python's standard library .py files (no network)"),
+                               ("text", source_text, "your own text files and folders"),
+                               ("shakespeare", source_shakespeare, "tinyshakespeare (downloads 1.1 MB)")]:
+        p = commands.add_parser(name, help=help, allow_abbrev=False)
+        if name == "text":
+            p.add_argument("paths", nargs="+", metavar="PATH")
+        p.add_argument("--data_dir", default=f"data/{name}")
+        p.add_argument("--tokenizer", type=tokenizer_spec, default="byte", help="byte | gpt2 | bpe:N (N tokens in all)")
+        p.add_argument("--val_percent", type=int, default=10 if name == "shakespeare" else 1,
+                       help="percent held out for val: of the files, by path hash; of each file's text if too few files")
+        p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard at most")
+        p.set_defaults(run=prepare_text, source=source)
+    p = commands.add_parser("fineweb", help="GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", allow_abbrev=False)
+    p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
+    p.add_argument("--data_dir", default="data/fineweb10B")
+    p.set_defaults(run=prepare_fineweb)
+    args = parser.parse_args(argv)
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny byte-level corpus in prepare_data.py's shard format, made fresh for the test session."""
+import json
+import random
+
+import pytest
+
+import prepare_data
+
+
+def python_like_docs(n, seed):
+    """n small Python-looking documents with learnable structure (names, indentation, arithmetic)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        lines = [f"# module {i}", "import math", ""]
+        for j in range(rng.randint(2, 5)):
+            name, arg, k = rng.choice(["area", "scale", "total", "mean"]), rng.choice("xyz"), rng.randint(1, 9)
+            lines += [f"def {name}_{j}({arg}):", f"    return {arg} * {k} + math.sqrt({arg})", ""]
+        docs.append("\n".join(lines))
+    return docs
+
+
+def write_corpus(path, n_train=300, n_val=30):
+    """Write train/val shards and meta.json for a byte tokenizer (vocab 257, EOT 256 before every document)."""
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "trainsuite-text-1", "source": "test", "tokenizer": "byte", "vocab_size": 257, "eot_id": 256,
+            "pat_str": None, "tokenizer_file": None, "splits": {}, "val_gzip_bpb": 2.0, "val_xz_bpb": 1.8}
+    for split, docs in (("train", python_like_docs(n_train, 0)), ("val", python_like_docs(n_val, 1))):
+        tokens = []
+        for d in docs:
+            tokens += [256] + list(d.encode())
+        prepare_data.write_shard(path / f"{split}_000000.bin", tokens)
+        meta["splits"][split] = {"tokens": len(tokens), "bytes": sum(len(d.encode()) for d in docs), "docs": len(docs),
+                                 "shards": [f"{split}_000000.bin"]}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))

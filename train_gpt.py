@@ -1,0 +1,1070 @@
+"""
+train_gpt.py: a modern GPT, trained from scratch, in one file you can read top to bottom.
+
+A decoder-only transformer (RoPE, RMSNorm pre-norm, QK-norm, SwiGLU, GQA, zero-init output projections) trained
+on token shards from prepare_data.py with AdamW or Muon, warmup + cosine/WSD, bf16/fp16 mixed precision,
+torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
+
+  python train_gpt.py                                  # CPU demo: prepares the stdlib corpus, trains for ~4 min
+  python train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
+  torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
+  torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train_gpt.py ...
+  python train_gpt.py --sample --ckpt=out/gpt --prompt="def "
+  python train_gpt.py --benchmark --preset=gpt2_124m
+  python train_gpt.py -h                               # every flag, with its default
+"""
+import base64
+import contextlib
+import dataclasses
+import difflib
+import glob
+import hashlib
+import inspect
+import json
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # data and output
+    data_dir: str = "data/stdlib"      # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
+    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json, loss.png; results.tsv goes beside it
+    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m (explicit flags still win)
+    # model
+    n_layer: int = 4                   # transformer blocks
+    n_head: int = 4                    # query heads
+    n_kv_head: int = 0                 # key/value heads (GQA); 0 = n_head (MHA), 1 = MQA
+    n_embd: int = 256                  # model width
+    seq_len: int = 256                 # context length in tokens
+    vocab_size: int = 0                # 0 = from the data's meta; padded up to a multiple of 64 for fast matmuls
+    mlp: str = "swiglu"                # swiglu|relu2|gelu
+    norm: str = "rmsnorm"              # rmsnorm|layernorm (pre-norm either way)
+    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    tie_embeddings: bool = False       # share the input embedding with the output head
+    logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
+    rope_base: float = 10000.0         # RoPE theta
+    init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
+    # budget: max_steps, else tokens, else time_budget
+    max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
+    tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
+    time_budget: float = 240.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
+    batch_size: int = 16               # micro-batch per rank, in sequences
+    grad_accum: int = 1                # micro-steps per optimizer step
+    # optimizer and schedule
+    optimizer: str = "adamw"           # adamw|muon (Muon on 2-D hidden matrices, AdamW on the rest)
+    lr: float = 3e-3                   # peak LR; Muon's update RMS is matched to AdamW's, so one LR serves both
+    weight_decay: float = 0.1          # decoupled, on 2-D hidden matrices only
+    beta1: float = 0.9                 # AdamW
+    beta2: float = 0.95                # AdamW
+    grad_clip: float = 1.0             # max global grad norm; 0 = off
+    z_loss: float = 0.0                # weight of logsumexp(logits)^2 (PaLM uses 1e-4); 0 = off
+    schedule: str = "cosine"           # cosine|wsd|constant, after linear warmup
+    warmup_steps: int = 50             # linear warmup, in optimizer steps
+    cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
+    final_lr_frac: float = 0.1         # LR at the end of cosine/wsd, as a fraction of the peak
+    # eval, logging, checkpoints
+    eval_every: int = 100              # steps between evals; 0 = only at the end
+    eval_tokens: int = 65536           # val tokens per periodic eval; the final eval reads up to 4M
+    log_every: int = 10                # steps between log lines
+    sample_tokens: int = 200           # tokens sampled at each eval; 0 = off
+    save_every: int = 0                # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
+    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
+    resume: bool = False               # continue from the newest complete checkpoint in out_dir
+    wandb: str = ""                    # wandb project name; empty = off
+    description: str = ""              # free text for the results.tsv experiment log
+    # system
+    device: str = "auto"               # auto|cpu|cuda|mps
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
+    compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
+    parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    seed: int = 1337                   # init and sampling
+    benchmark: bool = False            # time steps on synthetic tokens and exit; needs no data
+    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
+    # sampling
+    mode: str = "train"                # train|sample
+    sample: bool = False               # same as --mode=sample
+    ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
+    prompt: str = ""                   # text to continue; empty = start of a document
+    max_new_tokens: int = 500          # tokens to generate in sample mode
+    temperature: float = 0.8           # 0 = greedy
+    top_k: int = 50                    # sample among the k most likely tokens; 0 = all
+
+
+PRESETS = {
+    "cpu_demo": {},  # the defaults: ~3.5M parameters, a 4-minute run on a laptop CPU
+    "gpt2_124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, batch_size=32, grad_accum=2,
+                      data_dir="data/fineweb10B", out_dir="out/gpt2_124m", time_budget=0.0, tokens="auto",
+                      lr=6e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
+    "gpt2_350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024, batch_size=16, grad_accum=4,
+                      data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
+                      lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
+}
+ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm",
+               "tie_embeddings", "logit_softcap", "rope_base")
+
+
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    choices = dict(mlp=("swiglu", "relu2", "gelu"), norm=("rmsnorm", "layernorm"), optimizer=("adamw", "muon"),
+                   schedule=("cosine", "wsd", "constant"), device=("auto", "cpu", "cuda", "mps"),
+                   dtype=("auto", "bfloat16", "float16", "float32"), compile=("auto", "true", "false"),
+                   parallel=("ddp", "fsdp"), mode=("train", "sample"))
+    for k, ok in choices.items():
+        if getattr(cfg, k) not in ok:
+            die(f"--{k}={getattr(cfg, k)} is not one of {'|'.join(ok)}")
+    kv = cfg.n_kv_head or cfg.n_head
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change --n_embd or --n_head")
+    if cfg.n_head % kv:
+        die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
+    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
+    if cfg.tokens and cfg.tokens != "auto":
+        try:
+            float(cfg.tokens)
+        except ValueError:
+            die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
+
+# === shared: cli ===
+def parse_args(cls, argv):
+    """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
+    import argparse
+    src = inspect.getsource(cls)
+    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def to_bool(s):
+        if s.lower() in ("1", "true", "yes", "on"):
+            return True
+        if s.lower() in ("0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+    p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
+                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    for name, f in fields.items():
+        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        p.add_argument(f"--{name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+                       metavar=name.upper(), help=f"{helps.get(name, '')} (default: {f.default!r})")
+    args, unknown = p.parse_known_args(argv)
+    for u in unknown:
+        key = u.split("=")[0].lstrip("-")
+        near = difflib.get_close_matches(key, fields, n=1)
+        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    given = vars(args)
+    presets = getattr(sys.modules[cls.__module__], "PRESETS", {})
+    name = given.get("preset", "")
+    if name and name not in presets:
+        sys.exit(f"{p.prog}: error: unknown --preset={name}; choose one of {', '.join(presets)}")
+    return cls(**{**presets.get(name, {}), **given})
+# === end shared ===
+
+# -----------------------------------------------------------------------------
+# Model
+
+
+class Norm(nn.Module):
+    """RMSNorm (default) or bias-free LayerNorm over the last dim, with a learnable gain."""
+
+    def __init__(self, dim, kind="rmsnorm", eps=1e-6):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
+
+
+def rope_tables(seq_len, head_dim, base, device):
+    """cos and sin tables of rotary position embeddings (Su et al. 2021), each (seq_len, head_dim // 2), fp32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[i], x[i + D/2]) of x (B, H, T, D) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys and values of past positions for fast sampling: one (B, n_kv_head, seq_len, head_dim) pair per layer."""
+
+    def __init__(self, n_layer):
+        self.k, self.v, self.pos = [None] * n_layer, [None] * n_layer, 0
+
+    def update(self, layer, k, v):
+        """Store k, v (B, Hkv, t, D) at positions pos..pos+t and return all keys and values so far."""
+        if self.k[layer] is None:
+            B, H, _, D = k.shape
+            self.k[layer] = k.new_empty(B, H, self.max_len, D)
+            self.v[layer] = v.new_empty(B, H, self.max_len, D)
+        t = k.size(2)
+        self.k[layer][:, :, self.pos:self.pos + t] = k
+        self.v[layer][:, :, self.pos:self.pos + t] = v
+        return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.layer, self.n_head, self.n_kv = layer, cfg.n_head, cfg.n_kv_head or cfg.n_head
+        self.hd = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)
+        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=False)
+        self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+        self.k_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        causal = True
+        if cache is not None:
+            causal = cache.pos == 0  # prefill is causal; one new token attends to everything cached
+            assert causal or T == 1, "the KV cache takes a prompt at position 0, then one token at a time"
+            k, v = cache.update(self.layer, k, v)
+        # scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_head)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind = cfg.mlp
+        # SwiGLU has three matrices, so its hidden width is 2/3 of 4d to keep the parameter count (Shazeer 2020)
+        hidden = 64 * math.ceil(8 * cfg.n_embd / 3 / 64) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "swiglu":
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b
+        elif self.kind == "relu2":  # ReLU squared (So et al. 2021, modded-nanogpt)
+            h = F.relu(h).square()
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg, layer)
+        self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(self.norm1(x), cos, sin, cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg, vocab_size):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = Norm(cfg.n_embd, cfg.norm)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base, None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
+        for name, p in self.named_parameters():
+            if p.ndim < 2:
+                nn.init.ones_(p)  # norm gains
+            elif name.endswith("proj.weight") or name == "head.weight":
+                nn.init.zeros_(p)  # each block starts as the identity and the first loss is ln(vocab)
+            else:
+                nn.init.normal_(p, std=self.cfg.init_std)
+        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base, self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets."""
+        B, T = idx.shape
+        pos = cache.pos if cache is not None else 0
+        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
+        x = self.wte(idx)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        x = self.norm(x)
+        logits = F.linear(x, self.wte.weight if self.head is None else self.head.weight)  # (B, T, V)
+        if cache is not None:
+            cache.pos += T
+        logits = logits.float()  # the softmax in fp32 even under autocast
+        if self.cfg.logit_softcap > 0:
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+        if z_loss > 0:  # keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
+            loss = loss + z_loss * logits.logsumexp(-1).square().mean()
+        return loss
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6 per weight that does a matmul, plus attention (PaLM appendix B)."""
+        n = sum(p.numel() for p in self.parameters()) - (self.wte.weight.numel() if self.head is not None else 0)
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, vocab_real=None, generator=None):
+        """Continue idx (B, T0) by max_new_tokens sampled tokens, with a KV cache; returns (B, T0 + max_new_tokens)."""
+        was_training = self.training
+        self.eval()
+        T = self.cfg.seq_len
+        out, cache = idx, None
+        for i in range(max_new_tokens):
+            if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
+                cache = KVCache(len(self.blocks))
+                cache.max_len = T
+                logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
+            logits = logits[:, -1, :]
+            if vocab_real is not None:
+                logits[:, vocab_real:] = -float("inf")  # never sample the padding of the vocab
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, -float("inf"))
+                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+            out = torch.cat((out, nxt), dim=1)
+            if i + 1 < max_new_tokens and cache.pos < T:
+                logits = self(nxt, cache=cache)
+        self.train(was_training)
+        return out
+
+
+def build_model(cfg, vocab_size, device):
+    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    with torch.device("meta"):
+        model = GPT(cfg, vocab_size)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.seed)
+    model.init_weights()
+    return model
+
+# -----------------------------------------------------------------------------
+# Data
+
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024
+
+
+def open_shard(path):
+    """Memory-map one token file: llm.c format (256 int32 header, uint16 tokens) or nanoGPT's raw uint16 .bin."""
+    size = os.path.getsize(path)
+    header = np.fromfile(path, dtype="<i4", count=256) if size >= HEADER_BYTES else np.zeros(3, dtype="<i4")
+    if header[0] == MAGIC:
+        if header[1] != VERSION or HEADER_BYTES + 2 * int(header[2]) != size:
+            die(f"{path}: corrupt shard (header says version {header[1]}, {header[2]} tokens, but the file has "
+                f"{size} bytes); re-run prepare_data.py for this data dir")
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(int(header[2]),))
+    if os.path.basename(path) in ("train.bin", "val.bin") and size % 2 == 0 and size > 0:
+        return np.memmap(path, dtype=np.uint16, mode="r")  # nanoGPT: no header
+    die(f"{path}: not a token shard (no llm.c header magic {MAGIC}, and not a nanoGPT train.bin/val.bin); "
+        f"make shards with prepare_data.py")
+
+
+def find_shards(data_dir, split):
+    """The token files of one split: prepare_data.py/llm.c shards (*{split}_NNNNNN.bin) or nanoGPT's {split}.bin."""
+    files = sorted(glob.glob(os.path.join(data_dir, f"*{split}_[0-9]*.bin")))
+    raw = os.path.join(data_dir, f"{split}.bin")
+    return files or ([raw] if os.path.exists(raw) else [])
+
+
+def load_meta(data_dir):
+    """Tokenizer and size facts of a data dir: meta.json from prepare_data.py, or nanoGPT's meta.pkl / defaults."""
+    if not os.path.isdir(data_dir):
+        die(f"data dir {data_dir!r} does not exist; make it with 'python prepare_data.py stdlib --data_dir={data_dir}' "
+            f"(or text PATH..., shakespeare, fineweb)")
+    path = os.path.join(data_dir, "meta.json")
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+            meta["vocab_size"], meta["eot_id"]
+        except (ValueError, KeyError) as e:
+            die(f"{path} is unreadable ({e!r}); re-run prepare_data.py for this data dir")
+    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout
+        meta = {"tokenizer": "nanogpt", "vocab_size": 50304, "eot_id": None, "splits": {}}
+        pkl = os.path.join(data_dir, "meta.pkl")
+        if os.path.exists(pkl):
+            with open(pkl, "rb") as f:
+                m = pickle.load(f)
+            meta.update(vocab_size=m["vocab_size"], itos=m.get("itos"))
+    else:
+        die(f"data dir {data_dir!r} has no meta.json or train.bin; prepare it with 'python prepare_data.py ...'")
+    for split in ("train", "val"):
+        if not find_shards(data_dir, split):
+            die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py for it")
+    return meta
+
+
+class TokenLoader:
+    """Reads (B, T) batches in order from memory-mapped shards; every rank takes its own B rows of each global batch.
+
+    A row starts at a document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's
+    beginning without wasting more than 1/8 of the data. The position (epoch, shard, offset) is the whole state:
+    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
+    """
+
+    def __init__(self, files, B, T, rank, world_size, device, eot=None):
+        self.files, self.B, self.T, self.rank, self.world_size, self.device, self.eot = files, B, T, rank, world_size, device, eot
+        self.shards = [open_shard(f) for f in files]
+        if max(len(s) for s in self.shards) < T + 1:
+            die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
+                f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
+        self.bos = [None] * len(files)  # EOT positions per shard, found on first use
+        self.epoch, self.shard, self.pos = 0, 0, 0
+
+    def state(self):
+        return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.shard, self.pos = s["epoch"], s["shard"], s["pos"]
+
+    def _next_row(self):
+        T = self.T
+        while self.pos + T + 1 > len(self.shards[self.shard]):  # go to the next shard with room for a row
+            self.shard, self.pos = (self.shard + 1) % len(self.shards), 0
+            self.epoch += self.shard == 0
+        start = self.pos
+        if self.eot is not None:
+            if self.bos[self.shard] is None:
+                self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
+            bos = self.bos[self.shard]
+            j = np.searchsorted(bos, start)
+            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= len(self.shards[self.shard]):
+                start = int(bos[j])
+        self.pos = start + T  # rows overlap by one token, so every token is a target once
+        return self.shard, start
+
+    def next(self):
+        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped."""
+        rows = [self._next_row() for _ in range(self.B * self.world_size)]
+        mine = rows[self.rank * self.B:(self.rank + 1) * self.B]
+        buf = torch.from_numpy(np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine]).astype(np.int64))
+        if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously while the GPU computes
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        else:
+            buf = buf.to(self.device)
+        return buf[:, :-1], buf[:, 1:]
+
+
+class SyntheticLoader:
+    """Random tokens of the right shape, for --benchmark: no data needed."""
+
+    def __init__(self, B, T, vocab, device):
+        self.x = torch.randint(0, vocab, (B, T + 1), device=device, generator=torch.Generator(device).manual_seed(0))
+
+    def state(self):
+        return {}
+
+    def next(self):
+        return self.x[:, :-1], self.x[:, 1:]
+
+
+def load_tokenizer(tok):
+    """(encode, decode) for the tokenizer description stored in meta.json and in every checkpoint."""
+    name = tok.get("tokenizer")
+    if name == "byte":
+        return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
+    if tok.get("itos"):  # nanoGPT character-level meta.pkl
+        stoi = {c: i for i, c in tok["itos"].items()}
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(tok["itos"].get(i, "") for i in ids))
+    import tiktoken
+    if name == "gpt2":
+        enc = tiktoken.get_encoding("gpt2")
+    elif name and name.startswith("bpe") and tok.get("ranks"):
+        ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in tok["ranks"].splitlines() if line)}
+        enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
+                                special_tokens={"<|endoftext|>": tok["eot_id"]})
+    else:
+        return (lambda s: []), (lambda ids: " ".join(map(str, ids)))  # unknown tokenizer: show ids
+    n = enc.n_vocab
+    return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
+
+
+def tokenizer_info(data_dir, meta):
+    """What sampling needs to rebuild the tokenizer, small enough to store in each checkpoint."""
+    info = {k: meta.get(k) for k in ("tokenizer", "eot_id", "pat_str", "itos")}
+    if meta.get("tokenizer_file"):
+        with open(os.path.join(data_dir, meta["tokenizer_file"])) as f:
+            info["ranks"] = f.read()
+    return info
+
+# -----------------------------------------------------------------------------
+# Optimizer and schedule
+
+
+def build_optimizers(cfg, raw, device):
+    """AdamW (betas 0.9/0.95, no decay on embeddings, head and gains); with --optimizer=muon, Muon on hidden matrices."""
+    hidden = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in raw.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    fused = device.type == "cuda"
+    if cfg.optimizer == "muon":
+        # Newton-Schulz orthogonalised momentum (Jordan et al. 2024); "match_rms_adamw" scales each update to
+        # AdamW's RMS, 0.2 * sqrt(max(fan_in, fan_out)), so the LR grows with width and one LR serves both (Moonlight)
+        muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+                                adjust_lr_fn="match_rms_adamw")
+        adam = torch.optim.AdamW(rest, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0, fused=fused)
+        opts = [muon, adam]
+    else:
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
+        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    for opt in opts:
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
+    return opts
+
+
+def lr_mult(cfg, step, progress):
+    """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
+    if cfg.schedule == "cosine":
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
+    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear to the final LR (Hu et al. 2024)
+        return warm * (1.0 if p < 1 - cfg.cooldown_frac else f + (1 - f) * (1 - p) / cfg.cooldown_frac)
+    return warm
+
+# -----------------------------------------------------------------------------
+# Distributed and precision
+
+# === shared: dist ===
+def setup_dist(device_arg="auto"):
+    """Return (rank, world_size, device). Under torchrun, join the process group: NCCL on CUDA, gloo on CPU."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world_size, device
+
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+# === end shared ===
+
+# === shared: precision ===
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+
+def setup_precision(device, dtype_arg="auto"):
+    """Resolve the dtype and return (dtype, autocast context, GradScaler). fp32 master weights in every case."""
+    if dtype_arg == "auto":
+        cuda = device.type == "cuda"
+        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if cuda else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    return dtype, ctx, scaler
+
+
+def peak_flops(device, dtype):
+    """Peak dense FLOP/s of this GPU for MFU, or None when unknown (CPU, unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
+
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+# === end shared ===
+
+# -----------------------------------------------------------------------------
+# Checkpointing
+
+# === shared: checkpoint ===
+def atomic_write(path, write_fn):
+    """Write a file so that it is either complete or absent: temp file in the same dir, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(obj, out_dir, step, keep_last=2, milestone_every=0):
+    """Save ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prune older ones."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
+    atomic_write(path, lambda f: torch.save(obj, f))
+    marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
+    atomic_write(path + ".done", lambda f: f.write(marker))
+    done = list_checkpoints(out_dir)
+    for s, p in done[:-keep_last] if keep_last > 0 else []:
+        if not (milestone_every and s % milestone_every == 0):
+            for q in (p + ".done", p):  # marker first: a half-deleted checkpoint never looks complete
+                os.remove(q)
+    return path
+
+
+def sha256_file(path):
+    """Hex sha256 of a file, read in 16 MB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoints in out_dir that have a completion marker, oldest first."""
+    found = []
+    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
+        m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p))
+        if m and os.path.exists(p + ".done"):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def load_checkpoint(where, map_location="cpu"):
+    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones)."""
+    candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
+    for _, path in reversed(candidates):
+        try:
+            marker_path = path + ".done"
+            if os.path.exists(marker_path):
+                with open(marker_path) as f:
+                    marker = json.load(f)
+                if os.path.getsize(path) != marker["size"] or sha256_file(path) != marker["sha256"]:
+                    raise ValueError("size or checksum differs from its completion marker")
+            return torch.load(path, map_location=map_location, weights_only=False), path
+        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    return None, None
+# === end shared ===
+
+# === shared: metrics ===
+class Metrics:
+    """Append every logged value to out_dir/metrics.jsonl (one JSON object per line), and to wandb if enabled."""
+
+    def __init__(self, out_dir, enabled=True, wandb_project="", config=None):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, None
+        if enabled and wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                sys.exit("error: --wandb needs the wandb package: pip install wandb")
+            self.wandb = wandb.init(project=wandb_project, config=config)
+
+    def log(self, **kv):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        if self.wandb:
+            self.wandb.log(kv, step=kv.get("step"))
+
+
+def append_results(out_dir, row):
+    """Append one row to results.tsv beside out_dir: the experiment log shared by all scripts."""
+    path = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")
+    cols = ["run_id", "script", "commit", "metric", "value", "peak_mem_gb", "wall_s", "description"]
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("\t".join(cols) + "\n")
+        f.write("\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
+
+
+def git_commit():
+    """Short hash of the code's git commit, or 'unknown'."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+# === end shared ===
+
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def plot_losses(out_dir, history):
+    """loss.png: train loss and val loss against step."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("loss", "-"), ("val_loss", "o-")):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
+    plt.close(fig)
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+
+def evaluate(model, loader, n_batches, ctx):
+    """Mean cross-entropy over the first n_batches of the val split (the same tokens every time)."""
+    loader.load_state({"epoch": 0, "shard": 0, "pos": 0})
+    model.eval()
+    total = torch.zeros((), device=loader.device)
+    with torch.no_grad():
+        for _ in range(n_batches):
+            x, y = loader.next()
+            with ctx:
+                total += model(x, y).float()
+    model.train()
+    return total / n_batches
+
+
+def prepare_default_data(cfg, rank, world_size):
+    """With the default data_dir and no data yet, rank 0 builds the stdlib corpus (no network) and the rest wait."""
+    if cfg.data_dir != Config.data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        return
+    if rank == 0:
+        print(f"no data in {cfg.data_dir}: preparing the Python stdlib corpus (no network needed)")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+        if subprocess.run([sys.executable, script, "stdlib", f"--data_dir={cfg.data_dir}"]).returncode:
+            die("preparing the stdlib corpus failed (see above)")
+    if world_size > 1:
+        dist.barrier()
+
+
+def main(cfg):
+    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    if cfg.sample or cfg.mode == "sample":
+        return sample_main(cfg)
+    rank, world_size, device = setup_dist(cfg.device)
+    master = rank == 0
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
+    if cfg.parallel == "fsdp" and dtype == torch.float16 and world_size > 1:
+        die("--parallel=fsdp with float16 is not supported (no sharded loss scaler here); use bfloat16 or --parallel=ddp")
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
+    tokens_per_step = B * T * accum * world_size
+
+    # data: token shards of each split, read in order; the vocab comes from the data unless given
+    if cfg.benchmark:
+        meta = {"tokenizer": None, "vocab_size": cfg.vocab_size or 50257, "eot_id": None, "splits": {}}
+    else:
+        prepare_default_data(cfg, rank, world_size)
+        meta = load_meta(cfg.data_dir)
+    if cfg.vocab_size and meta["vocab_size"] > cfg.vocab_size:
+        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 (from data)")
+    vocab_real = cfg.vocab_size or meta["vocab_size"]
+    vocab = 64 * math.ceil(vocab_real / 64)
+    if cfg.benchmark:
+        train_loader = SyntheticLoader(B, T, vocab_real, device)
+    else:
+        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"])
+        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"])
+        val = meta.get("splits", {}).get("val", {})
+        tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
+        encode, decode = load_tokenizer(tokenizer_info(cfg.data_dir, meta))
+
+    # model: built on the meta device, materialised, initialised; then compiled and wrapped
+    raw = build_model(cfg, vocab, device)
+    n_params = sum(p.numel() for p in raw.parameters())
+    flops_per_step = raw.flops_per_token() * tokens_per_step
+    model = raw
+    if world_size > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+        for block in raw.blocks:  # compile each block before sharding it, then shard the root (embeddings, head)
+            if use_compile:
+                block.compile()
+            fully_shard(block, **({"mp_policy": mp} if mp else {}))
+        fully_shard(raw, **({"mp_policy": mp} if mp else {}))
+    else:
+        model = torch.compile(raw) if use_compile else raw
+        if world_size > 1:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opts = build_optimizers(cfg, raw, device)
+
+    # budget: steps given, or derived from a token budget; a time budget is checked as we go
+    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
+    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
+    time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.tokens) else 0.0
+
+    # resume: model, optimizer, scaler, step, data position, elapsed time and RNG from the newest good checkpoint
+    step, train_time, history = 0, 0.0, []
+    if not cfg.benchmark and not cfg.resume and list_checkpoints(cfg.out_dir):
+        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+    if cfg.resume and not cfg.benchmark:
+        ckpt, path = load_checkpoint(cfg.out_dir)
+        if ckpt is None and list_checkpoints(cfg.out_dir):
+            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+        if ckpt is None:
+            if master:
+                print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
+        else:
+            diff = [k for k in ARCH_FIELDS + ("batch_size", "grad_accum") if ckpt["config"].get(k) != getattr(cfg, k)]
+            if diff or ckpt["world_size"] != world_size:
+                die(f"--resume: {path} was made with a different config: " + ", ".join(
+                    [f"{k}={ckpt['config'][k]!r} (now {getattr(cfg, k)!r})" for k in diff] +
+                    ([f"world_size={ckpt['world_size']} (now {world_size})"] if ckpt["world_size"] != world_size else []))
+                    + "; pass the same flags or use a new --out_dir")
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+            set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
+                           options=StateDictOptions(full_state_dict=True))
+            scaler.load_state_dict(ckpt["scaler"])
+            train_loader.load_state(ckpt["data"])
+            step, train_time, history = ckpt["step"], ckpt["train_time"], ckpt.get("history", [])
+            torch.set_rng_state(ckpt["rng"]["cpu"])
+            if master:
+                print(f"resumed from {path} at step {step}")
+
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        print(json.dumps(dataclasses.asdict(cfg)))
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
+        print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_real} (padded {vocab}) | {tokens_per_step} tokens/step "
+              f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
+              f"compile {use_compile} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}")
+    metrics = Metrics(cfg.out_dir, master and not cfg.benchmark, cfg.wandb, dataclasses.asdict(cfg))
+    peak = peak_flops(device, dtype)
+
+    def save(step):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        msd, osd = get_state_dict(raw, opts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if master:  # every rank joins the gather above (FSDP); one writes
+            obj = {"model": msd, "optim": osd, "scaler": scaler.state_dict(), "step": step, "data": data_state,
+                   "train_time": train_time, "history": history, "rng": {"cpu": torch.get_rng_state()},
+                   "config": dataclasses.asdict(cfg), "world_size": world_size, "vocab_size": vocab,
+                   "vocab_real": vocab_real, "tokenizer": tokenizer_info(cfg.data_dir, meta)}
+            save_checkpoint(obj, cfg.out_dir, step, cfg.keep_last, cfg.milestone_every)
+
+    def eval_and_sample(step, final=False):
+        limit = min(sum(len(s) for s in val_loader.shards), 1 << 22) if final else cfg.eval_tokens
+        n_batches = max(1, limit // (B * T * world_size))
+        vl = all_mean(evaluate(model, val_loader, n_batches, ctx), world_size).item()
+        rec = {"step": step, "val_loss": vl, "val_ppl": math.exp(min(vl, 50))}
+        if tokens_per_byte:  # bits per byte = nats per token / ln 2 * tokens per byte: comparable across tokenizers
+            rec["val_bpb"], rec["val_tokens_per_byte"] = vl / math.log(2) * tokens_per_byte, tokens_per_byte
+        line = f"eval {step:05d} | val loss {vl:.4f} | ppl {rec['val_ppl']:.2f}"
+        line += f" | val bpb {rec['val_bpb']:.4f}" if "val_bpb" in rec else ""
+        if master:
+            print(line + (f" | {n_batches * B * T * world_size} tokens" if final else ""))
+        if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
+            bos = meta["eot_id"] if meta["eot_id"] is not None else 0
+            g = torch.Generator(device).manual_seed(cfg.seed)
+            out = raw.generate(torch.full((1, 1), bos, device=device), cfg.sample_tokens, cfg.temperature, cfg.top_k,
+                               vocab_real, g)
+            if master:
+                print("-" * 40 + "\n" + decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
+        metrics.log(**rec)
+        history.append(rec)
+        return rec
+
+    # the loop: accumulate grads over micro-steps (sync only on the last), clip, step, schedule, log, eval, save
+    data_state = train_loader.state()  # loader position before the batch in hand: what a checkpoint must store
+    x, y = train_loader.next()
+    t_log, steps_since_log, start_step = time.perf_counter(), 0, step
+    wall0, last = time.perf_counter(), {}
+    while True:
+        progress = train_time / time_budget if time_budget else step / max_steps
+        if world_size > 1 and time_budget:  # every rank must agree on the LR and the stop (one small sync)
+            progress = all_mean(torch.tensor(progress, device=device), world_size).item()
+        done = progress >= 1.0
+        t_pause = time.perf_counter()  # evals and saves are not training time
+        if not cfg.benchmark and cfg.eval_every and step % cfg.eval_every == 0 and step > start_step and not done:
+            eval_and_sample(step)
+        if not cfg.benchmark and cfg.save_every and step % cfg.save_every == 0 and step > start_step and not done:
+            save(step)
+        t_log += time.perf_counter() - t_pause
+        if done:
+            break
+        if cfg.benchmark and step == 5:  # warm-up (compile, allocator) done: start the clock
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            t_bench = time.perf_counter()
+        t0 = time.perf_counter()
+        mult = lr_mult(cfg, step, progress)
+        for opt in opts:
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * mult
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            sync = micro == accum - 1
+            if world_size > 1 and cfg.parallel == "fsdp":
+                raw.set_requires_gradient_sync(sync)
+            no_sync = model.no_sync() if world_size > 1 and cfg.parallel == "ddp" and not sync else contextlib.nullcontext()
+            with no_sync:
+                with ctx:
+                    loss = model(x, y, cfg.z_loss) / accum  # mean over micro-steps, so grads equal one big batch
+                data_state = train_loader.state()
+                x, y = train_loader.next()  # prefetch: the CPU reads the next batch while the GPU computes
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        for opt in opts:
+            scaler.step(opt)  # skipped when fp16 grads overflowed
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        step += 1
+        steps_since_log += 1
+        train_time += time.perf_counter() - t0
+        if step % cfg.log_every == 0 or step == max_steps:
+            loss_val = all_mean(loss_sum, world_size).item()  # .item() syncs with the GPU: only on log steps
+            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+            dt = (time.perf_counter() - t_log) / steps_since_log
+            t_log, steps_since_log = time.perf_counter(), 0
+            tok_s = tokens_per_step / dt
+            mfu = flops_per_step / dt / peak if peak else None
+            last = {"step": step, "loss": loss_val, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm.item(),
+                    "ms": dt * 1e3, "tok_s": tok_s, "mfu": mfu, "train_time": train_time}
+            metrics.log(**last)
+            history.append({"step": step, "loss": loss_val})
+            if master:
+                total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+                print(f"step {step:05d}/{total} | loss {loss_val:.4f} | lr {last['lr']:.1e} | gnorm {last['gnorm']:.2f} | "
+                      f"{dt * 1e3:.0f} ms | {fmt_rate(tok_s)} tok/s | mfu " + (f"{100 * mfu:.1f}%" if mfu else "-"))
+
+    if cfg.benchmark:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t_bench) / cfg.bench_steps
+        res = {"tok_s": tokens_per_step / dt, "ms_per_step": dt * 1e3, "mfu": flops_per_step / dt / peak if peak else None,
+               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
+        if master:
+            print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {fmt_rate(res['tok_s'])} tok/s | "
+                  f"{res['ms_per_step']:.1f} ms/step | mfu " + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
+                  f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
+        return res
+
+    rec = eval_and_sample(step, final=True)
+    save(step)
+    wall = time.perf_counter() - wall0
+    result = {**rec, "train_loss": last.get("loss"), "steps": step, "tokens": step * tokens_per_step,
+              "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}
+    if master:
+        plot_losses(cfg.out_dir, history)
+        metric = ("val_bpb", rec["val_bpb"]) if "val_bpb" in rec else ("val_loss", rec["val_loss"])
+        append_results(cfg.out_dir, {"run_id": time.strftime("%Y%m%d-%H%M%S"), "script": "train_gpt.py",
+                                     "commit": git_commit(), "metric": metric[0], "value": f"{metric[1]:.4f}",
+                                     "peak_mem_gb": f"{result['peak_mem_gb']:.2f}", "wall_s": f"{wall:.0f}",
+                                     "description": cfg.description})
+        summary = f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s"
+        if "val_bpb" in rec:
+            summary += f" | val bpb {rec['val_bpb']:.4f}"
+            for tool in ("gzip", "xz"):
+                if meta.get(f"val_{tool}_bpb"):
+                    ref = meta[f"val_{tool}_bpb"]
+                    summary += f" | {tool} -9 {ref:.3f} ({'beaten' if rec['val_bpb'] < ref else 'not beaten'})"
+        print(summary + f" | checkpoint and loss.png in {cfg.out_dir}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def sample_main(cfg):
+    """--sample: load a checkpoint and continue --prompt with temperature / top-k sampling and a KV cache."""
+    where = cfg.ckpt or cfg.out_dir
+    if not os.path.exists(where):
+        die(f"no checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    ckpt, path = load_checkpoint(where)
+    if ckpt is None:
+        die(f"no complete checkpoint in {where!r}; train first or pass --ckpt=PATH")
+    _, _, device = setup_dist(cfg.device)
+    mcfg = Config(**{**ckpt["config"], "seed": cfg.seed})
+    model = build_model(mcfg, ckpt["vocab_size"], device)
+    model.load_state_dict(ckpt["model"])
+    encode, decode = load_tokenizer(ckpt["tokenizer"])
+    eot = ckpt["tokenizer"].get("eot_id")
+    ids = ([eot] if eot is not None else []) + encode(cfg.prompt)
+    if not ids:
+        die("empty prompt and no end-of-text token to start from; pass --prompt=TEXT")
+    g = torch.Generator(device).manual_seed(cfg.seed)
+    out = model.generate(torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+                         ckpt["vocab_real"], g)
+    text = decode(out[0, 1 if eot is not None else 0:].tolist())
+    print(f"# {path} (step {ckpt['step']})\n{text}")
+    return {"text": text, "ids": out[0].tolist()}
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+if __name__ == "__main__":
+    main(parse_args(Config, sys.argv[1:]))
