@@ -21,6 +21,7 @@ import heapq
 import json
 import lzma
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -284,6 +285,7 @@ def prepare_text(args):
     if not 0 < args.val_percent < 100 or args.shard_tokens < 1:
         fail("need 0 < --val_percent < 100 and --shard_tokens >= 1")
     train_docs, val_docs = args.source(args)
+    random.Random(0).shuffle(train_docs)  # a fixed random order: training should not walk the sources alphabetically
     if not any(train_docs) or not any(val_docs):
         fail("the train or the val split has no text; give more text or change --val_percent")
     # build everything in a hidden sibling dir and move it in at the end: a run killed halfway leaves

@@ -444,42 +444,53 @@ def load_meta(data_dir):
 
 
 class TokenLoader:
-    """Reads (B, T) batches in order from memory-mapped shards; every rank takes its own B rows of each global batch.
+    """Reads (B, T) batches in a fixed order from memory-mapped shards; each rank takes its own B rows of a batch.
 
-    A row starts at a document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's
-    beginning without wasting more than 1/8 of the data. The position (epoch, shard, offset) is the whole state:
+    Each shard is cut into `lanes` equal stretches read side by side (row i of a global batch comes from lane
+    i % lanes), so one batch mixes far-apart documents instead of B windows of the same file. A row starts at a
+    document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's beginning while
+    at most 1/8 of the data is skipped. The position (epoch, shard, offset of every lane) is the whole state:
     saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
     """
 
-    def __init__(self, files, B, T, rank, world_size, device, eot=None):
+    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1):
         self.files, self.B, self.T, self.rank, self.world_size, self.device, self.eot = files, B, T, rank, world_size, device, eot
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
-        self.epoch, self.shard, self.pos = 0, 0, 0
+        self.lanes = lanes
+        self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
-        return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
+        return {"epoch": self.epoch, "shard": self.shard, "pos": list(self.pos), "lane": self.lane}
 
     def load_state(self, s):
-        self.epoch, self.shard, self.pos = s["epoch"], s["shard"], s["pos"]
+        """Go to a saved position; without "pos", to the start of the shard."""
+        self.epoch, self.shard = s["epoch"], s["shard"]
+        n = len(self.shards[self.shard])
+        k = max(1, min(self.lanes, n // (self.T + 1)))  # fewer lanes when a shard is small
+        self.lane_len = n // k
+        self.pos = s.get("pos") or [i * self.lane_len for i in range(k)]
+        self.lane = s.get("lane", 0)
 
     def _next_row(self):
-        T = self.T
-        while self.pos + T + 1 > len(self.shards[self.shard]):  # go to the next shard with room for a row
-            self.shard, self.pos = (self.shard + 1) % len(self.shards), 0
-            self.epoch += self.shard == 0
-        start = self.pos
+        T, lane = self.T, self.lane
+        start, end = self.pos[lane], min((lane + 1) * self.lane_len, len(self.shards[self.shard]))
+        if start + T + 1 > end:  # this lane is used up: all lanes move on to the next shard
+            shard = (self.shard + 1) % len(self.shards)
+            self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
+            return self._next_row()
         if self.eot is not None:
             if self.bos[self.shard] is None:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
             j = np.searchsorted(bos, start)
-            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= len(self.shards[self.shard]):
+            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
                 start = int(bos[j])
-        self.pos = start + T  # rows overlap by one token, so every token is a target once
+        self.pos[lane] = start + T  # rows overlap by one token, so every token is a target once
+        self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
 
     def next(self):
@@ -780,7 +791,7 @@ def plot_losses(out_dir, history):
 
 def evaluate(model, loader, n_batches, ctx):
     """Mean cross-entropy over the first n_batches of the val split (the same tokens every time)."""
-    loader.load_state({"epoch": 0, "shard": 0, "pos": 0})
+    loader.load_state({"epoch": 0, "shard": 0})
     model.eval()
     total = torch.zeros((), device=loader.device)
     with torch.no_grad():
@@ -832,7 +843,8 @@ def main(cfg):
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_real, device)
     else:
-        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"])
+        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
+                                   lanes=B * world_size * accum)  # a lane per row of an optimizer step
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"])
         val = meta.get("splits", {}).get("val", {})
         tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
