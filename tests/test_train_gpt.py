@@ -71,8 +71,7 @@ def test_kv_cache_matches_full_forward():
         torch.nn.init.normal_(p, std=0.2)
     x = torch.randint(0, 257, (2, 20))
     full = model(x)
-    cache = tg.KVCache(cfg.n_layer)
-    cache.max_len = cfg.seq_len
+    cache = tg.KVCache(cfg.n_layer, cfg.seq_len)
     steps = [model(x[:, :8], cache=cache)[:, -1]] + [model(x[:, t:t + 1], cache=cache)[:, -1] for t in range(8, 20)]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 7:], rtol=1e-4, atol=1e-4)
     out = model.generate(x[:, :5], 40, temperature=0.0)  # runs past seq_len=32: the cache refills
@@ -264,6 +263,14 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
         assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-5), (s, l1[s], l2[s])
     ckpt = torch.load(tmp_path / "two" / "ckpt_0000005.pt", weights_only=False)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])  # plain keys, loadable anywhere
+    (tmp_path / "again").mkdir()  # resume the two-rank run from step 3: steps 4 and 5 must come out the same
+    for ext in ("", ".done"):
+        shutil.copy(tmp_path / "two" / f"ckpt_0000003.pt{ext}", tmp_path / "again")
+    again = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
+                       f"--out_dir={tmp_path}/again", "--resume", torchrun=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    l3 = losses(tmp_path / "again")
+    assert sorted(l3) == [4, 5] and all(l3[s] == pytest.approx(l2[s], rel=1e-6, abs=1e-6) for s in l3)
 
 
 def test_existing_run_is_never_overwritten(corpus, tmp_path):
