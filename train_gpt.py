@@ -81,7 +81,7 @@ class Config:
     # eval, logging, checkpoints
     eval_every: int = 250              # steps between evals; 0 = only at the end
     eval_tokens: int = 65536           # val tokens per periodic eval; the final eval reads up to 4M
-    log_every: int = 10                # steps between log lines
+    log_every: int = 25                # steps between log lines
     sample_tokens: int = 200           # tokens sampled at each eval; 0 = off
     save_every: int = 0                # steps between checkpoints; 0 = only at the end
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
@@ -853,7 +853,9 @@ def main(cfg):
     else:
         train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
                                    lanes=B * world_size * accum)  # a lane per row of an optimizer step
-        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"])
+        # val in lanes too, so a short periodic eval samples the whole val split, like the final one
+        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
+                                 lanes=B * world_size)
         val = meta.get("splits", {}).get("val", {})
         tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
         encode, decode = load_tokenizer(tokenizer_info(cfg.data_dir, meta))
