@@ -858,7 +858,7 @@ def main(cfg):
                                  lanes=B * world_size)
         val = meta.get("splits", {}).get("val", {})
         tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
-        encode, decode = load_tokenizer(tokenizer_info(cfg.data_dir, meta))
+        _, decode = load_tokenizer(tokenizer_info(cfg.data_dir, meta))
 
     # model: built on the meta device, materialised, initialised; then compiled and wrapped
     raw = build_model(cfg, vocab, device)
