@@ -168,7 +168,7 @@ def parse_args(cls, argv):
         raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
     p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
-                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+                                usage="%(prog)s [--key=value ...]", allow_abbrev=False, argument_default=argparse.SUPPRESS)
     p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
     for name, f in fields.items():
         typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
