@@ -1,0 +1,727 @@
+"""
+kernels.py: the Triton kernels shared by the trainsuite scripts, each beside a pure-PyTorch reference.
+
+  attention(q, k, v, causal=True, scale=None)         flash attention, fwd + bwd, GQA/MQA, any T, head dim <= 256
+  rms_norm(x, weight=None, eps=1e-6)                  RMSNorm over the last dim, fwd + bwd (dx, dweight)
+  cross_entropy(logits, targets, ...)                 online-logsumexp CE with softcap, z-loss, ignore_index
+  linear_cross_entropy(x, weight, targets, ...)       x @ weight.T fused with the CE, chunked over rows
+
+Each public function runs Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (read at call time),
+and its `*_ref` otherwise. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
+
+  python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory against PyTorch
+  python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
+
+Under the interpreter, tiles are fixed and small and tl.dot is exact only for fp32/fp16 (numpy has no bf16 matmul);
+on GPU the attention tiles are autotuned per (T, head dim, causal, heads).
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs, Windows, MPS: every public function falls back to its reference
+    triton = None
+
+
+def _interpret():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(*ts):
+    """Triton for CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; the reference otherwise."""
+    if triton is None:
+        return False
+    if all(t.is_cuda for t in ts):
+        return True
+    return _interpret() and all(t.device.type == "cpu" for t in ts)
+
+
+_interpreted = {}
+
+
+def _launch(kernel, grid, *args, **meta):
+    """Launch a @triton.jit kernel; under the interpreter, wrap its Python function (triton.jit decides at import)."""
+    if not _interpret():
+        return kernel[grid](*args, **meta)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    fn = kernel
+    while hasattr(fn, "fn"):  # an Autotuner wraps a JITFunction, which wraps the Python function
+        fn = fn.fn
+    if fn not in _interpreted:
+        _interpreted[fn] = InterpretedFunction(fn)
+    # tl.sum, tl.max, ... are @triton.jit too: made before the variable was set, they need interpreting as well
+    call, JITFunction.__call__ = JITFunction.__call__, lambda self, *a, **k: InterpretedFunction(self.fn)(*a, **k)
+    try:
+        meta.pop("num_warps", None)
+        meta.pop("num_stages", None)
+        return _interpreted[fn][grid](*args, **meta)
+    finally:
+        JITFunction.__call__ = call
+
+
+def _num_programs(device, n):
+    """Persistent-style program count: one per SM on GPU, a few under the interpreter."""
+    if device.type == "cuda":
+        return min(n, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n, 4)
+
+
+# -----------------------------------------------------------------------------
+# RMSNorm
+
+
+def rms_norm_ref(x, weight=None, eps=1e-6):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_fwd_kernel(X, W, Y, RSTD, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        y = x * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW, M, N, rows_per_prog, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        # each program owns a contiguous slab of rows and keeps its dweight partial in registers: (n_prog, N) in DW
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        start = pid.to(tl.int64) * rows_per_prog  # int64 row offsets: M * N may pass 2^31
+        end = tl.minimum(start + rows_per_prog, M)
+        for row in range(start, end):
+            x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            xhat = x * rstd
+            g = dy * w
+            # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
+            dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+        tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+@torch.library.custom_op("trainsuite::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.contiguous().view(-1, x.shape[-1])  # (M, N)
+    M, N = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    if M == 0:
+        return y.view(x.shape), rstd
+    w = weight.contiguous() if weight is not None else x2
+    _launch(_rms_fwd_kernel, (M,), x2, w, y, rstd, N, eps, HAS_W=weight is not None,
+            BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+    return y.view(x.shape), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("trainsuite::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.contiguous().view(-1, x.shape[-1])
+    dy2 = dy.contiguous().view(-1, x.shape[-1])
+    M, N = x2.shape
+    dx = torch.empty_like(x2)
+    n_prog = max(1, _num_programs(x.device, M))
+    rows_per_prog = triton.cdiv(M, n_prog)
+    dw_part = torch.empty(n_prog, N, device=x.device, dtype=torch.float32)
+    w = weight.contiguous() if weight is not None else x2
+    _launch(_rms_bwd_kernel, (n_prog,), dy2, x2, w, rstd, dx, dw_part, M, N, rows_per_prog,
+            HAS_W=weight is not None, BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
+    return dx.view(x.shape), dw
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_backward(ctx, dy, drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy.contiguous(), x, weight, rstd)
+    return dx, (dw if weight is not None else None), None
+
+
+_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """RMSNorm over the last dim of x (any leading shape), optional elementwise weight."""
+    if not _use_triton(x):
+        return rms_norm_ref(x, weight, eps)
+    return _rms_norm_op(x, weight, eps)[0]
+
+
+# -----------------------------------------------------------------------------
+# Cross-entropy
+
+
+def cross_entropy_ref(logits, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
+    """CE on (N, V) logits in fp32: optional cap*tanh(logits/cap), plus z_loss * logsumexp^2 per row."""
+    z = logits.float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = targets != ignore_index
+    zt = z.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - zt + z_loss * lse * lse, 0.0)
+    return _reduce(loss, valid, reduction).to(logits.dtype)
+
+
+def _reduce(loss, valid, reduction):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)  # mean over non-ignored rows (0, not nan, when all are ignored)
+
+
+if triton is not None:
+    @triton.jit
+    def _ce_fwd_kernel(Z, T, LOSS, LSE, V, ignore_index, softcap, z_loss, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(T + row)
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per-lane running max and sum: one reduction at the end
+        s = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, V, BLOCK):
+            mask = start + cols < V
+            z = tl.load(Z + row * V + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if SOFTCAP:  # cap * tanh(z / cap), tanh written with exp so it works everywhere
+                z = tl.where(mask, softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)), float("-inf"))
+            m_new = tl.maximum(m, z)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that have seen only padding
+            s = s * tl.exp(m - m_safe) + tl.exp(z - m_safe)
+            m = m_new
+        mx = tl.max(m, axis=0)
+        lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
+        valid = t != ignore_index
+        zt = tl.load(Z + row * V + tl.where(valid, t, 0)).to(tl.float32)
+        if SOFTCAP:
+            zt = softcap * (1.0 - 2.0 / (tl.exp(2.0 * zt / softcap) + 1.0))
+        loss = tl.where(valid, lse - zt + z_loss * lse * lse, 0.0)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+
+    @triton.jit
+    def _ce_bwd_kernel(Z, T, LSE, DLOSS, DZ, V, ignore_index, softcap, z_loss,
+                       SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(T + row)
+        lse = tl.load(LSE + row)
+        dl = tl.where(t != ignore_index, tl.load(DLOSS + row), 0.0)
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, V, BLOCK):
+            mask = start + cols < V
+            z = tl.load(Z + row * V + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+            # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t)
+            g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - tl.where(start + cols == t, 1.0, 0.0)
+            if SOFTCAP:  # chain rule through cap*tanh(x/cap): 1 - tanh^2
+                g = g * (1.0 - (z / softcap) * (z / softcap))
+            tl.store(DZ + row * V + start + cols, (g * dl).to(DZ.dtype.element_ty), mask=mask)
+
+
+def _ce_block(V):
+    return min(triton.next_power_of_2(V), 1024 if _interpret() else 4096)
+
+
+def _ce_fwd(z, t, ignore_index, softcap, z_loss):
+    """Per-row loss and logsumexp (both fp32, (N,)) of contiguous (N, V) logits."""
+    N, V = z.shape
+    loss = torch.empty(N, device=z.device, dtype=torch.float32)
+    lse = torch.empty(N, device=z.device, dtype=torch.float32)
+    _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, ignore_index, softcap, z_loss,
+            SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
+    return loss, lse
+
+
+def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss):
+    """dlogits (like z) for per-row upstream grads dloss (N,) fp32."""
+    N, V = z.shape
+    dz = torch.empty_like(z)
+    _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, ignore_index, softcap, z_loss,
+            SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
+    return dz
+
+
+@torch.library.custom_op("trainsuite::cross_entropy", mutates_args=())
+def _ce_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float,
+           z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ce_fwd(logits.contiguous(), targets.contiguous(), ignore_index, softcap, z_loss)
+
+
+@_ce_op.register_fake
+def _(logits, targets, ignore_index, softcap, z_loss):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("trainsuite::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+               ignore_index: int, softcap: float, z_loss: float) -> torch.Tensor:
+    return _ce_bwd(logits.contiguous(), targets.contiguous(), lse, dloss.float().contiguous(),
+                   ignore_index, softcap, z_loss)
+
+
+@_ce_bwd_op.register_fake
+def _(dloss, logits, targets, lse, ignore_index, softcap, z_loss):
+    return torch.empty_like(logits)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+
+
+def _ce_backward(ctx, dloss, dlse):
+    logits, targets, lse = ctx.saved_tensors
+    return _ce_bwd_op(dloss, logits, targets, lse, ctx.ignore_index, ctx.softcap, ctx.z_loss), None, None, None, None
+
+
+_ce_op.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+def cross_entropy(logits, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
+    """Cross-entropy of (N, V) logits against (N,) targets; softcap, z-loss, ignore_index, mean|sum|none."""
+    if not _use_triton(logits):
+        return cross_entropy_ref(logits, targets, ignore_index, softcap, z_loss, reduction)
+    loss, _ = _ce_op(logits, targets, ignore_index, float(softcap or 0.0), float(z_loss))
+    return _reduce(loss, targets != ignore_index, reduction).to(logits.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Linear + cross-entropy, chunked over rows so the (N, V) logits never exist at once
+
+
+def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
+    """cross_entropy_ref(x @ weight.T, ...) with the full logits materialised."""
+    return cross_entropy_ref(x @ weight.T, targets, ignore_index, softcap, z_loss, reduction)
+
+
+def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
+    """Per-row loss and dlogits of a chunk in plain PyTorch (the CPU path); mirrors _ce_fwd/_ce_bwd_kernel."""
+    zf = z.float()
+    if softcap:
+        zf = softcap * torch.tanh(zf / softcap)
+    lse = torch.logsumexp(zf, -1)
+    valid = t != ignore_index
+    ti = torch.where(valid, t, 0)
+    loss = torch.where(valid, lse - zf.gather(1, ti[:, None]).squeeze(1) + z_loss * lse * lse, 0.0)
+    if dloss is None:
+        return loss, None
+    g = torch.exp(zf - lse[:, None]) * (1 + 2 * z_loss * lse[:, None])
+    g.scatter_add_(1, ti[:, None], -torch.ones_like(g[:, :1]))
+    if softcap:
+        g = g * (1 - (zf / softcap) ** 2)
+    return loss, (g * torch.where(valid, dloss, 0.0)[:, None]).to(z.dtype)
+
+
+def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
+    """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and fp32 dweight of sum(row_grad * loss)."""
+    N, d = x.shape
+    V = w.shape[0]
+    chunk = 1 << (max(1, -(-N // -(-V // d))) - 1).bit_length()  # pow2 rows, ~N*d logits per chunk (as Liger)
+    use_triton = _use_triton(x)
+    loss = torch.empty(N, device=x.device, dtype=torch.float32)
+    dx = torch.empty_like(x) if row_grad is not None else None
+    dw = torch.zeros(V, d, device=x.device, dtype=torch.float32) if row_grad is not None else None
+    for i in range(0, N, chunk):
+        xc, tc = x[i:i + chunk], t[i:i + chunk]
+        z = xc @ w.T  # (chunk, V)
+        g = row_grad[i:i + chunk] if row_grad is not None else None
+        if use_triton:
+            loss[i:i + chunk], lse = _ce_fwd(z, tc, ignore_index, softcap, z_loss)
+            dz = _ce_bwd(z, tc, lse, g.float().contiguous(), ignore_index, softcap, z_loss) if g is not None else None
+        else:
+            loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g)
+        if dz is not None:
+            dx[i:i + chunk] = dz @ w
+            dw += (dz.T @ xc).float()
+    return loss, dx, dw
+
+
+@torch.library.custom_op("trainsuite::linear_cross_entropy", mutates_args=())
+def _lce_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float,
+            z_loss: float, reduction: str, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, weight, targets = x.contiguous(), weight.contiguous(), targets.contiguous()
+    valid = targets != ignore_index
+    scale = 1.0 / max(int(valid.sum()), 1) if reduction == "mean" else 1.0
+    if reduction == "none" or not need_grad:  # "none": dweight needs each row's upstream grad, so backward makes it
+        loss, _, _ = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, None)
+        loss = loss if reduction == "none" else loss.sum() * scale
+        return loss.to(x.dtype), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
+    row_grad = torch.full_like(targets, scale, dtype=torch.float32)
+    loss, dx, dw = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, row_grad)
+    return (loss.sum() * scale).to(x.dtype), dx, dw
+
+
+@_lce_op.register_fake
+def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad):
+    loss = x.new_empty(x.shape[0] if reduction == "none" else ())
+    if reduction == "none" or not need_grad:
+        return loss, x.new_empty(0), x.new_empty(0, dtype=torch.float32)
+    return loss, torch.empty_like(x), weight.new_empty(weight.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("trainsuite::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(dloss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int, softcap: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, dx, dw = _lce_chunks(x.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, softcap,
+                            z_loss, dloss.float().contiguous())
+    return dx, dw.to(weight.dtype)
+
+
+@_lce_bwd_op.register_fake
+def _(dloss, x, weight, targets, ignore_index, softcap, z_loss):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _lce_setup(ctx, inputs, output):
+    x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss, ctx.reduction, _ = inputs
+    if ctx.reduction == "none":
+        ctx.save_for_backward(x, weight, targets)
+    else:
+        ctx.save_for_backward(output[1], output[2], weight)
+
+
+def _lce_backward(ctx, dloss, ddx, ddw):
+    if ctx.reduction == "none":
+        x, weight, targets = ctx.saved_tensors
+        dx, dw = _lce_bwd_op(dloss.contiguous(), x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss)
+        return dx, dw, None, None, None, None, None, None
+    dx, dw, weight = ctx.saved_tensors
+    return dx * dloss.to(dx.dtype), (dw * dloss.float()).to(weight.dtype), None, None, None, None, None, None
+
+
+_lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
+    """cross_entropy(x @ weight.T, targets, ...) without materialising the (N, V) logits; grads made in forward."""
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # eval: loss only
+    return _lce_op(x, weight, targets, ignore_index, float(softcap or 0.0), float(z_loss), reduction, need_grad)[0]
+
+
+# -----------------------------------------------------------------------------
+# Attention
+
+
+def attention_ref(q, k, v, causal=True, scale=None):
+    """softmax(q k^T * scale) v in fp32; q (B, Hq, T, D), k and v (B, Hkv, T, D), a kv head per Hq/Hkv q heads."""
+    B, Hq, T, D = q.shape
+    Tk, G = k.shape[2], Hq // k.shape[1]
+    qf, kf, vf = q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
+    s = (qf @ kf.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(D))  # (B, Hq, T, Tk)
+    if causal:  # aligned bottom-right when T < Tk (queries are the last T positions, as with a KV cache)
+        s = s.masked_fill(torch.ones(T, Tk, dtype=torch.bool, device=q.device).triu(Tk - T + 1), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+
+
+def _attn_autotune(fn):
+    """A few tile shapes on GPU (the interpreter bypasses the autotuner and takes _attn_meta's blocks)."""
+    cfgs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+            for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 2)]]
+    return triton.autotune(cfgs, key=["T", "BLOCK_D", "CAUSAL", "Hq", "G"])(triton.jit(fn))
+
+
+if triton is not None:
+    @_attn_autotune
+    def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (block of BLOCK_M queries, batch * q head); q head h reads kv head h // G
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)  # head dim padded to a power of two, masked past D
+        dmask = offs_d[None, :] < D
+        qmask = (offs_m[:, None] < T) & dmask
+        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+        Kb, Vb = K + bkv * T * D, V + bkv * T * D
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        hi = tl.minimum((start_m + 1) * BLOCK_M, T) if CAUSAL else T  # causal: skip blocks above the diagonal
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + offs_n
+            kvmask = (cols[:, None] < T) & dmask
+            k = tl.load(Kb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(Vb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            keep = cols[None, :] < T
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: column 0 is in the first block of every row
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        rmask = offs_m < T
+        tl.store(O + bh * T * D + offs_m[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty),
+                 mask=rmask[:, None] & dmask)
+        tl.store(LSE + bh * T + offs_m, m_i + tl.log2(l_i), mask=rmask)  # base-2 logsumexp of the scaled scores
+
+    @_attn_autotune
+    def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (block of BLOCK_N keys, batch * q head): dk, dv of this q head, summed over the group later
+        start_n = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
+        offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d[None, :] < D
+        kvmask = (offs_n[:, None] < T) & dmask
+        k = tl.load(K + bkv * T * D + offs_n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(V + bkv * T * D + offs_n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        Qb, DOb = Q + bh * T * D, DO + bh * T * D
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries never see this block
+        for start_m in range(lo, T, BLOCK_M):
+            rows = start_m + offs_m
+            qmask = (rows[:, None] < T) & dmask
+            q = tl.load(Qb + rows[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+            do = tl.load(DOb + rows[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+            lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
+            delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
+            sT = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M)
+            keep = (rows[None, :] < T) & (offs_n[:, None] < T)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :])
+            pT = tl.exp2(tl.where(keep, sT, float("-inf")) - lse[None, :])
+            dv += tl.dot(pT.to(do.dtype), do)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])  # softmax backward: p * (dp - rowsum(p * dp))
+            dk += tl.dot(dsT.to(q.dtype), q)
+        out = bh * T * D + offs_n[:, None] * D + offs_d[None, :]
+        tl.store(DK + out, dk * sm_scale, mask=kvmask)
+        tl.store(DV + out, dv, mask=kvmask)
+
+    @_attn_autotune
+    def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (block of BLOCK_M queries, batch * q head), recomputing p from the saved logsumexp
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d[None, :] < D
+        qmask = (offs_m[:, None] < T) & dmask
+        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        Kb, Vb = K + bkv * T * D, V + bkv * T * D
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        hi = tl.minimum((start_m + 1) * BLOCK_M, T) if CAUSAL else T
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + offs_n
+            kvmask = (cols[:, None] < T) & dmask
+            k = tl.load(Kb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(Vb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            keep = (cols[None, :] < T) & (offs_m[:, None] < T)
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            p = tl.exp2(tl.where(keep, s, float("-inf")) - lse[:, None])
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], dq * sm_scale, mask=qmask)
+
+
+def _attn_meta(D):
+    """Head dim padded to a power of two; tile sizes come from the autotuner, except under the interpreter."""
+    bd = max(16, triton.next_power_of_2(D))
+    return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=bd) if _interpret() else dict(BLOCK_D=bd)
+
+
+@torch.library.custom_op("trainsuite::attention", mutates_args=())
+def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, Hq, T, D = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)  # base 2
+    meta = _attn_meta(D)
+    grid = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq)
+    _launch(_attn_fwd_kernel, grid, q, k, v, o, lse, scale * 1.4426950408889634, T, D, Hq, Hq // k.shape[1],
+            CAUSAL=causal, **meta)
+    return o, lse
+
+
+@_attn_op.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("trainsuite::attention_bwd", mutates_args=())
+def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v = do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    delta = (o.float() * do.float()).sum(-1).contiguous()  # (B, Hq, T): rowsum(p * dp) = rowsum(o * do)
+    dq = torch.empty(B, Hq, T, D, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)  # per q head; GQA sums each group below
+    dv = torch.empty_like(dq)
+    meta = _attn_meta(D)
+    args = (q, k, v, do, lse, delta)
+    consts = (scale * 1.4426950408889634, scale, T, D, Hq, Hq // Hkv)
+    _launch(_attn_bwd_dkdv_kernel, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * Hq), *args, dk, dv, *consts,
+            CAUSAL=causal, **meta)
+    _launch(_attn_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq), *args, dq, *consts,
+            CAUSAL=causal, **meta)
+    dk = dk.view(B, Hkv, Hq // Hkv, T, D).sum(2)
+    dv = dv.view(B, Hkv, Hq // Hkv, T, D).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, ctx.causal, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _attn_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd_op(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
+
+
+def attention(q, k, v, causal=True, scale=None):
+    """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
+    if not _use_triton(q, k, v) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: the ref
+        return attention_ref(q, k, v, causal, scale)
+    return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
+
+
+# -----------------------------------------------------------------------------
+# Benchmark
+
+
+def _peak_bw(name):
+    """HBM bandwidth in bytes/s by device name (H200 4.8 TB/s, H100 SXM 3.35 TB/s, A100 2.0 TB/s), else None."""
+    for key, bw in (("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12)):
+        if key in name:
+            return bw
+    return None
+
+
+def bench():
+    """Print throughput of each kernel against PyTorch on the current GPU."""
+    if not torch.cuda.is_available() or triton is None:
+        print("kernels.py --bench needs a CUDA GPU and triton; none found")
+        return 1
+    from triton.testing import do_bench
+    dev, dt = "cuda", torch.bfloat16
+    name = torch.cuda.get_device_name()
+    print(f"# {name}, bf16")
+
+    def timed(fn):
+        """(ms, peak GiB) of fn() after a warm-up."""
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ms = do_bench(fn)
+        return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+    def fwd_bwd(f, *xs):
+        out = f(*xs)
+        out.backward(torch.ones_like(out) if out.dim() else None)
+
+    print("attention           B  H     T    D causal |  ours fwd  sdpa fwd | ours f+b  sdpa f+b  (TFLOP/s)")
+    sdpa = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+    for D in (64, 128):
+        for T in (1024, 2048, 4096, 8192, 16384):
+            B, H = max(1, 16384 // T), 2048 // D
+            q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * B * H * T * T * D / (2 if causal else 1)  # two matmuls forward
+                r = [flops / timed(lambda: f(q, k, v, causal))[0] / 1e9 for f in (attention, sdpa)]
+                r += [3.5 * flops / timed(lambda: fwd_bwd(f, q, k, v, causal))[0] / 1e9 for f in (attention, sdpa)]
+                print(f"{'':18}{B:3d}{H:3d}{T:6d}{D:5d} {causal!s:>6} | "
+                      f"{r[0]:8.0f}  {r[1]:8.0f} | {r[2]:8.0f}  {r[3]:8.0f}")
+    peak = _peak_bw(name)
+    print("rms_norm         rows  width |  ours  eager  compiled  (GB/s, % of peak)")
+    compiled = torch.compile(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6))
+    for N in (768, 2048, 4096, 8192):
+        x, w = torch.randn(16384, N, device=dev, dtype=dt), torch.randn(N, device=dev, dtype=dt)
+        fns = (lambda: rms_norm(x, w), lambda: F.rms_norm(x, (N,), w, 1e-6), lambda: compiled(x, w))
+        gbs = [2 * x.numel() * x.element_size() / timed(f)[0] / 1e6 for f in fns]
+        pct = [f"{g:6.0f} ({100 * g * 1e9 / peak:3.0f}%)" if peak else f"{g:6.0f}" for g in gbs]
+        print(f"{'':14}{16384:6d}{N:7d} | " + "  ".join(pct))
+    print("losses, fwd+bwd    N       V |  ours ms   GiB | eager ms   GiB | compiled ms  GiB")
+    ce_c = torch.compile(F.cross_entropy)
+    lce_eager = lambda x, W, t: F.cross_entropy(x @ W.T, t)
+    lce_c = torch.compile(lce_eager)
+    for V in (50304, 128256):
+        N, d = 8192, 2048
+        z = torch.randn(N, V, device=dev, dtype=dt, requires_grad=True)
+        t = torch.randint(0, V, (N,), device=dev)
+        x = torch.randn(N, d, device=dev, dtype=dt, requires_grad=True)
+        W = (torch.randn(V, d, device=dev, dtype=dt) / 40).requires_grad_()
+        for label, fns, args in (("cross_entropy", (cross_entropy, F.cross_entropy, ce_c), (z, t)),
+                                 ("linear_ce", (linear_cross_entropy, lce_eager, lce_c), (x, W, t))):
+            r = [timed(lambda: fwd_bwd(f, *args)) for f in fns]
+            print(f"{label:14}{N:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
+            z.grad = x.grad = W.grad = None
+        del z
+    return 0
+
+
+if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        sys.exit(bench())
+    print(__doc__)

@@ -1,0 +1,290 @@
+"""Kernel parity: each *_ref against plain PyTorch, each Triton kernel (TRITON_INTERPRET=1 on CPU) against its ref."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+needs_triton = pytest.mark.skipif(kernels.triton is None, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU present: bf16/fp16 parity needs one")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Route CPU tensors through the Triton kernels (dispatch reads the variable at call time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_interpret(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def grads(fn, *xs, g=None):
+    """Output of fn(*xs) and grads of (out * g).sum() for every floating x; g defaults to a non-contiguous randn."""
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    out = fn(*xs)
+    torch.manual_seed(123)
+    if g is None:
+        g = torch.randn(out.shape + (2,), dtype=out.dtype, device=out.device)[..., 0] if out.dim() else \
+            torch.tensor(0.7, dtype=out.dtype, device=out.device)
+    out.backward(g)
+    return [out.detach()] + [x.grad for x in xs if x.requires_grad]
+
+
+def close(a, b, atol, rtol=None):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.float(), y.float(), atol=atol, rtol=atol if rtol is None else rtol)
+
+
+# ----------------------------------------------------------------------------- references against PyTorch
+
+
+def test_import_is_silent():
+    """Importing kernels prints nothing and needs neither a GPU nor triton."""
+    for pre in ("", "import sys; sys.modules['triton'] = None; "):
+        code = pre + "import kernels, torch; print(round(kernels.rms_norm(torch.ones(2, 3)).sum().item()))"
+        p = subprocess.run([sys.executable, "-c", code], cwd=Path(kernels.__file__).parent, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0 and p.stdout == "6\n", p.stderr
+
+
+def test_rms_norm_ref_matches_torch():
+    x, w = torch.randn(3, 5, 123), torch.randn(123)
+    close(grads(lambda x, w: kernels.rms_norm_ref(x, w, 1e-6), x, w),
+          grads(lambda x, w: F.rms_norm(x, (123,), w, 1e-6), x, w), 1e-5)
+
+
+@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (5.0, 1e-2)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_ref_matches_formula(softcap, z_loss, reduction):
+    z, t = torch.randn(37, 50) * 4, torch.randint(0, 50, (37,))
+    t[::5] = -100
+
+    def hand(z):
+        zc = softcap * torch.tanh(z / softcap) if softcap else z
+        lse = torch.logsumexp(zc, -1)
+        ce = F.cross_entropy(zc, t, ignore_index=-100, reduction="none")
+        per_row = (ce + z_loss * lse ** 2) * (t != -100)
+        return {"mean": per_row.sum() / (t != -100).sum(), "sum": per_row.sum(), "none": per_row}[reduction]
+
+    close(grads(lambda z: kernels.cross_entropy_ref(z, t, softcap=softcap, z_loss=z_loss, reduction=reduction), z),
+          grads(hand, z), 1e-5)
+    if softcap is None and reduction == "mean":
+        close(grads(lambda z: kernels.cross_entropy_ref(z, t), z), grads(lambda z: F.cross_entropy(z, t), z), 1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_ref_matches_sdpa(hq, hkv, causal):
+    q, k, v = torch.randn(2, hq, 9, 16), torch.randn(2, hkv, 9, 16), torch.randn(2, hkv, 9, 16)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    close(grads(lambda q, k, v: kernels.attention_ref(q, k, v, causal), q, k, v), grads(sdpa, q, k, v), 1e-5)
+
+
+def test_attention_ref_kv_cache_shapes():
+    """One query against a longer cache (decode), and a causal prefix of queries, as SDPA does them."""
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)
+    close([kernels.attention(q, k, v, causal=False)],
+          [F.scaled_dot_product_attention(q, k, v, enable_gqa=True)], 1e-5)
+    q = torch.randn(1, 4, 3, 16)
+    mask = torch.ones(3, 7, dtype=torch.bool).tril(4)
+    close([kernels.attention_ref(q, k, v, causal=True)],
+          [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)], 1e-5)
+
+
+def test_refs_keep_dtype():
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert kernels.rms_norm_ref(x).dtype == torch.bfloat16
+    assert kernels.cross_entropy_ref(x, torch.zeros(4, dtype=torch.long)).dtype == torch.bfloat16
+    q = torch.randn(1, 2, 5, 32, dtype=torch.float16)
+    assert kernels.attention_ref(q, q, q).dtype == torch.float16
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_chunked_cpu(no_interpret, reduction):
+    """The chunked CPU path (no Triton) matches the materialised reference, forward and grads."""
+    x, w, t = torch.randn(70, 16), torch.randn(300, 16), torch.randint(0, 300, (70,))
+    t[3] = -100
+    kw = dict(softcap=3.0, z_loss=1e-3, reduction=reduction)
+    close(grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, **kw), x, w),
+          grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w, t, **kw), x, w), 1e-5)
+    with torch.no_grad():  # eval skips the gradients but gives the same loss
+        close([kernels.linear_cross_entropy(x, w, t, **kw)], [kernels.linear_cross_entropy_ref(x, w, t, **kw)], 1e-5)
+
+
+# ----------------------------------------------------------------------------- Triton under the interpreter
+
+
+@needs_triton
+def test_dispatch_reads_env_at_call_time(monkeypatch):
+    """Under TRITON_INTERPRET=1 no public function touches its reference; without it, each one does."""
+    calls = []
+    for name in ("attention_ref", "rms_norm_ref", "cross_entropy_ref", "_ce_rows_torch"):
+        ref = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _ref=ref, _n=name, **k: calls.append(_n) or _ref(*a, **k))
+    x, t, q = torch.randn(4, 32), torch.randint(0, 32, (4,)), torch.randn(1, 2, 5, 32)
+    run = lambda: (kernels.attention(q, q, q), kernels.rms_norm(x), kernels.cross_entropy(x, t),
+                   kernels.linear_cross_entropy(x, torch.randn(32, 32), t))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run()
+    assert calls == []
+    monkeypatch.delenv("TRITON_INTERPRET")
+    run()
+    assert sorted(calls) == ["_ce_rows_torch", "attention_ref", "cross_entropy_ref", "rms_norm_ref"]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,weight", [((5, 123), True), ((2, 3, 768), True), ((4, 64), False)])
+def test_rms_norm_triton(interpret, shape, weight):
+    x = torch.randn(*shape)
+    w = torch.randn(shape[-1]) if weight else None
+    args = (x, w) if weight else (x,)
+    close(grads(lambda *a: kernels.rms_norm(*a), *args), grads(lambda *a: kernels.rms_norm_ref(*a), *args), 1e-5)
+
+
+@needs_triton
+def test_rms_norm_triton_non_contiguous(interpret):
+    x = torch.randn(6, 200)[:, ::2]  # (6, 100), stride 2
+    w = torch.randn(100)
+    close(grads(kernels.rms_norm, x, w), grads(kernels.rms_norm_ref, x, w), 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (10.0, 1e-3)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_triton(interpret, softcap, z_loss, reduction):
+    z, t = torch.randn(9, 1000) * 3, torch.randint(0, 1000, (9,))
+    t[2] = -100
+    kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
+    close(grads(lambda z: kernels.cross_entropy(z, t, **kw), z),
+          grads(lambda z: kernels.cross_entropy_ref(z, t, **kw), z), 1e-5)
+
+
+@needs_triton
+def test_cross_entropy_triton_large_vocab_non_contiguous(interpret):
+    z, t = torch.randn(50304, 2).T * 2, torch.tensor([7, 50303])  # (2, 50304), column-major
+    close(grads(lambda z: kernels.cross_entropy(z, t, z_loss=1e-4), z),
+          grads(lambda z: kernels.cross_entropy_ref(z, t, z_loss=1e-4), z), 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_triton(interpret, reduction):
+    x, w, t = torch.randn(40, 32), torch.randn(1000, 32) / 4, torch.randint(0, 1000, (40,))
+    t[:3] = -100
+    kw = dict(softcap=15.0, z_loss=1e-4, reduction=reduction)
+    close(grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, **kw), x, w),
+          grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w, t, **kw), x, w), 1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("T,D,hq,hkv,causal", [(1, 32, 2, 2, True), (17, 32, 4, 2, True), (17, 64, 4, 1, False),
+                                               (123, 32, 4, 4, True), (123, 32, 4, 1, False), (40, 48, 4, 2, True),
+                                               (257, 64, 2, 1, True)])
+def test_attention_triton(interpret, T, D, hq, hkv, causal):
+    q, k, v = torch.randn(1, hq, T, D), torch.randn(1, hkv, T, D), torch.randn(1, hkv, T, D)
+    close(grads(lambda *a: kernels.attention(*a, causal=causal), q, k, v),
+          grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v), 2e-4)
+
+
+@needs_triton
+def test_attention_triton_non_contiguous_scale(interpret):
+    q = torch.randn(2, 19, 3, 32).transpose(1, 2)  # (B, H, T, D) with T and H strides swapped
+    k, v = torch.randn(2, 19, 1, 32).transpose(1, 2), torch.randn(2, 19, 1, 32).transpose(1, 2)
+    close(grads(lambda *a: kernels.attention(*a, scale=0.3), q, k, v),
+          grads(lambda *a: kernels.attention_ref(*a, scale=0.3), q, k, v), 2e-4)
+
+
+@needs_triton
+def test_fp16_through_the_interpreter(interpret):
+    """Half inputs keep their dtype through every kernel, and land within fp16 rounding of the fp32 reference."""
+    x, w, t = torch.randn(6, 100), torch.randn(100), torch.randint(0, 100, (6,))
+    q, k = torch.randn(1, 4, 20, 32), torch.randn(1, 2, 20, 32)
+    cases = [(kernels.rms_norm, kernels.rms_norm_ref, (x, w)),
+             (kernels.cross_entropy, kernels.cross_entropy_ref, (x, t)),
+             (kernels.linear_cross_entropy, kernels.linear_cross_entropy_ref, (x, w.view(4, 25).repeat(1, 4), t % 4)),
+             (kernels.attention, kernels.attention_ref, (q, k, k))]
+    for fn, ref, args in cases:
+        half = [a.half() if a.is_floating_point() else a for a in args]
+        ours, want = grads(fn, *half), grads(ref, *args)
+        assert all(o.dtype == torch.float16 for o in ours)
+        close(ours, want, 2e-2)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("mode", ["ref", "interpret"])
+def test_compile_fullgraph(monkeypatch, mode):
+    """Every public function traces with fullgraph=True (custom ops, no graph breaks) and matches eager."""
+    if mode == "interpret":
+        if kernels.triton is None:
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+
+    def f(x, w, W, q, k, v, t):
+        h = kernels.rms_norm(x, w)
+        a = kernels.attention(q, k, v, causal=True)
+        return kernels.cross_entropy(h, t, z_loss=1e-4) + kernels.linear_cross_entropy(h, W, t) + a.square().mean()
+
+    x, w, W, t = torch.randn(8, 64), torch.randn(64), torch.randn(50, 64) / 8, torch.randint(0, 50, (8,))
+    q, k, v = torch.randn(1, 2, 8, 32), torch.randn(1, 1, 8, 32), torch.randn(1, 1, 8, 32)
+    args = (x, w, W, q, k, v, t)
+    close(grads(torch.compile(f, fullgraph=True, backend="aot_eager"), *args), grads(f, *args), 1e-4)
+
+
+# ----------------------------------------------------------------------------- GPU: bf16/fp16 (flash-attention rule)
+
+
+def err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,D,hq,hkv,causal", [(1000, 64, 8, 2, True), (513, 128, 4, 4, False), (77, 32, 4, 1, True)])
+def test_attention_gpu_low_precision(dtype, T, D, hq, hkv, causal):
+    """Error against the fp32 reference at most 2x PyTorch's own in the same dtype (3x for grads)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, T, D, device="cuda") for h in (hq, hkv, hkv))
+    g = torch.randn(2, hq, T, D, device="cuda")
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    ref = grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v, g=g)
+    ours = grads(lambda *a: kernels.attention(*a, causal=causal), *(x.to(dtype) for x in (q, k, v)), g=g.to(dtype))
+    torch_ = grads(sdpa, *(x.to(dtype) for x in (q, k, v)), g=g.to(dtype))
+    for i, (o, t, r) in enumerate(zip(ours, torch_, ref)):
+        assert err(o, r) <= (2 if i == 0 else 3) * err(t, r) + 1e-5
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_and_losses_gpu_low_precision(dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 1000, device="cuda"), torch.randn(1000, device="cuda")
+    ref = grads(kernels.rms_norm_ref, x, w)
+    ours = grads(kernels.rms_norm, x.to(dtype), w.to(dtype))
+    torch_ = grads(lambda x, w: F.rms_norm(x, (1000,), w, 1e-6), x.to(dtype), w.to(dtype))
+    for o, t, r in zip(ours, torch_, ref):
+        assert err(o, r) <= 3 * err(t, r) + 1e-5
+    z, t = torch.randn(64, 50304, device="cuda") * 3, torch.randint(0, 50304, (64,), device="cuda")
+    ref = grads(lambda z: kernels.cross_entropy_ref(z, t), z)
+    ours = grads(lambda z: kernels.cross_entropy(z, t), z.to(dtype))
+    torch_ = grads(lambda z: F.cross_entropy(z, t), z.to(dtype))
+    for o, tt, r in zip(ours, torch_, ref):
+        assert err(o, r) <= 3 * err(tt, r) + 1e-5
+    x, W, t = torch.randn(256, 128, device="cuda"), torch.randn(50304, 128, device="cuda") / 10, t.repeat(4)
+    ref = grads(lambda x, W: kernels.linear_cross_entropy_ref(x, W, t, softcap=30.0), x, W)
+    ours = grads(lambda x, W: kernels.linear_cross_entropy(x, W, t, softcap=30.0), x.to(dtype), W.to(dtype))
+    torch_ = grads(lambda x, W: kernels.linear_cross_entropy_ref(x, W, t, softcap=30.0), x.to(dtype), W.to(dtype))
+    for o, tt, r in zip(ours, torch_, ref):
+        assert err(o, r) <= 3 * err(tt, r) + 1e-4
