@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on CUDA; PyTorch elsewhere
+
 # -----------------------------------------------------------------------------
 # Config
 
@@ -201,7 +203,7 @@ class Norm(nn.Module):
 
     def forward(self, x):
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
 
 
@@ -253,13 +255,10 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        causal = True
-        if cache is not None:
-            causal = cache.pos == 0  # prefill is causal; one new token attends to everything cached
-            assert causal or T == 1, "the KV cache takes a prompt at position 0, then one token at a time"
+        if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
             k, v = cache.update(self.layer, k, v)
-        # scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv != self.n_head)
+        # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
+        y = kernels.attention(q, k, v, causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -330,18 +329,18 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, cache)
         x = self.norm(x)
-        logits = F.linear(x, self.wte.weight if self.head is None else self.head.weight)  # (B, T, V)
+        w = self.wte.weight if self.head is None else self.head.weight
+        cap = self.cfg.logit_softcap or None
+        if targets is not None:  # head and loss fused in chunks: the (B*T, V) logits never exist at once;
+            if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
+                dt = torch.get_autocast_dtype(x.device.type)
+                x, w = x.to(dt), w.to(dt)
+            # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
+            return kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss)
         if cache is not None:
             cache.pos += T
-        logits = logits.float()  # the softmax in fp32 even under autocast
-        if self.cfg.logit_softcap > 0:
-            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
-        if z_loss > 0:  # keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
-            loss = loss + z_loss * logits.logsumexp(-1).square().mean()
-        return loss
+        logits = F.linear(x, w).float()  # (B, T, V), the softmax in fp32 even under autocast
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def flops_per_token(self):
         """Training FLOPs per token: 6 per weight that does a matmul, plus attention (PaLM appendix B)."""
