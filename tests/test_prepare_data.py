@@ -1,5 +1,4 @@
 """Tests of prepare_data.py, on small data made in tmp_path; downloads come from file:// or localhost fixtures."""
-import base64
 import gzip
 import http.server
 import json
