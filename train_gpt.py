@@ -535,13 +535,13 @@ def load_tokenizer(tok):
             enc = tiktoken.get_encoding("gpt2")
         except Exception as e:  # noqa: BLE001 - offline without tiktoken's cached files: training goes on
             print(f"warning: cannot load the gpt2 tokenizer ({type(e).__name__}); samples will show token ids")
-            return (lambda s: []), (lambda ids: " ".join(map(str, ids)))
-    elif name and name.startswith("bpe") and tok.get("ranks"):
+            name = None
+    if name and name.startswith("bpe") and tok.get("ranks"):
         ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in tok["ranks"].splitlines() if line)}
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
-    else:
-        return (lambda s: []), (lambda ids: " ".join(map(str, ids)))  # unknown tokenizer: show ids
+    elif name != "gpt2":  # unknown or unloadable tokenizer: show ids
+        return (lambda s: []), (lambda ids: " ".join(map(str, ids)))
     n = enc.n_vocab
     return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
 
@@ -857,7 +857,8 @@ def main(cfg):
                                  lanes=B * world_size)
         val = meta.get("splits", {}).get("val", {})
         tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
-        _, decode = load_tokenizer(tokenizer_info(cfg.data_dir, meta))
+        tok_info = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
+        _, decode = load_tokenizer(tok_info)
 
     # model: built on the meta device, materialised, initialised; then compiled and wrapped
     raw = build_model(cfg, vocab, device)
@@ -930,7 +931,7 @@ def main(cfg):
             obj = {"model": msd, "optim": osd, "scaler": scaler.state_dict(), "step": step, "data": data_state,
                    "train_time": train_time, "history": history, "rng": {"cpu": torch.get_rng_state()},
                    "config": dataclasses.asdict(cfg), "world_size": world_size, "vocab_size": vocab,
-                   "vocab_real": vocab_real, "tokenizer": tokenizer_info(cfg.data_dir, meta)}
+                   "vocab_real": vocab_real, "tokenizer": tok_info}
             save_checkpoint(obj, cfg.out_dir, step, cfg.keep_last, cfg.milestone_every)
 
     def eval_and_sample(step, final=False):
