@@ -246,6 +246,22 @@ def split_files(named, val_percent):
     return [t for (_, t), v in zip(named, val) if not v], [t for (_, t), v in zip(named, val) if v]
 
 
+def junk_reason(doc):
+    """Why a document is pathological, or None: mostly not text (control characters, undecodable bytes shown as
+    U+FFFD) or one character repeated 1,000+ times. Such documents waste tokens and can set off loss spikes."""
+    if len(regex.findall(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]", doc)) > 0.01 * len(doc):
+        return "binary or mis-encoded"
+    if regex.search(r"(.)\1{999}", doc, regex.S):
+        return "a character repeated 1,000+ times"
+    return None
+
+
+def drop_junk(docs, keep):
+    """docs without the pathological ones (unless keep), and {reason: count} of those found."""
+    reasons = [junk_reason(d) for d in docs]
+    return [d for d, r in zip(docs, reasons) if keep or r is None], dict(Counter(r for r in reasons if r))
+
+
 def source_stdlib(args):
     """The running Python's standard library, a document per .py file; installed packages left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -285,6 +301,11 @@ def prepare_text(args):
     if not 0 < args.val_percent < 100 or args.shard_tokens < 1:
         fail("need 0 < --val_percent < 100 and --shard_tokens >= 1")
     train_docs, val_docs = args.source(args)
+    (train_docs, bad), (val_docs, bad_val) = (drop_junk(d, args.junk == "keep") for d in (train_docs, val_docs))
+    bad = dict(Counter(bad) + Counter(bad_val))
+    if bad:
+        print(f"{'kept' if args.junk == 'keep' else 'dropped'} {sum(bad.values())} pathological document(s): "
+              + ", ".join(f"{n} {r}" for r, n in bad.items()) + ("" if args.junk == "keep" else " (--junk=keep keeps them)"))
     random.Random(0).shuffle(train_docs)  # a fixed random order: training should not walk the sources alphabetically
     if not any(train_docs) or not any(val_docs):
         fail("the train or the val split has no text; give more text or change --val_percent")
@@ -303,6 +324,7 @@ def prepare_text(args):
             splits[split] = dict(tokens=len(stream), bytes=sum(len(d.encode()) for d in docs), docs=len(docs), shards=shards)
         raw = b"\n".join(d.encode() for d in val_docs)  # the baselines a trained model's val bits per byte should beat
         meta = dict(format="trainsuite-text-1", source=args.command, tokenizer=args.tokenizer, **info, splits=splits,
+                    junk_docs={"found": bad, "action": args.junk},
                     val_gzip_bpb=8 * len(gzip.compress(raw, compresslevel=9)) / len(raw),
                     val_xz_bpb=8 * len(lzma.compress(raw, preset=9)) / len(raw))
         (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -372,6 +394,8 @@ def main(argv=None):
         p.add_argument("--val_percent", type=int, default=10 if name == "shakespeare" else 1,
                        help="percent held out for val: of the files, by path hash; of each file's text if too few files")
         p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard at most")
+        p.add_argument("--junk", choices=("drop", "keep"), default="drop",
+                       help="pathological documents (binary, a character repeated 1,000+ times): drop or keep them")
         p.set_defaults(run=prepare_text, source=source)
     p = commands.add_parser("fineweb", help="GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", allow_abbrev=False)
     p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")

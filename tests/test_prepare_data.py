@@ -161,14 +161,17 @@ def test_stdlib_real(tmp_path):
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
              if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts]
+    text = {f: (root / f).read_bytes().decode(errors="replace") for f in files}
+    files = [f for f in files if pd.junk_reason(text[f]) is None]  # the binary test fixtures are dropped
     val_files = [f for f in files if zlib.crc32(f.encode()) % 100 < 1]
     pd.main(["stdlib", f"--data_dir={tmp_path / 'data'}"])
     meta, val = load_split(tmp_path / "data", "val")
+    assert sum(meta["junk_docs"]["found"].values()) == len(text) - len(files)
     assert meta["splits"]["val"]["docs"] == len(val_files) > 0
     assert meta["splits"]["train"]["docs"] == len(files) - len(val_files)
     assert meta["splits"]["train"]["bytes"] > 10_000_000
     first = split_docs(val, 256)[0].astype(np.uint8).tobytes()
-    assert first == (root / val_files[0]).read_bytes().decode(errors="replace").encode()
+    assert first == text[val_files[0]].encode()
     assert 0.5 < meta["val_xz_bpb"] < meta["val_gzip_bpb"] < 4
 
 
@@ -390,3 +393,19 @@ def test_script_errors_are_one_line_and_import_does_nothing(tmp_path):
     assert r.stderr.startswith("prepare_data.py: error: unrecognized arguments: --bogus")
     r = subprocess.run([sys.executable, "-c", "import prepare_data"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == r.stderr == "" and list(tmp_path.iterdir()) == []
+
+
+def test_pathological_documents_are_dropped_and_counted(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"ok{i}.txt").write_text(f"a normal document number {i}\n" * 20)
+    (src / "repeat.txt").write_text("start " + "=" * 5000 + " end")
+    (src / "binary.txt").write_bytes(bytes(range(1, 256)) * 20)  # no NUL byte, so not skipped as a binary file
+    pd.main(["text", str(src), f"--data_dir={tmp_path}/d", "--val_percent=10"])
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["junk_docs"]["found"] == {"binary or mis-encoded": 1, "a character repeated 1,000+ times": 1}
+    assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 40
+    pd.main(["text", str(src), f"--data_dir={tmp_path}/k", "--val_percent=10", "--junk=keep"])
+    meta = json.loads((tmp_path / "k" / "meta.json").read_text())
+    assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 42
