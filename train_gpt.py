@@ -15,6 +15,7 @@ torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
 """
 import base64
 import contextlib
+import copy
 import dataclasses
 import difflib
 import glob
@@ -25,8 +26,10 @@ import math
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,6 +71,7 @@ class Config:
     time_budget: float = 240.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
     batch_size: int = 16               # micro-batch per rank, in sequences
     grad_accum: int = 1                # micro-steps per optimizer step
+    total_batch: int = 0               # tokens per optimizer step over all ranks; sets grad_accum; 0 = use grad_accum
     # optimizer and schedule
     optimizer: str = "adamw"           # adamw|muon (Muon on 2-D hidden matrices, AdamW on the rest)
     lr: float = 4e-3                   # peak LR; Muon's update RMS is matched to AdamW's, so one LR serves both
@@ -88,9 +92,19 @@ class Config:
     save_every: int = 0                # steps between checkpoints; 0 = only at the end
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir
+    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
+    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
+    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
+    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
+    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
+    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
+    guard_window: int = 100            # steps in the running statistics and in the bad-step count
+    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    skip_data: str = ""                # TSV of token ranges (shard, start, end) never read, e.g. a rollback's skipped.tsv
+    sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
+    inject_fault: str = ""             # debug: KIND@STEP[-END][:RANK],... with KIND nan|spike|sigterm|kill
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
@@ -111,10 +125,10 @@ class Config:
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.9M parameters, 240 s of training on a 2-core CPU
-    "gpt2_124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, batch_size=32, grad_accum=2,
+    "gpt2_124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, batch_size=32, total_batch=1 << 19,
                       data_dir="data/fineweb10B", out_dir="out/gpt2_124m", time_budget=0.0, tokens="auto",
                       lr=6e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
-    "gpt2_350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024, batch_size=16, grad_accum=4,
+    "gpt2_350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024, batch_size=16, total_batch=1 << 19,
                       data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
                       lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
 }
@@ -122,30 +136,21 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "no
                "tie_embeddings", "logit_softcap", "rope_base")
 
 
-def die(msg):
-    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
-    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
-
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
-    choices = dict(mlp=("swiglu", "relu2", "gelu"), norm=("rmsnorm", "layernorm"), optimizer=("adamw", "muon"),
-                   schedule=("cosine", "wsd", "constant"), device=("auto", "cpu", "cuda", "mps"),
-                   dtype=("auto", "bfloat16", "float16", "float32"), compile=("auto", "true", "false"),
-                   parallel=("ddp", "fsdp"), mode=("train", "sample"))
-    for k, ok in choices.items():
-        if getattr(cfg, k) not in ok:
-            die(f"--{k}={getattr(cfg, k)} is not one of {'|'.join(ok)}")
+    check_choices(cfg)
     kv = cfg.n_kv_head or cfg.n_head
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change --n_embd or --n_head")
     if cfg.n_head % kv:
         die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum"):
+    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
         if getattr(cfg, k) < 1:
             die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch, cfg.sharpness_every) < 0:
+        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after, --total_batch and --sharpness_every must be >= 0")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens and cfg.tokens != "auto":
@@ -153,13 +158,31 @@ def check_config(cfg):
             float(cfg.tokens)
         except ValueError:
             die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
+    parse_faults(cfg.inject_fault)
 
 # === shared: cli ===
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+
+def field_comments(cls):
+    """{field: its trailing comment} of a dataclass: the text of -h, and the choices a|b|c a field may take."""
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+
+
+def check_choices(cfg):
+    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    for name, comment in field_comments(type(cfg)).items():
+        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
+        if m and str(getattr(cfg, name)) not in m[0].split("|"):
+            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+
+
 def parse_args(cls, argv):
     """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
     import argparse
-    src = inspect.getsource(cls)
-    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M))
+    helps = field_comments(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
 
     def to_bool(s):
@@ -456,14 +479,16 @@ class TokenLoader:
     saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
     """
 
-    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1):
+    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab=65536, skip=()):
         self.files, self.B, self.T, self.rank, self.world_size, self.device, self.eot = files, B, T, rank, world_size, device, eot
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
-        self.lanes = lanes
+        self.lanes, self.vocab = lanes, vocab
+        names = [os.path.basename(f) for f in files]
+        self.skip = [sorted((a, b) for name, a, b in skip if name == n) for n in names]  # token ranges never read
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -472,35 +497,60 @@ class TokenLoader:
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
         self.epoch, self.shard = s["epoch"], s["shard"]
-        n = len(self.shards[self.shard])
-        k = max(1, min(self.lanes, n // (self.T + 1)))  # fewer lanes when a shard is small
-        self.lane_len = n // k
-        self.pos = s.get("pos") or [i * self.lane_len for i in range(k)]
-        self.lane = s.get("lane", 0)
+        starts, self.ends = self.lane_bounds(self.shard)
+        self.pos, self.lane = list(s.get("pos") or starts), s.get("lane", 0)
+
+    def lane_bounds(self, shard):
+        """([start of each lane], [end of each lane]) of a shard; small shards get fewer lanes."""
+        n = len(self.shards[shard])
+        k = max(1, min(self.lanes, n // (self.T + 1)))
+        return [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
 
     def _next_row(self):
         T, lane = self.T, self.lane
-        start, end = self.pos[lane], min((lane + 1) * self.lane_len, len(self.shards[self.shard]))
-        if start + T + 1 > end:  # this lane is used up: all lanes move on to the next shard
-            shard = (self.shard + 1) % len(self.shards)
-            self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
-            return self._next_row()
-        if self.eot is not None:
-            if self.bos[self.shard] is None:
-                self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
-            bos = self.bos[self.shard]
-            j = np.searchsorted(bos, start)
-            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
-                start = int(bos[j])
+        while True:
+            start, end = self.pos[lane], self.ends[lane]
+            if start + T + 1 > end:  # this lane is used up: all lanes move on to the next shard
+                shard = (self.shard + 1) % len(self.shards)
+                self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
+                lane = 0
+                continue
+            if self.eot is not None:
+                if self.bos[self.shard] is None:
+                    self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
+                bos = self.bos[self.shard]
+                j = np.searchsorted(bos, start)
+                if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
+                    start = int(bos[j])
+            hit = next((b for a, b in self.skip[self.shard] if a < start + T + 1 and start < b), None)
+            if hit is None:
+                break
+            self.pos[lane] = hit  # the row would touch a skipped range: jump past it
         self.pos[lane] = start + T  # rows overlap by one token, so every token is a target once
         self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
+
+    def ranges(self, a, b):
+        """[(shard name, start, end)]: the token ranges read from loader state a up to state b (a rollback's skip)."""
+        name = lambda i: os.path.basename(self.files[i])  # noqa: E731
+        if (a["epoch"], a["shard"]) == (b["epoch"], b["shard"]):
+            return [(name(a["shard"]), p, q) for p, q in zip(a["pos"], b["pos"]) if q > p]
+        out = [(name(a["shard"]), p, e) for p, e in zip(a["pos"], self.lane_bounds(a["shard"])[1]) if e > p]
+        i = (a["shard"] + 1) % len(self.files)
+        while i != b["shard"]:  # shards read whole in between
+            out.append((name(i), 0, len(self.shards[i])))
+            i = (i + 1) % len(self.files)
+        return out + [(name(i), s, q) for s, q in zip(self.lane_bounds(i)[0], b["pos"]) if q > s]
 
     def next(self):
         """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped."""
         rows = [self._next_row() for _ in range(self.B * self.world_size)]
         mine = rows[self.rank * self.B:(self.rank + 1) * self.B]
-        buf = torch.from_numpy(np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine]).astype(np.int64))
+        buf = np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine])
+        if buf.max() >= self.vocab:  # would index past the embedding: a crash on CPU, a device assert on CUDA
+            die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab}; the shards and "
+                f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
+        buf = torch.from_numpy(buf.astype(np.int64))
         if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously while the GPU computes
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -606,7 +656,11 @@ def setup_dist(device_arg="auto"):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
     return rank, world_size, device
 
 
@@ -673,19 +727,47 @@ def atomic_write(path, write_fn):
             os.remove(tmp)
 
 
-def save_checkpoint(obj, out_dir, step, keep_last=2, milestone_every=0):
-    """Save ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prune older ones."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"ckpt_{step:07d}.pt")
-    atomic_write(path, lambda f: torch.save(obj, f))
-    marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
-    atomic_write(path + ".done", lambda f: f.write(marker))
-    done = list_checkpoints(out_dir)
-    for s, p in done[:-keep_last] if keep_last > 0 else []:
-        if not (milestone_every and s % milestone_every == 0):
-            for q in (p + ".done", p):  # marker first: a half-deleted checkpoint never looks complete
-                os.remove(q)
-    return path
+class CheckpointWriter:
+    """Writes ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prunes older ones,
+    keeping the newest keep_last plus every multiple of milestone_every. With background=True the write runs in a
+    thread from a deep copy of the state, so training goes on; a failed write stops the run at the next save."""
+
+    def __init__(self, out_dir, keep_last=2, milestone_every=0, background=False):
+        self.out_dir, self.keep_last, self.milestone_every, self.background = out_dir, keep_last, milestone_every, background
+        self.thread, self.error = None, None
+
+    def save(self, obj, step):
+        self.wait()  # one write at a time
+        if self.background:
+            self.thread = threading.Thread(target=self.write, args=(copy.deepcopy(obj), step))
+            self.thread.start()
+        else:
+            self.write(obj, step)
+            self.wait()
+
+    def write(self, obj, step):
+        path = os.path.join(self.out_dir, f"ckpt_{step:07d}.pt")
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            atomic_write(path, lambda f: torch.save(obj, f))
+            marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
+            atomic_write(path + ".done", lambda f: f.write(marker))
+        except OSError as e:
+            self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+            return
+        done = list_checkpoints(self.out_dir)
+        for s, p in done[:-self.keep_last] if self.keep_last > 0 else []:
+            if not (self.milestone_every and s % self.milestone_every == 0):
+                for q in (p + ".done", p):  # marker first: a half-deleted checkpoint never looks complete
+                    os.remove(q)
+
+    def wait(self):
+        """Block until the write in flight is on disk; stop the run if it failed."""
+        if self.thread:
+            self.thread.join()
+            self.thread = None
+        if self.error:
+            die(self.error)
 
 
 def sha256_file(path):
@@ -707,9 +789,11 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def load_checkpoint(where, map_location="cpu"):
-    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones)."""
+def load_checkpoint(where, map_location="cpu", before=None):
+    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones),
+    optionally the newest from before step `before`."""
     candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
+    candidates = [c for c in candidates if before is None or c[0] < before]
     for _, path in reversed(candidates):
         try:
             marker_path = path + ".done"
@@ -795,6 +879,130 @@ def plot_losses(out_dir, history):
 # -----------------------------------------------------------------------------
 # Training loop
 
+# === shared: guard ===
+class Guard:
+    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
+
+    Non-finite values are bad at once; after 10 good steps, a value more than `sigma` running stds above its
+    running mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is
+    skipped; `max_bad` bad steps within `window` steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1).
+    With clip_mult > 0 the clipping threshold follows clip_mult x the running grad-norm mean instead of a constant.
+    """
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
+        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+
+    def load_state(self, s):
+        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+
+    def clip(self, max_norm):
+        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+
+    def check(self, step, loss, gnorm):
+        """None if the update is safe, else the reason; good values update the running statistics."""
+        reason = None if math.isfinite(loss) and math.isfinite(gnorm) else "non-finite loss or grad norm"
+        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
+                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
+        if reason:
+            self.bad = [s for s in self.bad if s > step - self.window] + [step]
+            return reason
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        for i, v in enumerate((loss, gnorm)):
+            d = v - self.mean[i]
+            self.mean[i] += a * d
+            self.var[i] = (1 - a) * (self.var[i] + a * d * d)
+        return None
+
+    def rollback_due(self):
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+
+
+class StopSignal:
+    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
+    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+
+    def __enter__(self):
+        self.received, self.old = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self.old[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+
+def parse_faults(spec):
+    """--inject_fault=KIND@STEP[-END][:RANK],... -> [(kind, first, last, rank or None)], for testing the guards."""
+    faults = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(nan|spike|sigterm|kill)@(\d+)(?:-(\d+))?(?::(\d+))?", item)
+        if not m:
+            die(f"--inject_fault: cannot read {item!r}; write KIND@STEP[-END][:RANK] with KIND nan|spike|sigterm|kill")
+        faults.append((m[1], int(m[2]), int(m[3] or m[2]), None if m[4] is None else int(m[4])))
+    return faults
+
+
+def inject_faults(faults, fired, step, rank, loss):
+    """Apply the faults due at this step, each once (a rollback replays steps, not faults): nan makes the loss NaN,
+    spike multiplies it by 10, sigterm sends this process SIGTERM, kill exits at once as a crashed worker would."""
+    for kind, first, last, r in faults:
+        if first <= step <= last and r in (None, rank) and (kind, step) not in fired:
+            fired.add((kind, step))
+            if kind in ("nan", "spike"):
+                loss = loss * (float("nan") if kind == "nan" else 10.0)
+            elif kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # not again once torchrun restarted us
+                os._exit(1)
+    return loss
+
+
+def sharpness(loss_fn, params, iters=10, seed=0):
+    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
+    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
+    w0 = [p.detach().clone() for p in params]
+    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
+    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
+    eps, lam = 1e-3 * norm(w0), 0.0
+    for _ in range(iters):
+        n = norm(v)
+        v, grads = [t / n for t in v], []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w, t in zip(params, w0, v):
+                    p.copy_(w + sign * eps * t)
+            for p in params:
+                p.grad = None
+            loss_fn().backward()
+            grads.append([p.grad.float() for p in params])
+        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
+        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
+        v = hv
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+            p.grad = None
+    return lam
+# === end shared ===
+
 
 def evaluate(model, loader, n_batches, ctx):
     """Mean cross-entropy over the first n_batches of the val split (the same tokens every time)."""
@@ -823,19 +1031,60 @@ def prepare_default_data(cfg, rank, world_size):
         dist.barrier()
 
 
+def layer_stats(raw, x, ctx):
+    """Per layer (embedding, each block, head): |grad| / |weight| from the last backward, and the RMS of each layer's
+    output on x. One ratio far above the rest, or an RMS that keeps growing, is an early sign of instability."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - FSDP: sum over shards
+    sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
+    acts = [raw.wte, *raw.blocks]
+    layers = acts + ([raw.head] if raw.head is not None else [])
+    stats, rms = {}, []
+    if all(p.grad is not None for p in raw.parameters()):
+        stats["grad_ratio"] = torch.stack([(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt()
+                                           for m in layers]).tolist()
+    hooks = [m.register_forward_hook(lambda m, i, o: rms.append(o.float().square().mean().sqrt())) for m in acts]
+    with torch.no_grad(), ctx, torch.compiler.set_stance("force_eager"):
+        raw(x[:1])
+    for h in hooks:
+        h.remove()
+    return {**stats, "act_rms": torch.stack(rms).tolist()}
+
+
+def read_skip_file(path):
+    """[(shard name, start, end)] token ranges from a TSV such as a rollback's skipped.tsv; '#' starts a comment."""
+    try:
+        with open(path) as f:
+            return [(n, int(a), int(b)) for n, a, b in (line.split("\t") for line in f if line.strip()[:1] not in "#")]
+    except (OSError, ValueError) as e:
+        die(f"--skip_data={path}: {e}; each line must be SHARD<TAB>START<TAB>END in tokens")
+
+
 def main(cfg):
     """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
     check_config(cfg)
     if cfg.sample or cfg.mode == "sample":
         return sample_main(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+        return train(cfg, stop)
+
+
+def train(cfg, stop):
+    """The training run of main(); stop.received is set by a signal."""
     rank, world_size, device = setup_dist(cfg.device)
     master = rank == 0
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
-    if cfg.parallel == "fsdp" and dtype == torch.float16 and world_size > 1:
-        die("--parallel=fsdp with float16 is not supported (no sharded loss scaler here); use bfloat16 or --parallel=ddp")
+    if cfg.parallel == "fsdp" and world_size > 1 and (dtype == torch.float16 or cfg.sharpness_every):
+        die("--parallel=fsdp supports neither float16 (no sharded loss scaler) nor --sharpness_every; use --parallel=ddp")
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
+    if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
+        accum, rest = divmod(cfg.total_batch, B * T * world_size)
+        if rest or not accum:
+            die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x ranks = {B} x {T} x "
+                f"{world_size} = {B * T * world_size}; change one of them")
     tokens_per_step = B * T * accum * world_size
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted us after a failure
+    resume = (cfg.resume or restarts > 0) and not cfg.benchmark
 
     # data: token shards of each split, read in order; the vocab comes from the data unless given
     if cfg.benchmark:
@@ -850,11 +1099,12 @@ def main(cfg):
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_real, device)
     else:
+        skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()
         train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
-                                   lanes=B * world_size * accum)  # a lane per row of an optimizer step
+                                   lanes=B * world_size * accum, vocab=vocab_real, skip=skip)  # a lane per row of a step
         # val in lanes too, so a short periodic eval samples the whole val split, like the final one
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
-                                 lanes=B * world_size)
+                                 lanes=B * world_size, vocab=vocab_real)
         val = meta.get("splits", {}).get("val", {})
         tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
         tok_info = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
@@ -878,17 +1128,33 @@ def main(cfg):
         if world_size > 1:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opts = build_optimizers(cfg, raw, device)
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
+    saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
+    layout = {**{k: getattr(cfg, k) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum,
+              "world_size": world_size, "vocab": vocab_real}  # what a resumed run must share with its checkpoint
 
     # budget: steps given, or derived from a token budget; a time budget is checked as we go
     n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
     max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
     time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.tokens) else 0.0
 
-    # resume: model, optimizer, scaler, step, data position, elapsed time and RNG from the newest good checkpoint
+    def restore(ckpt, with_data=True):
+        """Model, optimizer, scaler, guard and RNG (and the data position) from a checkpoint; (step, time, history)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+        scaler.load_state_dict(ckpt["scaler"])
+        guard.load_state(ckpt["guard"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if with_data:
+            train_loader.load_state(ckpt["data"])
+        return ckpt["step"], ckpt["train_time"], ckpt["history"]
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint; never mix runs or configs
     step, train_time, history = 0, 0.0, []
-    if not cfg.benchmark and not cfg.resume and list_checkpoints(cfg.out_dir):
+    if not cfg.benchmark and not resume and list_checkpoints(cfg.out_dir):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-    if cfg.resume and not cfg.benchmark:
+    if resume:
         ckpt, path = load_checkpoint(cfg.out_dir)
         if ckpt is None and list_checkpoints(cfg.out_dir):
             die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
@@ -896,27 +1162,24 @@ def main(cfg):
             if master:
                 print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
         else:
-            diff = [k for k in ARCH_FIELDS + ("batch_size", "grad_accum") if ckpt["config"].get(k) != getattr(cfg, k)]
-            if diff or ckpt["world_size"] != world_size:
-                die(f"--resume: {path} was made with a different config: " + ", ".join(
-                    [f"{k}={ckpt['config'][k]!r} (now {getattr(cfg, k)!r})" for k in diff] +
-                    ([f"world_size={ckpt['world_size']} (now {world_size})"] if ckpt["world_size"] != world_size else []))
-                    + "; pass the same flags or use a new --out_dir")
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-            set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
-                           options=StateDictOptions(full_state_dict=True))
-            scaler.load_state_dict(ckpt["scaler"])
-            train_loader.load_state(ckpt["data"])
-            step, train_time, history = ckpt["step"], ckpt["train_time"], ckpt.get("history", [])
-            torch.set_rng_state(ckpt["rng"]["cpu"])
+            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in ckpt["layout"].items() if layout.get(k) != v]
+            if diff:
+                die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
+                    f"a new --out_dir")
+            step, train_time, history = restore(ckpt)
             if master:
-                print(f"resumed from {path} at step {step}")
+                print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
+    data_state = train_loader.state()  # loader position before the batch in hand: what a checkpoint must store
+    x, y = train_loader.next()  # read before anything is written: bad data stops the run with out_dir untouched
     if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
         print(json.dumps(dataclasses.asdict(cfg)))
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+        except OSError as e:
+            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
         budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
         print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_real} (padded {vocab}) | {tokens_per_step} tokens/step "
               f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
@@ -928,11 +1191,10 @@ def main(cfg):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
         msd, osd = get_state_dict(raw, opts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if master:  # every rank joins the gather above (FSDP); one writes
-            obj = {"model": msd, "optim": osd, "scaler": scaler.state_dict(), "step": step, "data": data_state,
-                   "train_time": train_time, "history": history, "rng": {"cpu": torch.get_rng_state()},
-                   "config": dataclasses.asdict(cfg), "world_size": world_size, "vocab_size": vocab,
-                   "vocab_real": vocab_real, "tokenizer": tok_info}
-            save_checkpoint(obj, cfg.out_dir, step, cfg.keep_last, cfg.milestone_every)
+            saver.save({"model": msd, "optim": osd, "scaler": scaler.state_dict(), "guard": guard.state(), "step": step,
+                        "data": data_state, "train_time": train_time, "history": history,
+                        "rng": {"cpu": torch.get_rng_state()}, "config": dataclasses.asdict(cfg), "layout": layout,
+                        "vocab_size": vocab, "vocab_real": vocab_real, "tokenizer": tok_info}, step)
 
     def eval_and_sample(step, final=False):
         limit = min(sum(len(s) for s in val_loader.shards), 1 << 22) if final else cfg.eval_tokens
@@ -952,25 +1214,61 @@ def main(cfg):
                                vocab_real, g)
             if master:
                 print("-" * 40 + "\n" + decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
-        metrics.log(**rec)
+        metrics.log(**rec, **layer_stats(raw, x, ctx))  # per-layer grad/weight ratios and activation RMS
         history.append(rec)
         return rec
 
-    # the loop: accumulate grads over micro-steps (sync only on the last), clip, step, schedule, log, eval, save
-    data_state = train_loader.state()  # loader position before the batch in hand: what a checkpoint must store
-    x, y = train_loader.next()
-    t_log, steps_since_log, start_step = time.perf_counter(), 0, step
-    wall0, last = time.perf_counter(), {}
+    def rollback(step):
+        """Back to the newest intact checkpoint from before the first recent bad step, with the loader left where it
+        is: the batches read since that checkpoint are skipped (PaLM). Returns (step, train_time, history)."""
+        saver.wait()
+        if world_size > 1:
+            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        first_bad, guard.bad = guard.bad[0], []
+        ckpt, path = load_checkpoint(cfg.out_dir, before=first_bad)
+        if ckpt is None:
+            if master:
+                print(f"step {step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+            return step, train_time, history
+        tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
+        if tries[ckpt["step"]] > 3:
+            die(f"the loss still spikes after 3 rollbacks to step {ckpt['step']}; lower --lr, raise --warmup_steps "
+                f"or look at the data ranges in {cfg.out_dir}/skipped.tsv")
+        skipped = train_loader.ranges(ckpt["data"], data_state)
+        if master:
+            for s, p in list_checkpoints(cfg.out_dir):  # the abandoned branch's checkpoints must not be resumed
+                for q in (p + ".done", p) if s > ckpt["step"] else ():
+                    os.remove(q)
+            with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
+                f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in skipped)
+            print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the data read since is skipped, "
+                  f"{len(skipped)} token ranges appended to {cfg.out_dir}/skipped.tsv")
+        metrics.log(step=step, event="rollback", to_step=ckpt["step"], skipped=skipped)
+        out = restore(ckpt, with_data=False)
+        guard.bad = []
+        return out
+
+    def batch_loss():  # the training loss on the batch in hand, for --sharpness_every
+        with ctx:
+            return model(x, y, cfg.z_loss)
+
+    # the loop: accumulate grads over micro-steps (sync only on the last), clip, check, step, log, eval, save
+    t_log, steps_since_log, start_step, wall0, last = time.perf_counter(), 0, step, time.perf_counter(), {}
+    faults, fired, tries, clock, stopped = parse_faults(cfg.inject_fault), set(), {}, train_time, False
     while True:
-        progress = train_time / time_budget if time_budget else step / max_steps
-        if world_size > 1 and time_budget:  # every rank must agree on the LR and the stop (one small sync)
-            progress = all_mean(torch.tensor(progress, device=device), world_size).item()
-        done = progress >= 1.0
+        progress = clock / time_budget if time_budget else step / max_steps  # clock: the train time all ranks agree on
+        done = progress >= 1.0 or stopped
         t_pause = time.perf_counter()  # evals and saves are not training time
-        if not cfg.benchmark and cfg.eval_every and step % cfg.eval_every == 0 and step > start_step and not done:
-            eval_and_sample(step)
-        if not cfg.benchmark and cfg.save_every and step % cfg.save_every == 0 and step > start_step and not done:
-            save(step)
+        if not cfg.benchmark and step > start_step and not done:
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                eval_and_sample(step)
+            if cfg.sharpness_every and step % cfg.sharpness_every == 0:
+                lam = sharpness(batch_loss, list(raw.parameters()))
+                metrics.log(step=step, sharpness=lam)
+                if master:
+                    print(f"sharpness {step:05d} | top Hessian eigenvalue {lam:.4g}")
+            if cfg.save_every and step % cfg.save_every == 0:
+                save(step)
         t_log += time.perf_counter() - t_pause
         if done:
             break
@@ -982,6 +1280,7 @@ def main(cfg):
         t0 = time.perf_counter()
         mult = lr_mult(cfg, step, progress)
         for opt in opts:
+            opt.zero_grad(set_to_none=True)  # here, not after the update: an eval reads the last step's grads
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
         loss_sum = torch.zeros((), device=device)
@@ -993,35 +1292,50 @@ def main(cfg):
             with no_sync:
                 with ctx:
                     loss = model(x, y, cfg.z_loss) / accum  # mean over micro-steps, so grads equal one big batch
+                if faults:
+                    loss = inject_faults(faults, fired, step + 1, rank, loss)
                 data_state = train_loader.state()
                 x, y = train_loader.next()  # prefetch: the CPU reads the next batch while the GPU computes
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
-        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        for opt in opts:
-            scaler.step(opt)  # skipped when fp16 grads overflowed
+        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+        # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
+        local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
+                 torch.full((), train_time, device=device)]
+        loss_v, gnorm_v, stop_v, clock = all_mean(torch.stack(local), world_size).tolist()
+        overflow = scaler.is_enabled() and math.isfinite(loss_v) and not math.isfinite(gnorm_v)  # fp16: the scaler's job
+        reason = None if overflow else guard.check(step + 1, loss_v, gnorm_v)
+        if reason is None:
+            for opt in opts:
+                scaler.step(opt)  # skipped when fp16 grads overflowed
         scaler.update()
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
         step += 1
         steps_since_log += 1
         train_time += time.perf_counter() - t0
+        stopped = stop_v > 0
+        if reason:
+            metrics.log(step=step, event="skip", reason=reason, loss=loss_v, gnorm=gnorm_v)
+            if master:
+                print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {cfg.guard_window} steps")
+            if guard.rollback_due():
+                step, train_time, history = rollback(step)
+                clock = train_time
+                continue
         if step % cfg.log_every == 0 or step == max_steps:
-            loss_val = all_mean(loss_sum, world_size).item()  # .item() syncs with the GPU: only on log steps
-            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
             dt = (time.perf_counter() - t_log) / steps_since_log
             t_log, steps_since_log = time.perf_counter(), 0
             tok_s = tokens_per_step / dt
             mfu = flops_per_step / dt / peak if peak else None
-            last = {"step": step, "loss": loss_val, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm.item(),
+            last = {"step": step, "loss": loss_v, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm_v,
                     "ms": dt * 1e3, "tok_s": tok_s, "mfu": mfu, "train_time": train_time}
             metrics.log(**last)
-            history.append({"step": step, "loss": loss_val})
+            history.append({"step": step, "loss": loss_v})
             if master:
                 total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
-                print(f"step {step:05d}/{total} | loss {loss_val:.4f} | lr {last['lr']:.1e} | gnorm {last['gnorm']:.2f} | "
+                print(f"step {step:05d}/{total} | loss {loss_v:.4f} | lr {last['lr']:.1e} | gnorm {gnorm_v:.2f} | "
                       f"{dt * 1e3:.0f} ms | {fmt_rate(tok_s)} tok/s | mfu " + (f"{100 * mfu:.1f}%" if mfu else "-"))
 
     if cfg.benchmark:
@@ -1035,9 +1349,19 @@ def main(cfg):
                   f"{res['ms_per_step']:.1f} ms/step | mfu " + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
                   f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
         return res
+    if stopped:  # preempted: save where we are and leave with exit code 0; --resume carries on
+        save(step)
+        saver.wait()
+        if master:
+            print(f"stopped by {stop.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                  f"{cfg.out_dir}; run the same command with --resume to continue")
+        if world_size > 1:
+            dist.destroy_process_group()
+        return {"preempted": True, "steps": step, "train_time": train_time}
 
     rec = eval_and_sample(step, final=True)
     save(step)
+    saver.wait()
     wall = time.perf_counter() - wall0
     result = {**rec, "train_loss": last.get("loss"), "steps": step, "tokens": step * tokens_per_step,
               "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}

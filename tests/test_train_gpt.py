@@ -29,8 +29,10 @@ def losses(out_dir):
 
 
 def run_script(*args, env=None, torchrun=False):
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun
-           else [sys.executable]) + [os.path.join(ROOT, "train_gpt.py"), *args]
+    """Run train_gpt.py in a subprocess; torchrun=True (or a list of extra torchrun flags) runs two ranks."""
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            *(torchrun if isinstance(torchrun, list) else [])] if torchrun else [sys.executable])
+    cmd += [os.path.join(ROOT, "train_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
 
 # ----------------------------------------------------------------------------- units
@@ -156,10 +158,11 @@ def test_loss_falls_and_run_writes_its_files(corpus, tmp_path, optimizer):
     assert rows[0].startswith("run_id") and "val_bpb" in rows[1]
 
 
-def test_resume_is_exact(corpus, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_is_exact(corpus, tmp_path, async_save):
     """Stop at step 6 (by keeping only that checkpoint), resume: steps 7..12 must equal the uninterrupted run's."""
     a, b = tmp_path / "a", tmp_path / "b"
-    ra = tg.main(tiny(corpus, a, max_steps=12, save_every=6, keep_last=5, optimizer="muon"))
+    ra = tg.main(tiny(corpus, a, max_steps=12, save_every=6, keep_last=5, optimizer="muon", async_save=async_save))
     b.mkdir()
     for ext in ("", ".done"):
         shutil.copy(a / f"ckpt_0000006.pt{ext}", b)
@@ -204,6 +207,9 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--time_budget=0"], "no training budget"),
     (["--lrr=0.1"], "did you mean --lr"),
     (["--batch_size=abc"], "invalid int value"),
+    (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
+    (["--inject_fault=nan5", "--max_steps=1"], "cannot read 'nan5'"),
+    (["--skip_data=/nonexistent.tsv", "--max_steps=1"], "--skip_data=/nonexistent.tsv"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     p = run_script(*args, f"--out_dir={tmp_path}/o", "--device=cpu")
@@ -227,6 +233,19 @@ def test_bad_data(corpus, tmp_path):
         tg.main(tiny(corpus, tmp_path / "o", max_steps=1, vocab_size=100))
     with pytest.raises(SystemExit, match="shorter than --seq_len"):
         tg.main(tiny(corpus, tmp_path / "o", max_steps=1, seq_len=1 << 20))
+    (bad / "train_000000.bin").write_bytes(b"x" * 4096)  # no header: not a shard at all
+    with pytest.raises(SystemExit, match="not a token shard"):
+        tg.main(tiny(bad, tmp_path / "o", max_steps=1))
+    shutil.rmtree(bad)
+    shutil.copytree(corpus, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    (bad / "meta.json").write_text(json.dumps({**meta, "vocab_size": 200}))  # the shards hold ids up to 256
+    with pytest.raises(SystemExit, match="token id 256 >= vocab size 200"):
+        tg.main(tiny(bad, tmp_path / "o", max_steps=1))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="cannot write to --out_dir"):
+        tg.main(tiny(corpus, tmp_path / "file" / "o", max_steps=1))
+    assert not (tmp_path / "o").exists()
 
 
 def test_resume_with_other_config_is_refused(corpus, tmp_path):
@@ -308,3 +327,133 @@ def test_model_through_triton_kernels_matches_pytorch_path(monkeypatch):
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+# ----------------------------------------------------------------------------- reliability: guards, rollback, preemption
+
+
+def events(out_dir, kind):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("event") == kind]
+
+
+def test_guard_flags_nonfinite_spikes_and_asks_for_rollback():
+    g = tg.Guard(loss_sigma=6.0, gnorm_sigma=6.0, window=20, max_bad=3, clip_mult=2.0)
+    assert g.check(1, float("nan"), 1.0) and g.check(2, 1.0, float("inf"))  # non-finite: bad from the first step
+    assert g.clip(1.0) == 1.0  # too few good steps for a dynamic threshold yet
+    for s in range(3, 30):
+        assert g.check(s, 3.0 + 0.01 * (s % 3), 0.5 + 0.01 * (s % 2)) is None
+    assert g.clip(0.0) == pytest.approx(2 * 0.505, abs=0.01) and g.clip(0.5) == 0.5  # the lower of the two
+    assert "loss spike" in g.check(30, 4.0, 0.5) and "grad norm spike" in g.check(31, 3.0, 5.0)
+    assert g.check(32, 3.05, 0.51) is None  # an ordinary step is not a spike
+    assert len(g.bad) == 2 and not g.rollback_due()  # steps 1 and 2 fell out of the 20-step window
+    g.check(33, 100.0, 0.5)
+    assert g.rollback_due()
+    h = tg.Guard()
+    h.load_state(g.state())
+    assert h.state() == g.state()
+
+
+def test_injected_nan_is_skipped_and_training_continues(corpus, tmp_path):
+    clean = tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2))
+    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=40, lr=1e-2, inject_fault="nan@12"))
+    assert [e["step"] for e in events(tmp_path / "b", "skip")] == [12]
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert all(la[s] == lb[s] for s in range(1, 12))  # identical until the fault
+    assert math.isfinite(r["val_loss"]) and r["val_loss"] == pytest.approx(clean["val_loss"], rel=0.03)
+
+
+def test_repeated_spikes_roll_back_and_skip_the_data(corpus, tmp_path):
+    out = tmp_path / "o"
+    r = tg.main(tiny(corpus, out, max_steps=40, lr=1e-2, save_every=10, keep_last=5, rollback_after=3,
+                     inject_fault="spike@24-26"))
+    assert [e["step"] for e in events(out, "skip")] == [24, 25, 26]
+    (rb,) = events(out, "rollback")
+    assert rb["step"] == 26 and rb["to_step"] == 20  # the newest checkpoint from before the first bad step
+    # the loader kept its place: the rows of steps 21..26 are skipped, 6 rows of T tokens in each of the 4 lanes
+    skipped = [line.split("\t") for line in (out / "skipped.tsv").read_text().splitlines()]
+    assert len(skipped) == 4 and all(int(b) - int(a) >= 6 * 32 for _, a, b in skipped)
+    assert r["steps"] == 40 and r["val_loss"] < losses(out)[1] - 2.0
+    assert sorted(losses(out)) == list(range(1, 41))  # steps 21..26 were done again on fresh data
+
+
+def test_rollback_gives_up_when_spikes_persist(corpus, tmp_path):
+    with pytest.raises(SystemExit, match="still spikes after 3 rollbacks to step 10"):
+        tg.main(tiny(corpus, tmp_path / "o", max_steps=60, save_every=10, rollback_after=2, inject_fault="nan@12-40"))
+
+
+def test_loader_never_reads_skipped_ranges(tmp_path):
+    prepare_data.write_shard(tmp_path / "train_000000.bin", np.arange(3000))  # token value = its position
+    skip = [("train_000000.bin", 100, 400), ("train_000000.bin", 1700, 1750)]
+    loader = tg.TokenLoader(tg.find_shards(str(tmp_path), "train"), 2, 16, 0, 1, torch.device("cpu"), lanes=2, skip=skip)
+    seen = set()
+    for _ in range(200):
+        x, y = loader.next()
+        seen.update(torch.cat([x, y[:, -1:]], 1).flatten().tolist())
+    assert loader.epoch >= 1  # wrapped around: the ranges are skipped in every epoch
+    assert not seen & (set(range(100, 400)) | set(range(1700, 1750)))
+    assert len(seen) > 2000  # and the rest is read
+
+
+def test_sigterm_saves_and_resume_equals_uninterrupted(corpus, tmp_path):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    a = tg.main(tiny(corpus, tmp_path / "a", max_steps=12))
+    stopped = tg.main(tiny(corpus, tmp_path / "b", max_steps=12, inject_fault="sigterm@5"))
+    assert stopped == {"preempted": True, "steps": 5, "train_time": stopped["train_time"]}
+    assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "b"))] == [5]
+    assert signal.getsignal(signal.SIGTERM) is before  # main() put the handlers back
+    b = tg.main(tiny(corpus, tmp_path / "b", max_steps=12, resume=True))
+    assert b["val_loss"] == a["val_loss"] and all(losses(tmp_path / "a")[s] == losses(tmp_path / "b")[s] for s in range(6, 13))
+
+
+def test_sharpness_matches_the_exact_hessian():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    params = list(net.parameters())
+    lam = tg.sharpness(lambda: torch.nn.functional.mse_loss(net(x), y), params, iters=50)
+    flat = torch.cat([p.detach().flatten() for p in params])
+
+    def loss_of(w):
+        ws, i = [], 0
+        for p in params:
+            ws.append(w[i:i + p.numel()].view_as(p))
+            i += p.numel()
+        return torch.nn.functional.mse_loss(torch.func.functional_call(net, dict(zip(
+            [n for n, _ in net.named_parameters()], ws)), (x,)), y)
+    eig = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss_of, flat))
+    top = eig[eig.abs().argmax()].item()
+    assert lam == pytest.approx(top, rel=0.02), (lam, eig)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in params]), flat)  # the weights are put back
+
+
+def test_monitoring_in_metrics(corpus, tmp_path):
+    tg.main(tiny(corpus, tmp_path / "o", max_steps=6, eval_every=3, sharpness_every=3, clip_mult=2.0))
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    ev = [r for r in rows if "val_loss" in r]
+    assert len(ev) == 2 and all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in ev)
+    assert len(ev[0]["grad_ratio"]) == 2 + 2 and len(ev[0]["act_rms"]) == 1 + 2  # embedding, 2 blocks (, head)
+    assert all(0 < v < 10 for v in ev[0]["grad_ratio"] + ev[0]["act_rms"])
+    (sh,) = [r for r in rows if "sharpness" in r]
+    assert sh["step"] == 3 and math.isfinite(sh["sharpness"]) and sh["sharpness"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
+    """SIGTERM to rank 1 stops both ranks at the same step with a checkpoint and exit 0; a crash of rank 1 under
+    torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model."""
+    common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
+              "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2"]
+    p = run_script(*common, f"--out_dir={tmp_path}/t", "--inject_fault=sigterm@3:1", torchrun=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "stopped by a signal to another rank at step 3" in p.stdout
+    assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "t"))] == [3]
+    p = run_script(*common, f"--out_dir={tmp_path}/t", "--resume", torchrun=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    k = run_script(*common, f"--out_dir={tmp_path}/k", "--save_every=2", "--inject_fault=kill@4:1",
+                   torchrun=["--max-restarts=1"])
+    assert k.returncode == 0, k.stderr[-3000:]
+    assert "resumed from" in k.stdout and "(torchrun restart 1)" in k.stdout
+    lt, lk = losses(tmp_path / "t"), losses(tmp_path / "k")
+    assert lt[6] == pytest.approx(lk[6], rel=1e-6)
