@@ -755,11 +755,12 @@ class CheckpointWriter:
         except OSError as e:
             self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
             return
+        # newer steps than this one are an abandoned timeline (a rollback, or a resume past an unreadable newest
+        # checkpoint): they go, and never count among the keep_last that protect the good ones
         done = list_checkpoints(self.out_dir)
-        for s, p in done[:-self.keep_last] if self.keep_last > 0 else []:
-            if not (self.milestone_every and s % self.milestone_every == 0):
-                for q in (p + ".done", p):  # marker first: a half-deleted checkpoint never looks complete
-                    os.remove(q)
+        older = [(s, p) for s, p in done if s <= step][:-self.keep_last] if self.keep_last > 0 else []
+        remove_checkpoints([p for s, p in done if s > step] +
+                           [p for s, p in older if not (self.milestone_every and s % self.milestone_every == 0)])
 
     def wait(self):
         """Block until the write in flight is on disk; stop the run if it failed."""
@@ -768,6 +769,13 @@ class CheckpointWriter:
             self.thread = None
         if self.error:
             die(self.error)
+
+
+def remove_checkpoints(paths):
+    """Delete checkpoints, each marker first: a half-deleted checkpoint never looks complete."""
+    for p in paths:
+        for q in (p + ".done", p):
+            os.remove(q)
 
 
 def sha256_file(path):
@@ -1236,9 +1244,7 @@ def train(cfg, stop):
                 f"or look at the data ranges in {cfg.out_dir}/skipped.tsv")
         skipped = train_loader.ranges(ckpt["data"], data_state)
         if master:
-            for s, p in list_checkpoints(cfg.out_dir):  # the abandoned branch's checkpoints must not be resumed
-                for q in (p + ".done", p) if s > ckpt["step"] else ():
-                    os.remove(q)
+            remove_checkpoints([p for s, p in list_checkpoints(cfg.out_dir) if s > ckpt["step"]])  # never resumed
             with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
                 f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in skipped)
             print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the data read since is skipped, "

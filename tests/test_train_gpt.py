@@ -256,12 +256,20 @@ def test_resume_with_other_config_is_refused(corpus, tmp_path):
     assert sorted(os.listdir(tmp_path / "o")) == before  # nothing overwritten
 
 
-def test_corrupt_newest_checkpoint_falls_back(corpus, tmp_path):
-    tg.main(tiny(corpus, tmp_path / "o", max_steps=4, save_every=2, keep_last=3))
-    with open(tmp_path / "o" / "ckpt_0000004.pt", "r+b") as f:
+def test_corrupt_newest_checkpoint_falls_back(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    tg.main(tiny(corpus, out, max_steps=4, save_every=2, keep_last=3))
+    with open(out / "ckpt_0000004.pt", "r+b") as f:
         f.truncate(100)
-    ckpt, path = tg.load_checkpoint(str(tmp_path / "o"))
+    ckpt, path = tg.load_checkpoint(str(out))
     assert ckpt["step"] == 2 and path.endswith("ckpt_0000002.pt")
+    capsys.readouterr()
+    # --resume goes on from step 2 with a one-line warning; the unreadable step 4 is newer than anything this run
+    # saves, so it must not be counted among the keep_last=1 checkpoints and push out the good ones
+    r = tg.main(tiny(corpus, out, max_steps=3, keep_last=1, resume=True))
+    err = [line for line in capsys.readouterr().err.splitlines() if "ckpt_0000004.pt" in line]
+    assert len(err) == 1 and err[0].startswith("warning: skipping checkpoint") and r["steps"] == 3
+    assert [s for s, _ in tg.list_checkpoints(str(out))] == [3] and tg.load_checkpoint(str(out))[0]["step"] == 3
 
 # ----------------------------------------------------------------------------- distributed (gloo, two ranks)
 
