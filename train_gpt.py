@@ -488,6 +488,9 @@ class TokenLoader:
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
         self.lanes, self.vocab = lanes, vocab
         names = [os.path.basename(f) for f in files]
+        if {n for n, _, _ in skip} - set(names):
+            die(f"--skip_data names shards that {os.path.dirname(files[0])} does not have: "
+                f"{', '.join(sorted({n for n, _, _ in skip} - set(names)))}; was it written for another data dir?")
         self.skip = [sorted((a, b) for name, a, b in skip if name == n) for n in names]  # token ranges never read
         self.load_state({"epoch": 0, "shard": 0})
 
@@ -662,6 +665,11 @@ def setup_dist(device_arg="auto"):
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
     return rank, world_size, device
+
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def all_mean(x, world_size):
@@ -914,7 +922,8 @@ class Guard:
 
     def check(self, step, loss, gnorm):
         """None if the update is safe, else the reason; good values update the running statistics."""
-        reason = None if math.isfinite(loss) and math.isfinite(gnorm) else "non-finite loss or grad norm"
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
         for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
             std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
             if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
@@ -984,7 +993,6 @@ def sharpness(loss_fn, params, iters=10, seed=0):
     """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
     Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
     backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
     w0 = [p.detach().clone() for p in params]
     gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
@@ -1042,7 +1050,6 @@ def prepare_default_data(cfg, rank, world_size):
 def layer_stats(raw, x, ctx):
     """Per layer (embedding, each block, head): |grad| / |weight| from the last backward, and the RMS of each layer's
     output on x. One ratio far above the rest, or an RMS that keeps growing, is an early sign of instability."""
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - FSDP: sum over shards
     sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
     acts = [raw.wte, *raw.blocks]
     layers = acts + ([raw.head] if raw.head is not None else [])
@@ -1240,7 +1247,7 @@ def train(cfg, stop):
             return step, train_time, history
         tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
         if tries[ckpt["step"]] > 3:
-            die(f"the loss still spikes after 3 rollbacks to step {ckpt['step']}; lower --lr, raise --warmup_steps "
+            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr, raise --warmup_steps "
                 f"or look at the data ranges in {cfg.out_dir}/skipped.tsv")
         skipped = train_loader.ranges(ckpt["data"], data_state)
         if master:
@@ -1306,8 +1313,7 @@ def train(cfg, stop):
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
-        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+        gnorm = full(nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip)))
         # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
         local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
                  torch.full((), train_time, device=device)]

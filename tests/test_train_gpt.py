@@ -385,7 +385,7 @@ def test_repeated_spikes_roll_back_and_skip_the_data(corpus, tmp_path):
 
 
 def test_rollback_gives_up_when_spikes_persist(corpus, tmp_path):
-    with pytest.raises(SystemExit, match="still spikes after 3 rollbacks to step 10"):
+    with pytest.raises(SystemExit, match="bad steps go on after 3 rollbacks to step 10"):
         tg.main(tiny(corpus, tmp_path / "o", max_steps=60, save_every=10, rollback_after=2, inject_fault="nan@12-40"))
 
 
@@ -400,6 +400,9 @@ def test_loader_never_reads_skipped_ranges(tmp_path):
     assert loader.epoch >= 1  # wrapped around: the ranges are skipped in every epoch
     assert not seen & (set(range(100, 400)) | set(range(1700, 1750)))
     assert len(seen) > 2000  # and the rest is read
+    with pytest.raises(SystemExit, match="names shards that .* does not have: val_000000.bin"):
+        tg.TokenLoader(tg.find_shards(str(tmp_path), "train"), 2, 16, 0, 1, torch.device("cpu"),
+                       skip=[("val_000000.bin", 0, 9)])
 
 
 def test_sigterm_saves_and_resume_equals_uninterrupted(corpus, tmp_path):
@@ -445,6 +448,8 @@ def test_monitoring_in_metrics(corpus, tmp_path):
     assert all(0 < v < 10 for v in ev[0]["grad_ratio"] + ev[0]["act_rms"])
     (sh,) = [r for r in rows if "sharpness" in r]
     assert sh["step"] == 3 and math.isfinite(sh["sharpness"]) and sh["sharpness"] > 0
+    tg.main(tiny(corpus, tmp_path / "p", max_steps=6, eval_every=3, clip_mult=2.0))
+    assert losses(tmp_path / "p") == losses(tmp_path / "o")  # the estimate leaves weights and training untouched
 
 
 @pytest.mark.slow
