@@ -1159,7 +1159,8 @@ def train(cfg, stop):
         set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
                        options=StateDictOptions(full_state_dict=True))
         scaler.load_state_dict(ckpt["scaler"])
-        guard.load_state(ckpt["guard"])
+        if "guard" in ckpt:  # not in checkpoints from before the guards
+            guard.load_state(ckpt["guard"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if with_data:
             train_loader.load_state(ckpt["data"])
@@ -1177,7 +1178,9 @@ def train(cfg, stop):
             if master:
                 print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
         else:
-            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in ckpt["layout"].items() if layout.get(k) != v]
+            saved = ckpt.get("layout") or {**{k: ckpt["config"][k] for k in ARCH_FIELDS + ("batch_size", "grad_accum")},
+                                           "world_size": ckpt["world_size"], "vocab": ckpt["vocab_real"]}  # older files
+            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
             if diff:
                 die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
                     f"a new --out_dir")
@@ -1187,14 +1190,15 @@ def train(cfg, stop):
 
     data_state = train_loader.state()  # loader position before the batch in hand: what a checkpoint must store
     x, y = train_loader.next()  # read before anything is written: bad data stops the run with out_dir untouched
-    if master:
-        print(json.dumps(dataclasses.asdict(cfg)))
+    if master and not cfg.benchmark:  # a benchmark writes nothing: never the config.json of a run in out_dir
         try:
             os.makedirs(cfg.out_dir, exist_ok=True)
             with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
                 json.dump(dataclasses.asdict(cfg), f, indent=2)
         except OSError as e:
             die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
+    if master:
+        print(json.dumps(dataclasses.asdict(cfg)))
         budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
         print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_real} (padded {vocab}) | {tokens_per_step} tokens/step "
               f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
@@ -1351,6 +1355,8 @@ def train(cfg, stop):
                       f"{dt * 1e3:.0f} ms | {fmt_rate(tok_s)} tok/s | mfu " + (f"{100 * mfu:.1f}%" if mfu else "-"))
 
     if cfg.benchmark:
+        if stopped:
+            die(f"--benchmark stopped by {stop.received or 'a signal to another rank'} at step {step}; nothing measured")
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t_bench) / cfg.bench_steps

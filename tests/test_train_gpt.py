@@ -158,14 +158,19 @@ def test_loss_falls_and_run_writes_its_files(corpus, tmp_path, optimizer):
     assert rows[0].startswith("run_id") and "val_bpb" in rows[1]
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_resume_is_exact(corpus, tmp_path, async_save):
-    """Stop at step 6 (by keeping only that checkpoint), resume: steps 7..12 must equal the uninterrupted run's."""
+@pytest.mark.parametrize("async_save, old_format", [(False, False), (True, False), (False, True)])
+def test_resume_is_exact(corpus, tmp_path, async_save, old_format):
+    """Stop at step 6 (by keeping only that checkpoint), resume: steps 7..12 must equal the uninterrupted run's.
+    old_format: a checkpoint as written before the guards (no "layout" or "guard") resumes too."""
     a, b = tmp_path / "a", tmp_path / "b"
     ra = tg.main(tiny(corpus, a, max_steps=12, save_every=6, keep_last=5, optimizer="muon", async_save=async_save))
     b.mkdir()
     for ext in ("", ".done"):
         shutil.copy(a / f"ckpt_0000006.pt{ext}", b)
+    if old_format:
+        ckpt = torch.load(b / "ckpt_0000006.pt", weights_only=False)
+        old = {**{k: v for k, v in ckpt.items() if k not in ("layout", "guard")}, "world_size": 1}  # the old keys
+        tg.CheckpointWriter(str(b)).save(old, 6)
     rb = tg.main(tiny(corpus, b, max_steps=12, resume=True, optimizer="muon"))
     la, lb = losses(a), losses(b)
     assert sorted(lb) == list(range(7, 13))
@@ -189,6 +194,9 @@ def test_sample_from_checkpoint(corpus, tmp_path):
 def test_benchmark_needs_no_data(tmp_path):
     r = tg.main(tg.Config(**{**TINY, "benchmark": True, "bench_steps": 3, "out_dir": str(tmp_path)}))
     assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None and r["params"] > 0
+    with pytest.raises(SystemExit, match="--benchmark stopped by SIGTERM at step 2; nothing measured"):
+        tg.main(tg.Config(**{**TINY, "benchmark": True, "out_dir": str(tmp_path), "inject_fault": "sigterm@2"}))
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow
