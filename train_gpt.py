@@ -1102,6 +1102,7 @@ def train(cfg, stop):
     resume = (cfg.resume or restarts > 0) and not cfg.benchmark
 
     # data: token shards of each split, read in order; the vocab comes from the data unless given
+    skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()  # a bad file fails before any data is prepared
     if cfg.benchmark:
         meta = {"tokenizer": None, "vocab_size": cfg.vocab_size or 50257, "eot_id": None, "splits": {}}
     else:
@@ -1114,7 +1115,6 @@ def train(cfg, stop):
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_real, device)
     else:
-        skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()
         train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
                                    lanes=B * world_size * accum, vocab=vocab_real, skip=skip)  # a lane per row of a step
         # val in lanes too, so a short periodic eval samples the whole val split, like the final one

@@ -28,12 +28,12 @@ def losses(out_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_script(*args, env=None, torchrun=False):
+def run_script(*args, env=None, torchrun=False, cwd=ROOT):
     """Run train_gpt.py in a subprocess; torchrun=True (or a list of extra torchrun flags) runs two ranks."""
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             *(torchrun if isinstance(torchrun, list) else [])] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, "train_gpt.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600, env={**os.environ, **(env or {})})
 
 # ----------------------------------------------------------------------------- units
 
@@ -220,10 +220,11 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--skip_data=/nonexistent.tsv", "--max_steps=1"], "--skip_data=/nonexistent.tsv"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
-    p = run_script(*args, f"--out_dir={tmp_path}/o", "--device=cpu")
+    """Bad flags fail at once, before the default data_dir (relative: in tmp_path) is prepared or out_dir written."""
+    p = run_script(*args, f"--out_dir={tmp_path}/o", "--device=cpu", cwd=tmp_path)
     assert p.returncode != 0 and message in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # one line, no traceback
-    assert not os.path.exists(tmp_path / "o")
+    assert os.listdir(tmp_path) == []
 
 
 def test_bad_data(corpus, tmp_path):
