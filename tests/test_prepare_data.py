@@ -162,7 +162,7 @@ def test_stdlib_real(tmp_path):
     files = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
              if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts]
     text = {f: (root / f).read_bytes().decode(errors="replace") for f in files}
-    files = [f for f in files if pd.junk_reason(text[f]) is None]  # the binary test fixtures are dropped
+    files = [f for f in files if pd.junk_reason(text[f]) is None]  # the deliberately non-UTF-8 test modules are dropped
     val_files = [f for f in files if zlib.crc32(f.encode()) % 100 < 1]
     pd.main(["stdlib", f"--data_dir={tmp_path / 'data'}"])
     meta, val = load_split(tmp_path / "data", "val")
