@@ -136,6 +136,14 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "no
                "tie_embeddings", "logit_softcap", "rope_base")
 
 
+def run_layout(c, world_size, vocab_real):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and batch layout."""
+    B, T = c["batch_size"], c["seq_len"]
+    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
+    return {**{k: c[k] for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum, "world_size": world_size,
+            "vocab": vocab_real}
+
+
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -488,9 +496,10 @@ class TokenLoader:
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
         self.lanes, self.vocab = lanes, vocab
         names = [os.path.basename(f) for f in files]
-        if {n for n, _, _ in skip} - set(names):
-            die(f"--skip_data names shards that {os.path.dirname(files[0])} does not have: "
-                f"{', '.join(sorted({n for n, _, _ in skip} - set(names)))}; was it written for another data dir?")
+        unknown = sorted({n for n, _, _ in skip} - set(names))
+        if unknown:
+            die(f"--skip_data names shards that {os.path.dirname(files[0])} does not have: {', '.join(unknown)}; "
+                f"was it written for another data dir?")
         self.skip = [sorted((a, b) for name, a, b in skip if name == n) for n in names]  # token ranges never read
         self.load_state({"epoch": 0, "shard": 0})
 
@@ -1145,8 +1154,7 @@ def train(cfg, stop):
     opts = build_optimizers(cfg, raw, device)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
-    layout = {**{k: getattr(cfg, k) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum,
-              "world_size": world_size, "vocab": vocab_real}  # what a resumed run must share with its checkpoint
+    layout = run_layout(dataclasses.asdict(cfg), world_size, vocab_real)
 
     # budget: steps given, or derived from a token budget; a time budget is checked as we go
     n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
@@ -1178,9 +1186,8 @@ def train(cfg, stop):
             if master:
                 print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
         else:
-            saved = ckpt.get("layout") or {**{k: ckpt["config"][k] for k in ARCH_FIELDS + ("batch_size", "grad_accum")},
-                                           "world_size": ckpt["world_size"], "vocab": ckpt["vocab_real"]}  # older files
-            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+            saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["vocab_real"])
+            diff = [f"{k}={v!r} (now {layout[k]!r})" for k, v in saved.items() if layout[k] != v]
             if diff:
                 die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
                     f"a new --out_dir")
@@ -1212,7 +1219,7 @@ def train(cfg, stop):
         if master:  # every rank joins the gather above (FSDP); one writes
             saver.save({"model": msd, "optim": osd, "scaler": scaler.state_dict(), "guard": guard.state(), "step": step,
                         "data": data_state, "train_time": train_time, "history": history,
-                        "rng": {"cpu": torch.get_rng_state()}, "config": dataclasses.asdict(cfg), "layout": layout,
+                        "rng": {"cpu": torch.get_rng_state()}, "config": dataclasses.asdict(cfg), "world_size": world_size,
                         "vocab_size": vocab, "vocab_real": vocab_real, "tokenizer": tok_info}, step)
 
     def eval_and_sample(step, final=False):
