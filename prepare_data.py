@@ -370,6 +370,119 @@ def prepare_fineweb(args):
 
 
 # -----------------------------------------------------------------------------
+# Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
+
+SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
+
+
+def shape_mask(k, u, v):
+    """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
+    r, th = np.hypot(u, v), np.arctan2(v, u)
+    polygon = lambda n: r * np.cos(np.mod(th, 2 * np.pi / n) - np.pi / n) < np.cos(np.pi / n)  # noqa: E731
+    x, y = 1.2 * u, 1.2 * v + 0.2  # heart coordinates
+    return [lambda: r < 0.9, lambda: (r < 1) & (r > 0.55), lambda: polygon(3), lambda: polygon(4), lambda: polygon(6),
+            lambda: r < 0.42 + 0.58 * np.abs(np.cos(2.5 * th)) ** 2,  # five points
+            lambda: ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
+            lambda: (r < 1) & (np.hypot(u - 0.5, v) > 0.8),
+            lambda: (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0,
+            lambda: ((abs(v) < 0.22) & (u > -1) & (u < 0.1)) | ((u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)),
+            ][k]()
+
+
+def make_shapes(n, size, seed, chunk=256):
+    """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
+    seed. Random colours, size, position and rotation over a gradient background with clutter lines and blobs, so
+    that neither colour nor position gives the class away and a linear classifier on pixels does poorly."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, len(SHAPES), n)
+    ss = 2  # 2x2 supersampling: anti-aliased edges
+    g = (np.arange(size * ss) + 0.5) / (size * ss) * 2 - 1  # pixel centres in [-1, 1]
+    Y, X = np.meshgrid(g.astype(np.float32), g.astype(np.float32), indexing="ij")
+    out = np.empty((n, size, size, 3), np.uint8)
+    for i in range(0, n, chunk):
+        m = min(chunk, n - i)
+        par = lambda *s: rng.random((m, *s), np.float32)[:, None, None]  # noqa: E731  (m, 1, 1, *s): broadcasts on Y, X
+        ang = 2 * np.pi * par()
+        img = par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None]  # gradient
+        for j in range(3):  # up to 3 thin lines across the image
+            a, off, w, on = np.pi * par(), 2 * par() - 1, 0.02 + 0.04 * par(), par() < (1.0, 0.6, 0.3)[j]
+            line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
+            img = np.where(line[..., None], par(3), img)
+        for _ in range(2):  # up to 2 small blobs
+            cx, cy, rr, on = 2 * par() - 1, 2 * par() - 1, 0.05 + 0.1 * par(), par() < 0.5
+            img = np.where(((np.hypot(X - cx, Y - cy) < rr) & on)[..., None], par(3), img)
+        s = 0.35 + 0.35 * par()
+        cx, cy, rot = (2 * par() - 1) * (1 - s), (2 * par() - 1) * (1 - s), 2 * np.pi * par()
+        xr, yr = (X - cx) / s, (Y - cy) / s
+        u, v = np.cos(rot) * xr + np.sin(rot) * yr, np.cos(rot) * yr - np.sin(rot) * xr
+        mask = np.zeros((m, *X.shape), bool)
+        for k in range(len(SHAPES)):
+            sel = labels[i:i + m] == k
+            mask[sel] = shape_mask(k, u[sel], v[sel])
+        bg = img.mean((1, 2), keepdims=True)  # a colour that stands out from the background's mean
+        col = par(3)
+        col = np.where(np.abs(col - bg).max(-1, keepdims=True) < 0.35, np.where(bg < 0.5, 0.75 + 0.25 * col, 0.25 * col), col)
+        img = np.where(mask[..., None], col, img) + 0.03 * rng.standard_normal(img.shape, np.float32)
+        img = img.reshape(m, size, ss, size, ss, 3).mean((2, 4))
+        out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
+    return out, labels.astype(np.int64)
+
+
+def source_shapes(args):
+    """The procedural shapes dataset: train and val from different seeds (no network)."""
+    if args.image_size < 8 or args.train_size < 1 or args.val_size < 1:
+        fail("need --image_size >= 8, --train_size >= 1 and --val_size >= 1")
+    splits = {}
+    for split, n, seed in (("train", args.train_size, args.seed), ("val", args.val_size, args.seed + 1)):
+        splits[split] = make_shapes(n, args.image_size, seed)
+        print(f"{split}: {n:,} images generated")
+    return splits, list(SHAPES)
+
+
+def write_images(data_dir, splits, classes, source):
+    """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
+    (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict."""
+    data_dir = Path(data_dir)
+    shapes = {x.shape[1:] for x, _ in splits.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        fail(f"images of the splits differ in size or are not (N, H, W, C): {sorted(shapes)}; use --image_size")
+    for split, (x, y) in splits.items():
+        if len(x) != len(y) or not len(x):
+            fail(f"{split}: {len(x)} images but {len(y)} labels; the dataset files do not match")
+        if y.min() < 0 or y.max() >= len(classes):
+            fail(f"{split}: a label is outside 0..{len(classes) - 1}; the dataset files do not match")
+    train = splits["train"][0]
+    pix = train[:: max(1, len(train) // 10000)].reshape(-1, train.shape[-1]).astype(np.float64) / 255
+    meta = dict(format="trainsuite-image-1", source=source, classes=list(classes), num_classes=len(classes),
+                image_size=list(train.shape[1:3]), channels=int(train.shape[3]),
+                mean=pix.mean(0).round(4).tolist(), std=pix.std(0).round(4).tolist(),
+                splits={s: {"images": len(x)} for s, (x, _) in splits.items()})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
+    try:
+        for split, (x, y) in splits.items():
+            np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
+            np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (data_dir / "meta.json").unlink(missing_ok=True)
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
+            os.replace(f, data_dir / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return meta
+
+
+def prepare_images(args):
+    """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
+    t0 = time.time()
+    splits, classes = args.source(args)
+    meta = write_images(args.data_dir, splits, classes, args.command)
+    h, w = meta["image_size"]
+    counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
+    print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, in {time.time() - t0:.1f} s")
+
+
+# -----------------------------------------------------------------------------
 # Entry point
 
 class Parser(argparse.ArgumentParser):
@@ -401,6 +514,13 @@ def main(argv=None):
     p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
     p.add_argument("--data_dir", default="data/fineweb10B")
     p.set_defaults(run=prepare_fineweb)
+    p = commands.add_parser("shapes", help="procedural images of 10 shapes (no network)", allow_abbrev=False)
+    p.add_argument("--data_dir", default="data/shapes")
+    p.add_argument("--image_size", type=int, default=32, help="height and width in pixels")
+    p.add_argument("--train_size", type=int, default=50000, help="train images")
+    p.add_argument("--val_size", type=int, default=10000, help="val images")
+    p.add_argument("--seed", type=int, default=0, help="train uses seed, val seed + 1")
+    p.set_defaults(run=prepare_images, source=source_shapes)
     args = parser.parse_args(argv)
     args.run(args)
     return 0
