@@ -13,18 +13,33 @@ magic 20240520, version 1, token count; then the uint16 tokens) in which every d
 [EOT] + tokens(document), and meta.json, written last: a dir without meta.json is not prepared.
 --tokenizer: byte (UTF-8 bytes 0..255, EOT 256), gpt2 (tiktoken, EOT 50256), or bpe:N (a byte-level BPE
 trained on the train split, N tokens in all, saved as tokenizer.tiktoken, EOT N-1).
+
+Images, for train_vit.py:
+    python prepare_data.py shapes                          # no network: 10 procedural shapes, 50,000 + 10,000 images
+    python prepare_data.py cifar10                         # downloads CIFAR-10 (170 MB); cifar100 [--labels=coarse] too
+    python prepare_data.py mnist                           # downloads MNIST (12 MB); fashion_mnist (31 MB) too
+    python prepare_data.py imagefolder PATH --image_size=64   # your images, PATH/CLASS/*.png|jpg|jpeg|bmp|webp
+
+An image data dir holds train_images.npy and val_images.npy, uint8 (N, H, W, C), train_labels.npy and
+val_labels.npy, int64 (N,), and meta.json, written last: format "trainsuite-image-1", classes, num_classes,
+image_size [H, W], channels, mean and std per channel (of the train pixels in [0, 1]), splits.
 """
 import argparse
 import base64
+import contextlib
 import gzip
 import heapq
+import io
 import json
 import lzma
+import math
 import os
+import pickle
 import random
 import shutil
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -41,6 +56,10 @@ import tiktoken
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
+MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # + the IDX file names; the mirror torchvision uses
+FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c shard header: 256 int32
 EOT = "<|endoftext|>"
 # GPT-4's (cl100k) pre-split: no merge crosses a chunk, so tokens stay inside a word, a run of at most
@@ -197,8 +216,9 @@ def make_tokenizer(spec, train_docs, out_dir):
 # -----------------------------------------------------------------------------
 # Downloads: the only network access in trainsuite
 
-def download(url, path):
-    """Fetch url to path with a progress bar, resuming from path.part; skip it if path exists."""
+def download(url, path, instead="'python prepare_data.py stdlib' or 'python prepare_data.py text PATH...'"):
+    """Fetch url to path with a progress bar, resuming from path.part; skip it if path exists. instead: the offline
+    alternatives that the error names."""
     if path.exists():
         return
     part = path.with_name(path.name + ".part")
@@ -219,8 +239,7 @@ def download(url, path):
                               f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
             print(file=sys.stderr)
     except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
-        fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use 'python prepare_data.py stdlib' "
-             "or 'python prepare_data.py text PATH...' instead")
+        fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use {instead} instead")
     if total and n != total:
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
     os.replace(part, path)
@@ -439,6 +458,157 @@ def source_shapes(args):
     return splits, list(SHAPES)
 
 
+OFFLINE_IMAGES = "'python prepare_data.py shapes' or 'python prepare_data.py imagefolder PATH'"
+FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+             "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+@contextlib.contextmanager
+def reading(path):
+    """Turn the errors of reading a damaged, truncated or wrong file into a one-line fail() that says what to do."""
+    try:
+        yield
+    except (EOFError, OSError, zlib.error, tarfile.TarError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as e:
+        fail(f"{path} is damaged or not the expected file ({type(e).__name__}: {' '.join(str(e).split())}); "
+             "delete it and run the same command again")
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """CIFAR's batches are pickles (their official format, written by Python 2 and numpy 1) that hold only dicts,
+    lists, bytes, ints and uint8 arrays. Unpickling runs whatever code a file names, so this one builds numpy arrays
+    and refuses everything else. Load with encoding="bytes": Python 2 strings stay bytes, as in every CIFAR loader."""
+
+    def find_class(self, module, name):
+        reconstruct = np.zeros(0).__reduce__()[0]  # numpy's _reconstruct, in numpy.core (1.x) or numpy._core (2.x)
+        allowed = {("numpy.core.multiarray", "_reconstruct"): reconstruct, ("numpy._core.multiarray", "_reconstruct"): reconstruct,
+                   ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"a pickle in it asks for {module}.{name}, which no CIFAR file holds: refused")
+        return allowed[module, name]
+
+
+def source_cifar(args):
+    """CIFAR-10 or CIFAR-100 from the official python-format .tar.gz, read in place: nothing is extracted to disk."""
+    ten = args.command == "cifar10"
+    url = CIFAR10_URL if ten else CIFAR100_URL
+    path = Path(args.data_dir) / url.rsplit("/", 1)[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    download(url, path, OFFLINE_IMAGES)
+    files = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]} if ten else {"train": ["train"], "val": ["test"]}
+    meta_file = "batches.meta" if ten else "meta"
+    labels, names = (b"labels", b"label_names") if ten else (f"{args.labels}_labels".encode(), f"{args.labels}_label_names".encode())
+    with reading(path), tarfile.open(path, "r:gz") as tar:
+        # one pass over the gzip stream (a .tar.gz has no index to seek in), then on to its end, where gzip checks
+        # its CRC: a flipped bit fails here, not as wrong pixels
+        raw = {Path(m.name).name: tar.extractfile(m).read() for m in tar if m.isfile()}
+        tar.fileobj.read()
+        batches = {n: CifarUnpickler(io.BytesIO(raw[n]), encoding="bytes").load() for n in [meta_file, *files["train"], *files["val"]]}
+        classes = [c.decode() for c in batches[meta_file][names]]
+        splits = {}
+        for split, ns in files.items():
+            # a row holds 1024 R, then 1024 G, then 1024 B values, each plane 32x32 row-major
+            x = np.concatenate([np.asarray(batches[n][b"data"], np.uint8).reshape(-1, 3, 32, 32) for n in ns])
+            splits[split] = x.transpose(0, 2, 3, 1), np.concatenate([np.asarray(batches[n][labels], np.int64) for n in ns])
+    return splits, classes
+
+
+def read_idx(path, magic, ndim):
+    """A gzipped IDX file: big-endian int32 magic and ndim sizes, then their product of uint8 values."""
+    with reading(path):
+        data = gzip.decompress(path.read_bytes())
+    head = 4 * (ndim + 1)
+    dims = np.frombuffer(data[:head], ">i4").tolist() if len(data) >= head else [None]
+    if dims[0] != magic or min(dims[1:]) < 0 or len(data) != head + math.prod(dims[1:]):
+        fail(f"{path} is not an IDX file of magic {magic} and the size its header gives (damaged or truncated?); "
+             "delete it and run the same command again")
+    return np.frombuffer(data, np.uint8, offset=head).reshape(dims[1:])
+
+
+def source_idx(args):
+    """MNIST or Fashion-MNIST from their four gzipped IDX files: 28x28 grayscale, 60,000 train and 10,000 val."""
+    url, data_dir = MNIST_URL if args.command == "mnist" else FASHION_MNIST_URL, Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name in [*IDX_FILES["train"], *IDX_FILES["val"]]:
+        download(url + name, data_dir / name, OFFLINE_IMAGES)
+    splits = {split: (read_idx(data_dir / images, 2051, 3)[..., None], read_idx(data_dir / labels, 2049, 1).astype(np.int64))
+              for split, (images, labels) in IDX_FILES.items()}
+    return splits, [str(d) for d in range(10)] if args.command == "mnist" else list(FASHION_CLASSES)
+
+
+def list_images(root):
+    """{class: sorted image paths} of an ImageFolder-style root (root/CLASS/**/*.png etc.), hidden entries left out."""
+    if not root.is_dir():
+        fail(f"{root} does not exist or is not a folder; give a folder with a subfolder of images per class (PATH/CLASS/*.png)")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        fail(f"{root} has no class subfolders; put the images of each class in a subfolder named after it (PATH/CLASS/*.png)")
+    found = {}
+    for c in classes:
+        found[c] = [p for p in sorted((root / c).rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+                    and not any(s.startswith(".") for s in p.relative_to(root).parts)]
+        if not found[c]:
+            fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the folder")
+    return found
+
+
+def load_images(paths, size, split):
+    """Images as uint8 (N, size, size, 3): each converted to RGB, its centre square cropped and resized to size x size
+    (bilinear, as torchvision's Resize(size) then CenterCrop(size)); and whether all of them were grayscale."""
+    try:  # only this command needs Pillow
+        from PIL import Image, ImageOps
+    except ImportError:
+        fail("imagefolder needs Pillow: pip install Pillow")
+    out, gray, shown = np.empty((len(paths), size, size, 3), np.uint8), True, 0.0
+    for i, p in enumerate(paths):
+        try:
+            with Image.open(p) as im:
+                gray &= im.mode in ("1", "L", "LA")
+                out[i] = np.asarray(ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # UnidentifiedImageError is an OSError
+            fail(f"cannot read the image {p} ({type(e).__name__}); delete or fix it")
+        if time.time() - shown > 0.5 or i + 1 == len(paths):
+            shown = time.time()
+            print(f"\r{split}: {i + 1:,}/{len(paths):,} images", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return out, gray
+
+
+def source_imagefolder(args):
+    """Your own images, torchvision's ImageFolder layout: PATH/CLASS/*.png|jpg|jpeg|bmp|webp, classes sorted by name.
+    Val is --val=PATH, or else a --val_fraction of each class chosen by a hash of its path."""
+    root = Path(args.path)
+    if args.image_size < 1 or not 0 < args.val_fraction < 1:
+        fail("need --image_size >= 1 and 0 < --val_fraction < 1")
+    train = list_images(root)
+    classes = list(train)
+    if args.val:
+        val = list_images(Path(args.val))
+        if unknown := sorted(set(val) - set(train)):
+            fail(f"{args.val} has class folder(s) {', '.join(unknown)} that {root} lacks; a val class must also be a train class")
+        items = {"train": [(p, k) for k, c in enumerate(classes) for p in train[c]],
+                 "val": [(p, classes.index(c)) for c, ps in val.items() for p in ps]}
+    else:
+        items = {"train": [], "val": []}
+        for k, c in enumerate(classes):
+            # hashing the path, not its place in the list, keeps an image on its side as others come and go; the
+            # highest hash stays in train, so that every class has a train image
+            h = [zlib.crc32(p.relative_to(root).as_posix().encode()) / 2**32 for p in train[c]]
+            top = max(h)
+            for p, x in zip(train[c], h):
+                items["val" if x < args.val_fraction and x < top else "train"].append((p, k))
+        if not items["val"]:
+            fail(f"no image of {root} fell into val at --val_fraction={args.val_fraction}; raise it or give --val=PATH")
+    splits, gray = {}, True
+    for split, pairs in items.items():
+        x, g = load_images([p for p, _ in pairs], args.image_size, split)
+        splits[split], gray = (x, np.array([k for _, k in pairs], np.int64)), gray and g
+    if gray:  # every image is grayscale: keep one channel (L -> RGB copied it into all three)
+        splits = {s: (x[..., :1], y) for s, (x, y) in splits.items()}
+    return splits, classes
+
+
 def write_images(data_dir, splits, classes, source):
     """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
     (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict."""
@@ -521,6 +691,21 @@ def main(argv=None):
     p.add_argument("--val_size", type=int, default=10000, help="val images")
     p.add_argument("--seed", type=int, default=0, help="train uses seed, val seed + 1")
     p.set_defaults(run=prepare_images, source=source_shapes)
+    for name, help in [("cifar10", "CIFAR-10 (downloads 170 MB)"), ("cifar100", "CIFAR-100 (downloads 169 MB)"),
+                       ("mnist", "MNIST digits (downloads 12 MB)"), ("fashion_mnist", "Fashion-MNIST (downloads 31 MB)")]:
+        p = commands.add_parser(name, help=help, allow_abbrev=False)
+        p.add_argument("--data_dir", default=f"data/{name}", help="where the download is kept and the arrays written")
+        if name == "cifar100":
+            p.add_argument("--labels", choices=("fine", "coarse"), default="fine", help="100 classes or 20 superclasses")
+        p.set_defaults(run=prepare_images, source=source_cifar if name.startswith("cifar") else source_idx)
+    p = commands.add_parser("imagefolder", help="your own images, a subfolder per class: PATH/CLASS/*.png", allow_abbrev=False)
+    p.add_argument("path", metavar="PATH", help="a folder with a subfolder of images (png, jpg, jpeg, bmp, webp) per class")
+    p.add_argument("--data_dir", default="data/imagefolder")
+    p.add_argument("--val", metavar="PATH", help="a val folder with class subfolders as PATH's (default: --val_fraction)")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
+    p.add_argument("--image_size", type=int, default=32,
+                   help="the shorter side is resized to this, then the centre square of this size cropped")
+    p.set_defaults(run=prepare_images, source=source_imagefolder)
     args = parser.parse_args(argv)
     args.run(args)
     return 0
