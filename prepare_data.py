@@ -410,8 +410,8 @@ def shape_mask(k, u, v):
 
 def make_shapes(n, size, seed, chunk=256):
     """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
-    seed. Random colours, size, position and rotation over a gradient background with clutter lines and blobs, so
-    that neither colour nor position gives the class away and a linear classifier on pixels does poorly."""
+    seed. A bright shape of random colour, size, position and rotation on a dark gradient background with clutter
+    lines and blobs: neither colour nor position gives the class away, so a linear classifier on pixels does poorly."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, len(SHAPES), n)
     ss = 2  # 2x2 supersampling: anti-aliased edges
@@ -422,15 +422,15 @@ def make_shapes(n, size, seed, chunk=256):
         m = min(chunk, n - i)
         par = lambda *s: rng.random((m, *s), np.float32)[:, None, None]  # noqa: E731  (m, 1, 1, *s): broadcasts on Y, X
         ang = 2 * np.pi * par()
-        img = par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None]  # gradient
-        for j in range(3):  # up to 3 thin lines across the image
-            a, off, w, on = np.pi * par(), 2 * par() - 1, 0.02 + 0.04 * par(), par() < (1.0, 0.6, 0.3)[j]
+        img = 0.45 * (par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None])  # dark gradient
+        for j in range(2):  # up to 2 thin lines across the image, half-transparent
+            a, off, w, on = np.pi * par(), 2 * par() - 1, 0.015 + 0.025 * par(), par() < (0.8, 0.4)[j]
             line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
-            img = np.where(line[..., None], par(3), img)
+            img = np.where(line[..., None], 0.6 * par(3), img)
         for _ in range(2):  # up to 2 small blobs
-            cx, cy, rr, on = 2 * par() - 1, 2 * par() - 1, 0.05 + 0.1 * par(), par() < 0.5
-            img = np.where(((np.hypot(X - cx, Y - cy) < rr) & on)[..., None], par(3), img)
-        s = 0.35 + 0.35 * par()
+            cx, cy, rr, on = 2 * par() - 1, 2 * par() - 1, 0.04 + 0.08 * par(), par() < 0.5
+            img = np.where(((np.hypot(X - cx, Y - cy) < rr) & on)[..., None], 0.6 * par(3), img)
+        s = 0.45 + 0.35 * par()
         cx, cy, rot = (2 * par() - 1) * (1 - s), (2 * par() - 1) * (1 - s), 2 * np.pi * par()
         xr, yr = (X - cx) / s, (Y - cy) / s
         u, v = np.cos(rot) * xr + np.sin(rot) * yr, np.cos(rot) * yr - np.sin(rot) * xr
@@ -438,10 +438,8 @@ def make_shapes(n, size, seed, chunk=256):
         for k in range(len(SHAPES)):
             sel = labels[i:i + m] == k
             mask[sel] = shape_mask(k, u[sel], v[sel])
-        bg = img.mean((1, 2), keepdims=True)  # a colour that stands out from the background's mean
-        col = par(3)
-        col = np.where(np.abs(col - bg).max(-1, keepdims=True) < 0.35, np.where(bg < 0.5, 0.75 + 0.25 * col, 0.25 * col), col)
-        img = np.where(mask[..., None], col, img) + 0.03 * rng.standard_normal(img.shape, np.float32)
+        col = 0.55 + 0.45 * par(3)  # a bright shape on a dark background
+        img = np.where(mask[..., None], col, img) + 0.02 * rng.standard_normal(img.shape, np.float32)
         img = img.reshape(m, size, ss, size, ss, 3).mean((2, 4))
         out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
     return out, labels.astype(np.int64)

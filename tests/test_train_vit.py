@@ -1,0 +1,264 @@
+"""train_vit.py: units, in-process CPU training runs, exact resume, prediction, bad input, two-rank torchrun parity."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_data
+import train_vit as tv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(n_layer=2, n_head=2, n_embd=32, patch_size=4, batch_size=16, time_budget=0.0, warmup_steps=5,
+            eval_every=0, log_every=1, device="cpu", compile="false", lr=3e-3)
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    """A small shapes dataset of 16x16 images: 3,000 train, 300 val."""
+    d = tmp_path_factory.mktemp("shapes")
+    splits = {"train": prepare_data.make_shapes(3000, 16, 0), "val": prepare_data.make_shapes(300, 16, 1)}
+    prepare_data.write_images(d, splits, list(prepare_data.SHAPES), "shapes")
+    return d
+
+
+def tiny(data, out, **kw):
+    return tv.Config(**{**TINY, "data_dir": str(data), "out_dir": str(out), **kw})
+
+
+def records(out_dir, key):
+    """{step: value} of key in a run's metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+def run_script(*args, torchrun=False, cwd=ROOT):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
+    return subprocess.run(cmd + [os.path.join(ROOT, "train_vit.py"), *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+META = {"classes": list("abcdefg"), "num_classes": 7, "image_size": [16, 16], "channels": 3, "mean": [0.5] * 3,
+        "std": [0.25] * 3}
+
+# ----------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(pool="cls", registers=2, pos_emb="learned"),
+                                dict(mlp="swiglu", norm="layernorm", qk_norm=False, layer_scale=0.1, drop_path=0.2)])
+def test_model_shapes_and_initial_loss(kw):
+    cfg = tv.Config(**{**TINY, **kw})
+    model = tv.build_model(cfg, META, torch.device("cpu"))
+    x = torch.rand(3, 16, 16, 3)
+    logits = model(x)
+    assert logits.shape == (3, 7) and model(x, features=True).shape == (3, 32)
+    # zero-init head: a uniform prediction, loss ln(K); zero-init output projections: each block is the identity
+    assert torch.nn.functional.cross_entropy(logits, torch.arange(3)).item() == pytest.approx(math.log(7), abs=1e-5)
+    assert all(b.attn.proj.weight.abs().sum() == 0 and b.mlp.proj.weight.abs().sum() == 0 for b in model.blocks)
+    assert model.flops_per_image() > 0
+
+
+def test_sincos_position_embedding():
+    pe = tv.sincos_2d(4, 5, 16)
+    assert pe.shape == (20, 16)
+    # rows share the first half (row code), columns the second half (column code); all positions differ
+    assert torch.equal(pe[0, :8], pe[4, :8]) and torch.equal(pe[0, 8:], pe[5, 8:])
+    assert torch.cdist(pe, pe).add(torch.eye(20)).min() > 0.1
+
+
+def test_patches_follow_the_image_layout():
+    """A model whose patch embedding is the identity sees patch (i, j) of the image as token i * grid + j."""
+    cfg = tv.Config(**{**TINY, "n_layer": 1, "n_embd": 48, "n_head": 2, "pos_emb": "learned"})
+    model = tv.build_model(cfg, {**META, "mean": [0.0] * 3, "std": [1.0] * 3}, torch.device("cpu"))
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        model.patch.weight.copy_(torch.eye(48))
+        model.patch.bias.zero_()
+        model.pos.zero_()
+        x = torch.rand(1, 16, 16, 3)
+        model(x)
+    assert torch.equal(seen[0][0, 1 * 4 + 2], x[0, 4:8, 8:12].reshape(-1))
+
+
+def test_augment_translates_and_flips_and_mix_keeps_labels():
+    cfg = tv.Config(translate=2, flip=False)
+    x = torch.rand(64, 8, 8, 3)
+    torch.manual_seed(0)
+    out = tv.augment(x, cfg)
+    # each image is its reflect-padded self, shifted by at most 2 pixels: its centre 4x4 appears somewhere
+    for a, b in zip(x, out):
+        assert any(torch.equal(b[2:6, 2:6], a[2 + dy:6 + dy, 2 + dx:6 + dx]) for dy in range(-2, 3) for dx in range(-2, 3))
+    flipped = tv.augment(x, tv.Config(translate=0, flip=True))
+    same, mirrored = [torch.equal(a, b) for a, b in zip(x, flipped)], [torch.equal(a.flip(1), b) for a, b in zip(x, flipped)]
+    assert all(s or m for s, m in zip(same, mirrored)) and 10 < sum(mirrored) < 54
+    y = torch.arange(64)
+    for kw in (dict(mixup=0.8), dict(cutmix=1.0)):
+        xm, ya, yb, lam = tv.mix(x, y, tv.Config(**kw))
+        assert 0 <= lam <= 1 and torch.equal(ya, y) and torch.equal(yb, y.flip(0)) and xm.shape == x.shape
+        if "mixup" in kw:
+            torch.testing.assert_close(xm, lam * x + (1 - lam) * x.flip(0))
+        else:  # the pasted box is exactly the fraction 1 - lam of each image
+            pasted = (xm != x).any(-1).float().mean((1, 2))
+            assert pasted.max().item() <= 1 - lam + 1e-6
+
+
+def test_ema_warms_up_and_swaps():
+    p = torch.nn.Parameter(torch.zeros(3))
+    ema = tv.EMA([p], 0.9)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.update()  # t = 1: decay min(0.9, 2/11)
+    assert ema.shadow[0][0].item() == pytest.approx(1 - 2 / 11)
+    ema.swap()
+    assert p[0].item() == pytest.approx(1 - 2 / 11) and ema.shadow[0][0].item() == 1.0
+    ema.swap()
+    assert p[0].item() == 1.0
+
+
+def test_loader_ranks_partition_the_global_batch_and_resume():
+    x, y = np.zeros((50, 4, 4, 3), np.uint8), np.arange(50)
+    loaders = [tv.ImageLoader(x, y, 4, r, 2, torch.device("cpu"), seed=3) for r in range(2)]
+    seen = [torch.cat([ld.next()[1] for ld in loaders]) for _ in range(6)]  # 6 global batches of 8: 48 of 50
+    assert len(set(torch.cat(seen).tolist())) == 48  # no image twice within an epoch
+    state = loaders[0].state()
+    nxt = loaders[0].next()[1]  # the 7th batch starts epoch 1 (the 2 left over are dropped)
+    assert loaders[0].epoch == 1
+    fresh = tv.ImageLoader(x, y, 4, 0, 2, torch.device("cpu"), seed=3)
+    fresh.load_state(state)
+    assert torch.equal(fresh.next()[1], nxt)
+
+# ----------------------------------------------------------------------------- training runs
+
+
+def test_overfit_one_batch():
+    cfg = tv.Config(**{**TINY, "n_embd": 64})
+    model = tv.build_model(cfg, META, torch.device("cpu"))
+    x, y = torch.rand(16, 16, 16, 3), torch.randint(0, 7, (16,))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05 and (model(x).argmax(-1) == y).all()
+
+
+@pytest.mark.slow
+def test_learns_shapes_and_writes_its_files(shapes, tmp_path):
+    cfg = tiny(shapes, tmp_path / "run", n_embd=64, max_steps=400, batch_size=64, log_every=10, eval_every=200,
+               warmup_steps=20, ema=0.99)
+    res = tv.main(cfg)
+    loss = records(cfg.out_dir, "loss")
+    assert np.mean([loss[s] for s in range(310, 401, 10)]) < np.mean([loss[s] for s in range(10, 101, 10)]) - 0.2
+    assert res["val_loss"] < math.log(10) - 0.3
+    assert max(res["val_acc"], res["ema_val_acc"]) > 0.3  # chance is 0.10
+    assert len(res["per_class_acc"]) == 10 and res["steps"] == 400
+    for f in ("config.json", "metrics.jsonl", "accuracy.png", "confusion.png", "ckpt_0000400.pt"):
+        assert (tmp_path / "run" / f).exists(), f
+    assert (tmp_path / "results.tsv").read_text().count("train_vit.py") == 1
+    # --predict on images written as PNG, with the checkpoint of this run
+    from PIL import Image
+    x, y = prepare_data.make_shapes(4, 16, 7)
+    (tmp_path / "images").mkdir()
+    for i, im in enumerate(x):
+        Image.fromarray(im).save(tmp_path / "images" / f"im{i}.png")
+    out = tv.main(tv.Config(predict=str(tmp_path / "images"), ckpt=cfg.out_dir, device="cpu", top_k=3))
+    assert len(out) == 4 and all(len(p) == 3 and sum(p.values()) <= 1 + 1e-5 for p in out.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_exact(shapes, tmp_path, optimizer):
+    """Stop at step 4 (by keeping only that checkpoint), resume: steps 5..8, the weights and the EMA must equal the
+    uninterrupted run's, bit for bit, with augmentation, mixup/cutmix and stochastic depth on."""
+    import shutil
+    a, b = tmp_path / "a", tmp_path / "b"
+    kw = dict(max_steps=8, mixup=0.5, cutmix=1.0, drop_path=0.1, optimizer=optimizer, ema=0.9)
+    ra = tv.main(tiny(shapes, a, save_every=4, keep_last=5, **kw))
+    b.mkdir()
+    for ext in ("", ".done"):
+        shutil.copy(a / f"ckpt_0000004.pt{ext}", b)
+    rb = tv.main(tiny(shapes, b, resume=True, **kw))
+    la, lb = records(a, "loss"), records(b, "loss")
+    assert sorted(lb) == [5, 6, 7, 8] and all(la[s] == lb[s] for s in lb), (la, lb)
+    assert ra["ema_val_loss"] == rb["ema_val_loss"] and ra["val_loss"] == rb["val_loss"]
+    ca, _ = tv.load_checkpoint(str(a))
+    cb, _ = tv.load_checkpoint(str(b))
+    for key in ("model", "ema"):
+        assert all(torch.equal(ca[key][k], cb[key][k]) for k in ca[key])
+    assert not all(torch.equal(ca["model"][k], ca["ema"][k]) for k in ca["model"])  # the EMA is not the live weights
+
+
+@pytest.mark.slow
+def test_guards_skip_a_nan_and_sigterm_saves(shapes, tmp_path, capsys):
+    res = tv.main(tiny(shapes, tmp_path / "nan", max_steps=12, inject_fault="nan@6"))
+    assert "update skipped: non-finite" in capsys.readouterr().out and res["steps"] == 12
+    res = tv.main(tiny(shapes, tmp_path / "term", max_steps=12, inject_fault="sigterm@5"))
+    assert res["preempted"] and res["steps"] == 5 and tv.list_checkpoints(str(tmp_path / "term"))[-1][0] == 5
+
+
+def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
+    res = tv.main(tv.Config(**{**TINY, "benchmark": True, "bench_steps": 2, "out_dir": str(tmp_path / "b"),
+                               "data_dir": str(tmp_path / "none")}))
+    assert res["img_s"] > 0 and res["params"] > 0 and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pool=max"], "is not one of gap|cls"),
+    (["--n_embd=30", "--n_head=4"], "must split into"),
+    (["--patch_sise=4"], "did you mean --patch_size"),
+    (["--ema=1.0"], "0 <= --ema < 1"),
+    (["--max_steps=0", "--time_budget=0"], "no training budget"),
+])
+def test_bad_flags_give_one_line_errors(args, message, tmp_path):
+    p = run_script(*args, f"--out_dir={tmp_path}/o", cwd=tmp_path)
+    assert p.returncode != 0 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_bad_data_gives_one_line_errors(shapes, tmp_path):
+    with pytest.raises(SystemExit, match="no prepared images"):
+        tv.main(tiny(tmp_path / "missing", tmp_path / "o", max_steps=1))
+    with pytest.raises(SystemExit, match="--image_size=32 but the images"):
+        tv.main(tiny(shapes, tmp_path / "o", max_steps=1, image_size=32))
+    with pytest.raises(SystemExit, match="do not split into 5x5 patches"):
+        tv.main(tiny(shapes, tmp_path / "o", max_steps=1, patch_size=5))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(shapes):
+        os.symlink(shapes / f, bad / f)
+    os.remove(bad / "val_labels.npy")
+    np.save(bad / "val_labels.npy", np.zeros(7, np.int64))  # 300 images, 7 labels
+    with pytest.raises(SystemExit, match="300 images and 7 labels"):
+        tv.main(tiny(bad, tmp_path / "o", max_steps=1))
+    assert not (tmp_path / "o").exists()  # nothing written on bad input
+
+
+@pytest.mark.slow
+def test_existing_run_and_other_config_are_refused(shapes, tmp_path):
+    tv.main(tiny(shapes, tmp_path / "run", max_steps=2))
+    with pytest.raises(SystemExit, match="holds checkpoints of an earlier run"):
+        tv.main(tiny(shapes, tmp_path / "run", max_steps=4))
+    with pytest.raises(SystemExit, match="different config: n_layer=2"):
+        tv.main(tiny(shapes, tmp_path / "run", max_steps=4, n_layer=3, resume=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
+    """Two gloo ranks with batch B each follow one process with batch 2B (augmentation and drop path off, as their
+    random numbers differ per rank by design), EMA and eval included."""
+    common = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--max_steps=6", "--time_budget=0", "--log_every=1",
+              "--eval_every=3", "--eval_images=100", "--device=cpu", "--compile=false", "--translate=0", "--flip=false",
+              f"--data_dir={shapes}", "--warmup_steps=2", "--ema=0.9"]
+    one = run_script(*common, "--batch_size=32", f"--out_dir={tmp_path}/one")
+    two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", torchrun=True)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    la, lb = records(tmp_path / "one", "loss"), records(tmp_path / "two", "loss")
+    assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+    ea, eb = records(tmp_path / "one", "ema_val_acc"), records(tmp_path / "two", "ema_val_acc")
+    assert ea == pytest.approx(eb, abs=1e-6)

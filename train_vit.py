@@ -1,0 +1,1327 @@
+"""
+train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file you can read top to bottom.
+
+Patch embedding, 2-D sin-cos positions, pre-norm blocks (flash attention, RMSNorm, QK-norm, GELU or SwiGLU, LayerScale,
+stochastic depth, optional register tokens), average pooling; trained with augmentation on the device (random
+translation, flip, mixup/cutmix, label smoothing), AdamW or Muon with warmup + cosine, an EMA of the weights evaluated
+alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
+
+  python train_vit.py                                  # CPU demo: prepares the shapes dataset, trains for ~4 min
+  python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
+  torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
+  python train_vit.py --predict=IMAGE_OR_DIR --ckpt=out/vit
+  python train_vit.py --benchmark --preset=cifar10
+  python train_vit.py -h                               # every flag, with its default
+"""
+import contextlib
+import copy
+import dataclasses
+import difflib
+import glob
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # data and output
+    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
+    out_dir: str = "out/vit"           # checkpoints, metrics.jsonl, config.json, plots; results.tsv goes beside it
+    preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
+    # model
+    image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
+    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
+    n_layer: int = 4                   # transformer blocks
+    n_head: int = 4                    # attention heads
+    n_embd: int = 128                  # model width
+    mlp: str = "gelu"                  # gelu|swiglu
+    mlp_ratio: float = 4.0             # MLP hidden width / n_embd (SwiGLU uses 2/3 of it, same parameter count)
+    norm: str = "rmsnorm"              # rmsnorm|layernorm (pre-norm either way)
+    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    pos_emb: str = "sincos"            # sincos|learned
+    pool: str = "gap"                  # gap|cls: average the patch tokens, or read a class token
+    registers: int = 0                 # extra learned tokens that attention may use as scratch (Darcet et al. 2024)
+    layer_scale: float = 0.0           # LayerScale init, a learned per-channel gain on each branch (CaiT); 0 = off
+    drop_path: float = 0.0             # stochastic depth rate of the last block, rising linearly from 0
+    init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
+    # budget: max_steps, else epochs, else time_budget
+    max_steps: int = 0                 # optimizer steps; 0 = from epochs or time_budget
+    epochs: float = 0.0                # passes over the train split; 0 = from max_steps or time_budget
+    time_budget: float = 200.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
+    batch_size: int = 128              # micro-batch per rank, in images
+    grad_accum: int = 1                # micro-steps per optimizer step
+    # optimizer and schedule
+    optimizer: str = "adamw"           # adamw|muon (Muon on 2-D hidden matrices, AdamW on the rest)
+    lr: float = 2e-3                   # peak LR
+    weight_decay: float = 0.05         # decoupled, on 2-D hidden matrices only
+    beta1: float = 0.9                 # AdamW
+    beta2: float = 0.95                # AdamW
+    grad_clip: float = 1.0             # max global grad norm; 0 = off
+    schedule: str = "cosine"           # cosine|wsd|constant, after linear warmup
+    warmup_steps: int = 100            # linear warmup, in optimizer steps
+    cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
+    final_lr_frac: float = 0.0         # LR at the end of cosine/wsd, as a fraction of the peak
+    ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
+    # augmentation, on the device
+    translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
+    flip: bool = True                  # random horizontal flip (turn off for digits and text)
+    mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
+    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, one of the two per batch
+    label_smoothing: float = 0.1       # target mass spread evenly over all classes
+    # eval, logging, checkpoints
+    eval_every: int = 400              # steps between evals; 0 = only at the end
+    eval_images: int = 1000            # val images per periodic eval; the final eval reads the whole val split
+    tta_flip: bool = False             # average the predictions on each val image and its mirror image
+    log_every: int = 25                # steps between log lines
+    save_every: int = 0                # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
+    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
+    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
+    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    wandb: str = ""                    # wandb project name; empty = off
+    description: str = ""              # free text for the results.tsv experiment log
+    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
+    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
+    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
+    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
+    guard_window: int = 100            # steps in the running statistics and in the bad-step count
+    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    inject_fault: str = ""             # debug: KIND@STEP[-END][:RANK],... with KIND nan|spike|sigterm|kill
+    # system
+    device: str = "auto"               # auto|cpu|cuda|mps
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
+    compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
+    parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    seed: int = 1337                   # init, data order, augmentation
+    benchmark: bool = False            # time steps on synthetic images and exit; needs no data
+    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
+    # prediction
+    predict: str = ""                  # an image file or a folder of them: print class probabilities and exit
+    ckpt: str = ""                     # checkpoint file or directory for --predict; empty = out_dir
+    top_k: int = 5                     # classes shown per image by --predict
+
+
+PRESETS = {
+    "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
+    # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
+                    layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512, lr=2e-3,
+                    warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
+}
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
+               "registers", "layer_scale")
+
+
+def run_layout(c, world_size, data):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "batch_size": c["batch_size"], "grad_accum": c["grad_accum"],
+            "world_size": world_size, "data": data}
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "top_k"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
+        die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
+    if min(cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
+           cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
+        die("--translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the guard flags "
+            "must be >= 0")
+    if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --epochs or --time_budget")
+    parse_faults(cfg.inject_fault)
+
+# === shared: cli ===
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+
+def field_comments(cls):
+    """{field: its trailing comment} of a dataclass: the text of -h, and the choices a|b|c a field may take."""
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+
+
+def check_choices(cfg):
+    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    for name, comment in field_comments(type(cfg)).items():
+        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
+        if m and str(getattr(cfg, name)) not in m[0].split("|"):
+            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+
+
+def parse_args(cls, argv):
+    """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
+    import argparse
+    helps = field_comments(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def to_bool(s):
+        if s.lower() in ("1", "true", "yes", "on"):
+            return True
+        if s.lower() in ("0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+    p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
+                                usage="%(prog)s [--key=value ...]", allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    for name, f in fields.items():
+        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        p.add_argument(f"--{name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+                       metavar=name.upper(), help=f"{helps.get(name, '')} (default: {f.default!r})")
+    args, unknown = p.parse_known_args(argv)
+    for u in unknown:
+        key = u.split("=")[0].lstrip("-")
+        near = difflib.get_close_matches(key, fields, n=1)
+        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    given = vars(args)
+    presets = getattr(sys.modules[cls.__module__], "PRESETS", {})
+    name = given.get("preset", "")
+    if name and name not in presets:
+        sys.exit(f"{p.prog}: error: unknown --preset={name}; choose one of {', '.join(presets)}")
+    return cls(**{**presets.get(name, {}), **given})
+# === end shared ===
+# -----------------------------------------------------------------------------
+# Model
+
+
+class Norm(nn.Module):
+    """RMSNorm (default) or bias-free LayerNorm over the last dim, with a learnable gain."""
+
+    def __init__(self, dim, kind="rmsnorm", eps=1e-6):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if self.kind == "rmsnorm":
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
+
+
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE, Beyer et al. 2022): half the channels encode the row, half the
+    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.hd = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+        self.k_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
+        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # every token sees every token
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind = cfg.mlp
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        if cfg.mlp == "swiglu":  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
+            hidden = 2 * hidden // 3
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "swiglu":
+            a, b = h.chunk(2, dim=-1)
+            return self.proj(F.silu(a) * b)
+        return self.proj(F.gelu(h, approximate="tanh"))
+
+
+def drop_path(x, p, training):
+    """Stochastic depth (Huang et al. 2016): zero a residual branch for a random p of the samples, rescale the rest."""
+    if not training or p == 0:
+        return x
+    keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
+    return x * keep / (1 - p)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, drop):
+        super().__init__()
+        self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
+        self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
+        self.drop = drop
+        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None  # gains, set in init_weights
+        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None
+
+    def forward(self, x):
+        a = self.attn(self.norm1(x))
+        x = x + drop_path(a * self.ls1 if self.ls1 is not None else a, self.drop, self.training)
+        m = self.mlp(self.norm2(x))
+        return x + drop_path(m * self.ls2 if self.ls2 is not None else m, self.drop, self.training)
+
+
+class ViT(nn.Module):
+    def __init__(self, cfg, image_size, channels, num_classes, mean, std):
+        super().__init__()
+        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
+        p, d = cfg.patch_size, cfg.n_embd
+        self.grid = image_size // p
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
+        if cfg.pos_emb == "learned":
+            self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
+        else:
+            self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
+        self.extra = nn.Parameter(torch.zeros(int(cfg.pool == "cls") + cfg.registers, d)) if cfg.pool == "cls" or cfg.registers else None
+        rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
+        self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
+        self.norm = Norm(d, cfg.norm)
+        self.head = nn.Linear(d, num_classes)
+        # the data's per-channel statistics: the model takes pixels in [0, 1] and normalises them itself
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
+        self.init_args = (list(mean), list(std))
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.startswith("head."):
+                nn.init.zeros_(p)  # each block starts as the identity, the first prediction is uniform: loss ln(K)
+            elif name.split(".")[-1] in ("ls1", "ls2"):
+                nn.init.constant_(p, self.cfg.layer_scale)
+            elif p.ndim == 1 and name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.ndim == 1:
+                nn.init.ones_(p)  # norm gains
+            else:
+                nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
+        if self.cfg.pos_emb == "sincos":
+            self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
+        self.mean.copy_(torch.tensor(self.init_args[0]))
+        self.std.copy_(torch.tensor(self.init_args[1]))
+
+    def forward(self, x, features=False):
+        """x (B, H, W, C) pixels in [0, 1] -> logits (B, num_classes), or the pooled features (B, d)."""
+        B, H, W, C = x.shape
+        p, g = self.cfg.patch_size, self.grid
+        x = (x - self.mean) / self.std
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
+        x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
+        n_extra = 0 if self.extra is None else self.extra.size(0)
+        if n_extra:  # [cls] and registers in front of the patches; they carry no position
+            x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, n_extra:].mean(1)  # registers are dropped either way
+        return f if features else self.head(f)
+
+    def flops_per_image(self):
+        """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
+        T = self.grid ** 2 + (0 if self.extra is None else self.extra.size(0))
+        n = sum(p.numel() for n, p in self.named_parameters() if n.startswith(("patch.", "blocks.")) and p.ndim == 2)
+        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
+
+
+def build_model(cfg, meta, device):
+    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    size = meta["image_size"][0]
+    with torch.device("meta"):
+        model = ViT(cfg, size, meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.seed)
+    model.init_weights()
+    return model
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
+            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        assert meta["format"] == "trainsuite-image-1", f"format {meta['format']!r} is not an image dataset"
+        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
+                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+    except (OSError, ValueError, KeyError, AssertionError) as e:
+        die(f"{data_dir}: unreadable image data ({e}); re-run prepare_data.py for this data dir")
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
+                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside 0..{meta['num_classes'] - 1});"
+                f" re-run prepare_data.py for this data dir")
+    return meta, arrays
+
+
+class ImageLoader:
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
+
+    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
+    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
+    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
+    """
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0, shuffle=True):
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+        self.B, self.rank, self.world_size, self.seed, self.shuffle = B, rank, world_size, seed, shuffle
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
+                f"{B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.pos, self.order = s["epoch"], s["pos"], None
+
+    def next(self):
+        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        n, step = len(self.y), self.B * self.world_size
+        if self.pos + step > n:
+            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+            self.order = (torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)).to(self.x.device)
+        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        self.pos += step
+        return self.x[idx], self.y[idx]
+
+
+def augment(x, cfg):
+    """Random translation by up to cfg.translate pixels (reflect padding) and horizontal flip, per image, on the
+    device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, which the loop seeds per step."""
+    B, H, W, _ = x.shape
+    if cfg.translate:
+        t = cfg.translate
+        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=x.device)
+        rows, cols = dy + torch.arange(H, device=x.device), dx + torch.arange(W, device=x.device)  # (B, H), (B, W)
+        x = xp[torch.arange(B, device=x.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    if cfg.flip:
+        x = torch.where(torch.rand(B, 1, 1, 1, device=x.device) < 0.5, x.flip(2), x)
+    return x
+
+
+def mix(x, y, cfg):
+    """Mixup or cutmix of the batch with its reverse: returns (x, y, y_reversed, lam), the loss being
+    lam * CE(y) + (1 - lam) * CE(y_reversed). With both on, each batch uses one of them at random (as timm does)."""
+    use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
+    alpha = cfg.cutmix if use_cutmix else cfg.mixup
+    if alpha == 0:
+        return x, y, y, 1.0
+    lam = torch.distributions.Beta(alpha, alpha).sample().item()
+    if use_cutmix:  # paste a box of area (1 - lam) from the partner image; lam becomes the exact kept area
+        B, H, W, _ = x.shape
+        h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
+        cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
+        y0, y1, x0, x1 = max(cy - h // 2, 0), min(cy + h // 2, H), max(cx - w // 2, 0), min(cx + w // 2, W)
+        x = x.clone()
+        x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
+        lam = 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    else:
+        x = lam * x + (1 - lam) * x.flip(0)
+    return x, y, y.flip(0), lam
+
+# -----------------------------------------------------------------------------
+# Optimizer and schedule
+
+
+def build_optimizers(cfg, raw, device):
+    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on hidden matrices."""
+    hidden = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in raw.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    decay_rest = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith(("patch.", "head."))]
+    no_decay = [p for p in rest if all(p is not q for q in decay_rest)]
+    fused = device.type == "cuda"
+    if cfg.optimizer == "muon":
+        # Newton-Schulz orthogonalised momentum (Jordan et al. 2024), update RMS matched to AdamW's (Moonlight)
+        muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+                                adjust_lr_fn="match_rms_adamw")
+        groups = [dict(params=decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        opts = [muon, torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    else:
+        groups = [dict(params=hidden + decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    for opt in opts:
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
+    return opts
+
+
+def lr_mult(cfg, step, progress):
+    """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
+    if cfg.schedule == "cosine":
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
+    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear to the final LR (Hu et al. 2024)
+        return warm * (1.0 if p < 1 - cfg.cooldown_frac else f + (1 - f) * (1 - p) / cfg.cooldown_frac)
+    return warm
+
+
+class EMA:
+    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
+    swap() exchanges it with the live weights, so the same model object evaluates either."""
+
+    def __init__(self, params, decay):
+        self.params, self.decay, self.t = list(params), decay, 0
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+
+# -----------------------------------------------------------------------------
+# Distributed and precision
+
+# === shared: dist ===
+def setup_dist(device_arg="auto"):
+    """Return (rank, world_size, device). Under torchrun, join the process group: NCCL on CUDA, gloo on CPU."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+    return rank, world_size, device
+
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+# === end shared ===
+# === shared: precision ===
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+
+def setup_precision(device, dtype_arg="auto"):
+    """Resolve the dtype and return (dtype, autocast context, GradScaler). fp32 master weights in every case."""
+    if dtype_arg == "auto":
+        cuda = device.type == "cuda"
+        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if cuda else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    return dtype, ctx, scaler
+
+
+def peak_flops(device, dtype):
+    """Peak dense FLOP/s of this GPU for MFU, or None when unknown (CPU, unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
+
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+# === end shared ===
+# -----------------------------------------------------------------------------
+# Checkpointing
+
+# === shared: checkpoint ===
+def atomic_write(path, write_fn):
+    """Write a file so that it is either complete or absent: temp file in the same dir, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class CheckpointWriter:
+    """Writes ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prunes older ones,
+    keeping the newest keep_last plus every multiple of milestone_every. With background=True the write runs in a
+    thread from a deep copy of the state, so training goes on; a failed write stops the run at the next save."""
+
+    def __init__(self, out_dir, keep_last=2, milestone_every=0, background=False):
+        self.out_dir, self.keep_last, self.milestone_every, self.background = out_dir, keep_last, milestone_every, background
+        self.thread, self.error = None, None
+
+    def save(self, obj, step):
+        self.wait()  # one write at a time
+        if self.background:
+            self.thread = threading.Thread(target=self.write, args=(copy.deepcopy(obj), step))
+            self.thread.start()
+        else:
+            self.write(obj, step)
+            self.wait()
+
+    def write(self, obj, step):
+        path = os.path.join(self.out_dir, f"ckpt_{step:07d}.pt")
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            atomic_write(path, lambda f: torch.save(obj, f))
+            marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
+            atomic_write(path + ".done", lambda f: f.write(marker))
+        except OSError as e:
+            self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+            return
+        # newer steps than this one are an abandoned timeline (a rollback, or a resume past an unreadable newest
+        # checkpoint): they go, and never count among the keep_last that protect the good ones
+        done = list_checkpoints(self.out_dir)
+        older = [(s, p) for s, p in done if s <= step][:-self.keep_last] if self.keep_last > 0 else []
+        remove_checkpoints([p for s, p in done if s > step] +
+                           [p for s, p in older if not (self.milestone_every and s % self.milestone_every == 0)])
+
+    def wait(self):
+        """Block until the write in flight is on disk; stop the run if it failed."""
+        if self.thread:
+            self.thread.join()
+            self.thread = None
+        if self.error:
+            die(self.error)
+
+
+def remove_checkpoints(paths):
+    """Delete checkpoints, each marker first: a half-deleted checkpoint never looks complete."""
+    for p in paths:
+        for q in (p + ".done", p):
+            os.remove(q)
+
+
+def sha256_file(path):
+    """Hex sha256 of a file, read in 16 MB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoints in out_dir that have a completion marker, oldest first."""
+    found = []
+    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
+        m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p))
+        if m and os.path.exists(p + ".done"):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def load_checkpoint(where, map_location="cpu", before=None):
+    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones),
+    optionally the newest from before step `before`."""
+    candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
+    candidates = [c for c in candidates if before is None or c[0] < before]
+    for _, path in reversed(candidates):
+        try:
+            marker_path = path + ".done"
+            if os.path.exists(marker_path):
+                with open(marker_path) as f:
+                    marker = json.load(f)
+                if os.path.getsize(path) != marker["size"] or sha256_file(path) != marker["sha256"]:
+                    raise ValueError("size or checksum differs from its completion marker")
+            return torch.load(path, map_location=map_location, weights_only=False), path
+        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    return None, None
+# === end shared ===
+# === shared: metrics ===
+class Metrics:
+    """Append every logged value to out_dir/metrics.jsonl (one JSON object per line), and to wandb if enabled."""
+
+    def __init__(self, out_dir, enabled=True, wandb_project="", config=None):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, None
+        if enabled and wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                sys.exit("error: --wandb needs the wandb package: pip install wandb")
+            self.wandb = wandb.init(project=wandb_project, config=config)
+
+    def log(self, **kv):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        if self.wandb:
+            self.wandb.log(kv, step=kv.get("step"))
+
+
+def append_results(out_dir, row):
+    """Append one row to results.tsv beside out_dir: the experiment log shared by all scripts."""
+    path = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")
+    cols = ["run_id", "script", "commit", "metric", "value", "peak_mem_gb", "wall_s", "description"]
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("\t".join(cols) + "\n")
+        f.write("\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
+
+
+def git_commit():
+    """Short hash of the code's git commit, or 'unknown'."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+# === end shared ===
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def plot_results(out_dir, history, confusion, classes):
+    """accuracy.png (val accuracy of the model and its EMA, train loss, against step) and confusion.png."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
+        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
+    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    if losses:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*losses), color="gray", alpha=0.5, label="train loss")
+        ax2.set_ylabel("train loss")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=120)
+    plt.close(fig)
+    K = len(classes)
+    fig, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # each row: where that class's images went
+    ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    if K <= 30:
+        ax.set_xticks(range(K), classes, rotation=90)
+        ax.set_yticks(range(K), classes)
+        for i in range(K):
+            for j in range(K):
+                if confusion[i, j]:
+                    ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
+                            color="white" if rates[i, j] > 0.5 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "confusion.png"), dpi=120)
+    plt.close(fig)
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+# === shared: guard ===
+class Guard:
+    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
+
+    Non-finite values are bad at once; after 10 good steps, a value more than `sigma` running stds above its
+    running mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is
+    skipped; `max_bad` bad steps within `window` steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1).
+    With clip_mult > 0 the clipping threshold follows clip_mult x the running grad-norm mean instead of a constant.
+    """
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
+        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+
+    def load_state(self, s):
+        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+
+    def clip(self, max_norm):
+        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+
+    def check(self, step, loss, gnorm):
+        """None if the update is safe, else the reason; good values update the running statistics."""
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
+        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
+                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
+        if reason:
+            self.bad = [s for s in self.bad if s > step - self.window] + [step]
+            return reason
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        for i, v in enumerate((loss, gnorm)):
+            d = v - self.mean[i]
+            self.mean[i] += a * d
+            self.var[i] = (1 - a) * (self.var[i] + a * d * d)
+        return None
+
+    def rollback_due(self):
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+
+
+class StopSignal:
+    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
+    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+
+    def __enter__(self):
+        self.received, self.old = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self.old[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+
+def parse_faults(spec):
+    """--inject_fault=KIND@STEP[-END][:RANK],... -> [(kind, first, last, rank or None)], for testing the guards."""
+    faults = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(nan|spike|sigterm|kill)@(\d+)(?:-(\d+))?(?::(\d+))?", item)
+        if not m:
+            die(f"--inject_fault: cannot read {item!r}; write KIND@STEP[-END][:RANK] with KIND nan|spike|sigterm|kill")
+        faults.append((m[1], int(m[2]), int(m[3] or m[2]), None if m[4] is None else int(m[4])))
+    return faults
+
+
+def inject_faults(faults, fired, step, rank, loss):
+    """Apply the faults due at this step, each once (a rollback replays steps, not faults): nan makes the loss NaN,
+    spike multiplies it by 10, sigterm sends this process SIGTERM, kill exits at once as a crashed worker would."""
+    for kind, first, last, r in faults:
+        if first <= step <= last and r in (None, rank) and (kind, step) not in fired:
+            fired.add((kind, step))
+            if kind in ("nan", "spike"):
+                loss = loss * (float("nan") if kind == "nan" else 10.0)
+            elif kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # not again once torchrun restarted us
+                os._exit(1)
+    return loss
+
+
+def sharpness(loss_fn, params, iters=10, seed=0):
+    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
+    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
+    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
+    w0 = [p.detach().clone() for p in params]
+    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
+    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
+    eps, lam = 1e-3 * norm(w0), 0.0
+    for _ in range(iters):
+        n = norm(v)
+        v, grads = [t / n for t in v], []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w, t in zip(params, w0, v):
+                    p.copy_(w + sign * eps * t)
+            for p in params:
+                p.grad = None
+            loss_fn().backward()
+            grads.append([p.grad.float() for p in params])
+        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
+        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
+        v = hv
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+            p.grad = None
+    return lam
+# === end shared ===
+
+@torch.no_grad()
+def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_images=None, tta_flip=False):
+    """Top-1, top-5, mean loss and the confusion matrix (true, predicted) on the first n_images val images (all if
+    None), split across ranks. x_all (N, H, W, C) uint8 and y_all (N,) on the device."""
+    model.eval()
+    n = len(y_all) if n_images is None else min(n_images, len(y_all))
+    stats = torch.zeros(3, device=y_all.device, dtype=torch.float64)  # top-1 hits, top-5 hits, loss sum
+    conf = torch.zeros(num_classes * num_classes, device=y_all.device, dtype=torch.float64)
+    for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
+        i = (it * world_size + rank) * B
+        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
+        x, y = x_all[i:j].float() / 255, y_all[i:j]
+        with ctx:
+            logits = model(x).float()
+            if tta_flip:
+                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)  # mean probs
+        top = logits.topk(min(5, num_classes), dim=-1).indices  # (b, 5)
+        stats += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
+                                  F.cross_entropy(logits, y, reduction="sum")]).double()
+        conf += w * torch.bincount(y * num_classes + top[:, 0], minlength=num_classes ** 2).double()
+    model.train()
+    total = all_mean(torch.cat((stats, conf)), world_size) * world_size
+    return {"acc": (total[0] / n).item(), "top5": (total[1] / n).item(), "loss": (total[2] / n).item(),
+            "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
+
+
+def prepare_default_data(cfg, rank, world_size):
+    """With the default data_dir and no data yet, rank 0 makes the shapes dataset (no network) and the rest wait."""
+    if cfg.data_dir != Config.data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        return
+    if rank == 0:
+        print(f"no data in {cfg.data_dir}: generating the shapes dataset (no network needed)")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+        if subprocess.run([sys.executable, script, "shapes", f"--data_dir={cfg.data_dir}"]).returncode:
+            die("generating the shapes dataset failed (see above)")
+    if world_size > 1:
+        dist.barrier()
+
+
+def main(cfg):
+    """Train (or --benchmark, or --predict) per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    if cfg.predict:
+        return predict_main(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+        return train(cfg, stop)
+
+def train(cfg, stop):
+    """The training run of main(); stop.received is set by a signal."""
+    rank, world_size, device = setup_dist(cfg.device)
+    master = rank == 0
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
+    if cfg.parallel == "fsdp" and world_size > 1 and dtype == torch.float16:
+        die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    B, accum = cfg.batch_size, cfg.grad_accum
+    images_per_step = B * accum * world_size
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted us after a failure
+    resume = (cfg.resume or restarts > 0) and not cfg.benchmark
+
+    # data: both splits held whole on the device as uint8; synthetic images for --benchmark
+    if cfg.benchmark:
+        size = cfg.image_size or 32
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
+                "mean": [0.5] * 3, "std": [0.25] * 3}
+        g = torch.Generator().manual_seed(0)
+        arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
+                            torch.randint(0, 10, (4 * B,), generator=g).numpy())}
+    else:
+        prepare_default_data(cfg, rank, world_size)
+        meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
+            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % cfg.patch_size:
+        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+    K, classes = meta["num_classes"], meta["classes"]
+    train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
+    if not cfg.benchmark:
+        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
+    data_info = {"num_classes": K, "image_size": [H, W], "channels": meta["channels"]}
+
+    # model: built on the meta device, materialised, initialised; then compiled and wrapped
+    raw = build_model(cfg, meta, device)
+    n_params = sum(p.numel() for p in raw.parameters())
+    flops_per_step = raw.flops_per_image() * images_per_step
+    model = raw
+    if world_size > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+        for block in raw.blocks:  # compile each block before sharding it, then shard the root (patches, head)
+            if use_compile:
+                block.compile()
+            fully_shard(block, **({"mp_policy": mp} if mp else {}))
+        fully_shard(raw, **({"mp_policy": mp} if mp else {}))
+    else:
+        model = torch.compile(raw) if use_compile else raw
+        if world_size > 1:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                        broadcast_buffers=False)  # buffers are constants
+    opts = build_optimizers(cfg, raw, device)
+    ema = EMA(raw.parameters(), cfg.ema) if cfg.ema else None
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
+    saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
+    layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
+
+    # budget: steps given, or from epochs; a time budget is checked as we go
+    steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
+    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.epochs) else 0.0
+
+    def restore(ckpt, with_data=True):
+        """Model, EMA, optimizer, scaler, guard and the data position from a checkpoint; (step, time, history)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        opt = StateDictOptions(full_state_dict=True)
+        if ema:  # load the EMA weights into the model (sharding them as it is sharded), then keep them aside
+            set_model_state_dict(raw, ckpt["ema"], options=opt)
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=opt)
+        scaler.load_state_dict(ckpt["scaler"])
+        guard.load_state(ckpt["guard"])
+        if with_data:
+            train_loader.load_state(ckpt["data"])
+        return ckpt["step"], ckpt["train_time"], ckpt["history"]
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint; never mix runs or configs
+    step, train_time, history = 0, 0.0, []
+    if not cfg.benchmark and not resume and list_checkpoints(cfg.out_dir):
+        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+    if resume:
+        ckpt, path = load_checkpoint(cfg.out_dir)
+        if ckpt is None and list_checkpoints(cfg.out_dir):
+            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+        if ckpt is None:
+            if master:
+                print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
+        else:
+            saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data"]["info"])
+            diff = [f"{k}={v!r} (now {layout[k]!r})" for k, v in saved.items() if layout[k] != v]
+            if diff or bool(ckpt.get("ema")) != bool(ema):
+                die(f"--resume: {path} was made with a different config: {', '.join(diff) or 'ema on/off'}; pass the "
+                    f"same flags or use a new --out_dir")
+            step, train_time, history = restore(ckpt)
+            if master:
+                print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+
+    if master and not cfg.benchmark:  # a benchmark writes nothing: never the config.json of a run in out_dir
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+        except OSError as e:
+            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
+    if master:
+        print(json.dumps(dataclasses.asdict(cfg)))
+        budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+        print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{meta['channels']}, "
+              f"{K} classes | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} "
+              f"x world {world_size}) | {budget} | {device} {dtype} | compile {use_compile} | {cfg.optimizer} lr {cfg.lr:g}")
+    metrics = Metrics(cfg.out_dir, master and not cfg.benchmark, cfg.wandb, dataclasses.asdict(cfg))
+    peak = peak_flops(device, dtype)
+
+    def save(step):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        opt = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(raw, opts, options=opt)
+        esd = None
+        if ema:  # every rank joins the gathers (FSDP); one writes
+            ema.swap()  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
+            esd = {k: v.clone() for k, v in get_model_state_dict(raw, options=opt).items()}
+            ema.swap()
+        if master:
+            saver.save({"model": msd, "optim": osd, "ema": esd, "ema_t": ema.t if ema else 0, "scaler": scaler.state_dict(),
+                        "guard": guard.state(), "step": step, "data": {**train_loader.state(), "info": data_info},
+                        "train_time": train_time, "history": history, "config": dataclasses.asdict(cfg),
+                        "world_size": world_size, "data_meta": {k: meta[k] for k in ("classes", "num_classes",
+                        "image_size", "channels", "mean", "std")}}, step)
+
+    def run_eval(step, final=False):
+        """Evaluate the model and its EMA on val; returns the record logged (confusion matrix of the better one)."""
+        n = None if final else cfg.eval_images
+        res = {"": evaluate(model, val_x, val_y, K, B, rank, world_size, ctx, n, cfg.tta_flip)}
+        if ema:
+            ema.swap()
+            res["ema_"] = evaluate(model, val_x, val_y, K, B, rank, world_size, ctx, n, cfg.tta_flip)
+            ema.swap()
+        rec = {"step": step}
+        for tag, r in res.items():
+            rec.update({f"{tag}val_acc": r["acc"], f"{tag}val_top5": r["top5"], f"{tag}val_loss": r["loss"]})
+        best = max(res, key=lambda t: res[t]["acc"])
+        conf = res[best]["confusion"]
+        rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
+        if master:
+            line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss {rec['val_loss']:.4f}"
+            if ema:
+                line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
+            print(line + f" | {len(val_y) if final else min(n, len(val_y))} images" + (" (flip TTA)" if cfg.tta_flip else ""))
+        metrics.log(**rec)
+        history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
+        return rec, conf, best
+
+    def rollback(step):
+        """Back to the newest intact checkpoint from before the first recent bad step; the loader is left where it
+        is, so the batches read since that checkpoint are skipped (PaLM). Returns (step, train_time, history)."""
+        saver.wait()
+        if world_size > 1:
+            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        first_bad, guard.bad = guard.bad[0], []
+        ckpt, path = load_checkpoint(cfg.out_dir, before=first_bad)
+        if ckpt is None:
+            if master:
+                print(f"step {step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+            return step, train_time, history
+        tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
+        if tries[ckpt["step"]] > 3:
+            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps")
+        if master:
+            remove_checkpoints([p for s, p in list_checkpoints(cfg.out_dir) if s > ckpt["step"]])  # never resumed
+            print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        metrics.log(step=step, event="rollback", to_step=ckpt["step"], data=train_loader.state())
+        out = restore(ckpt, with_data=False)
+        guard.bad = []
+        return out
+
+    # the loop: accumulate grads over micro-steps (sync only on the last), clip, check, step, EMA, log, eval, save
+    t_log, steps_since_log, start_step, wall0, last = time.perf_counter(), 0, step, time.perf_counter(), {}
+    faults, fired, tries, clock, stopped = parse_faults(cfg.inject_fault), set(), {}, train_time, False
+    while True:
+        progress = clock / time_budget if time_budget else step / max_steps  # clock: the train time all ranks agree on
+        done = progress >= 1.0 or stopped
+        t_pause = time.perf_counter()  # evals and saves are not training time
+        if not cfg.benchmark and step > start_step and not done:
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                run_eval(step)
+            if cfg.save_every and step % cfg.save_every == 0:
+                save(step)
+        t_log += time.perf_counter() - t_pause
+        if done:
+            break
+        if cfg.benchmark and step == 5:  # warm-up (compile, allocator) done: start the clock
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            t_bench = time.perf_counter()
+        t0 = time.perf_counter()
+        # augmentation and stochastic depth draw from the global RNG, seeded by (seed, step, rank): a resumed run
+        # draws the same numbers as an uninterrupted one, and the checkpoint needs no RNG state
+        torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
+        mult = lr_mult(cfg, step, progress)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * mult
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            sync = micro == accum - 1
+            if world_size > 1 and cfg.parallel == "fsdp":
+                raw.set_requires_gradient_sync(sync)
+            no_sync = model.no_sync() if world_size > 1 and cfg.parallel == "ddp" and not sync else contextlib.nullcontext()
+            x, y = train_loader.next()
+            x, ya, yb, lam = mix(augment(x.float() / 255, cfg), y, cfg)
+            with no_sync:
+                with ctx:
+                    logits = model(x).float()
+                    ce = lambda t: F.cross_entropy(logits, t, label_smoothing=cfg.label_smoothing)  # noqa: E731
+                    loss = (lam * ce(ya) + (1 - lam) * ce(yb) if lam < 1 else ce(ya)) / accum
+                if faults:
+                    loss = inject_faults(faults, fired, step + 1, rank, loss)
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = full(nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip)))
+        # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
+        local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
+                 torch.full((), train_time, device=device)]
+        loss_v, gnorm_v, stop_v, clock = all_mean(torch.stack(local), world_size).tolist()
+        overflow = scaler.is_enabled() and math.isfinite(loss_v) and not math.isfinite(gnorm_v)  # fp16: the scaler's job
+        reason = None if overflow else guard.check(step + 1, loss_v, gnorm_v)
+        if reason is None:
+            for opt in opts:
+                scaler.step(opt)  # skipped when fp16 grads overflowed
+            if ema and not overflow:
+                ema.update()
+        scaler.update()
+        step += 1
+        steps_since_log += 1
+        train_time += time.perf_counter() - t0
+        stopped = stop_v > 0
+        if reason:
+            metrics.log(step=step, event="skip", reason=reason, loss=loss_v, gnorm=gnorm_v)
+            if master:
+                print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {cfg.guard_window} steps")
+            if guard.rollback_due():
+                step, train_time, history = rollback(step)
+                clock = train_time
+                continue
+        if step % cfg.log_every == 0 or step == max_steps:
+            dt = (time.perf_counter() - t_log) / steps_since_log
+            t_log, steps_since_log = time.perf_counter(), 0
+            img_s = images_per_step / dt
+            mfu = flops_per_step / dt / peak if peak else None
+            last = {"step": step, "loss": loss_v, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm_v,
+                    "ms": dt * 1e3, "img_s": img_s, "mfu": mfu, "train_time": train_time,
+                    "epoch": train_loader.epoch + train_loader.pos / len(train_loader.y)}
+            metrics.log(**last)
+            history.append({"step": step, "loss": loss_v})
+            if master:
+                total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+                print(f"step {step:05d}/{total} | loss {loss_v:.4f} | lr {last['lr']:.1e} | gnorm {gnorm_v:.2f} | "
+                      f"{dt * 1e3:.0f} ms | {fmt_rate(img_s)} img/s | epoch {last['epoch']:.2f} | mfu "
+                      + (f"{100 * mfu:.1f}%" if mfu else "-"))
+
+    if cfg.benchmark:
+        if stopped:
+            die(f"--benchmark stopped by {stop.received or 'a signal to another rank'} at step {step}; nothing measured")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t_bench) / cfg.bench_steps
+        res = {"img_s": images_per_step / dt, "ms_per_step": dt * 1e3, "mfu": flops_per_step / dt / peak if peak else None,
+               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
+        if master:
+            print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
+                  f"{fmt_rate(res['img_s'])} img/s | {res['ms_per_step']:.1f} ms/step | mfu "
+                  + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
+                  f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
+        return res
+    if stopped:  # preempted: save where we are and leave with exit code 0; --resume carries on
+        save(step)
+        saver.wait()
+        if master:
+            print(f"stopped by {stop.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                  f"{cfg.out_dir}; run the same command with --resume to continue")
+        if world_size > 1:
+            dist.destroy_process_group()
+        return {"preempted": True, "steps": step, "train_time": train_time}
+
+    rec, conf, best = run_eval(step, final=True)
+    save(step)
+    saver.wait()
+    wall = time.perf_counter() - wall0
+    result = {**rec, "train_loss": last.get("loss"), "steps": step, "images": step * images_per_step,
+              "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}
+    if master:
+        plot_results(cfg.out_dir, history, conf, classes)
+        acc = rec[f"{best}val_acc"]
+        append_results(cfg.out_dir, {"run_id": time.strftime("%Y%m%d-%H%M%S"), "script": "train_vit.py",
+                                     "commit": git_commit(), "metric": f"{best}val_acc", "value": f"{acc:.4f}",
+                                     "peak_mem_gb": f"{result['peak_mem_gb']:.2f}", "wall_s": f"{wall:.0f}",
+                                     "description": cfg.description})
+        worst = np.argsort(rec["per_class_acc"])[:3]
+        print(f"done: {step} steps, {step * images_per_step / len(train_loader.y):.1f} epochs in {train_time:.0f} s | "
+              f"val acc {100 * acc:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: "
+              + ", ".join(f"{classes[i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
+              + f" | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return result
+
+def load_image(path, size, channels):
+    """An image file as (size, size, channels) uint8, its centre square resized to size, as prepare_data.py does."""
+    from PIL import Image, ImageOps
+    try:
+        with Image.open(path) as im:
+            a = np.asarray(ImageOps.fit(im.convert("RGB" if channels == 3 else "L"), (size, size), Image.Resampling.BILINEAR))
+    except (OSError, ValueError) as e:
+        die(f"cannot read the image {path} ({type(e).__name__}); give PNG/JPEG files")
+    return a.reshape(size, size, channels)
+
+
+def predict_main(cfg):
+    """--predict: class probabilities of each image in a file or folder, from a checkpoint's EMA weights (if any)."""
+    where = cfg.ckpt or cfg.out_dir
+    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None:
+        die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
+    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(
+        f for f in glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True) if f.lower().endswith(exts))
+    if not files:
+        die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
+    _, _, device = setup_dist(cfg.device)
+    meta = ckpt["data_meta"]
+    model = build_model(Config(**ckpt["config"]), meta, device)
+    model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
+    model.eval()
+    size, classes = meta["image_size"][0], meta["classes"]
+    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
+    out = {}
+    for i in range(0, len(files), 256):
+        batch = files[i:i + 256]
+        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch])).to(device)
+        with torch.no_grad():
+            probs = model(x.float() / 255).float().softmax(-1).cpu()
+        for f, p in zip(batch, probs):
+            top = p.topk(min(cfg.top_k, len(classes)))
+            out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
+            print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
+    return out
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+if __name__ == "__main__":
+    main(parse_args(Config, sys.argv[1:]))
