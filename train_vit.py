@@ -6,7 +6,7 @@ stochastic depth, optional register tokens), average pooling; trained with augme
 translation, flip, mixup/cutmix, label smoothing), AdamW or Muon with warmup + cosine, an EMA of the weights evaluated
 alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
 
-  python train_vit.py                                  # CPU demo: prepares the shapes dataset, trains for ~4 min
+  python train_vit.py                                  # CPU demo: generates the shapes dataset, trains for ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
   torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
   python train_vit.py --predict=IMAGE_OR_DIR --ckpt=out/vit
