@@ -15,13 +15,7 @@ from PIL import Image
 import prepare_data as pd
 
 
-def error_of(argv):
-    """Run main(argv), expect a user error, and return its message, checked to be one line."""
-    with pytest.raises(SystemExit) as e:
-        pd.main(argv)
-    message = str(e.value.code)
-    assert message.startswith("prepare_data.py: error: ") and "\n" not in message
-    return message
+from test_prepare_data import error_of  # noqa: E402  (pytest puts tests/ on sys.path)
 
 
 def load(data_dir):
