@@ -137,9 +137,11 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tu
     return y.view(x.shape), rstd
 
 
+# Each fake kernel returns contiguous tensors, as the real op does: empty_like would copy a permuted input's strides,
+# and torch.compile would then plan wrong memory (found on the first GPU run: every compiled model crashed).
 @_rms_norm_op.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("trainsuite::rms_norm_bwd", mutates_args=())
@@ -161,7 +163,7 @@ def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | N
 
 @_rms_norm_bwd_op.register_fake
 def _(dy, x, weight, rstd):
-    return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else x.new_empty(0))
+    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
 
 
 def _rms_setup(ctx, inputs, output):
@@ -300,7 +302,7 @@ def _ce_bwd_op(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
 
 @_ce_bwd_op.register_fake
 def _(dloss, logits, targets, lse, ignore_index, softcap, z_loss):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 def _ce_setup(ctx, inputs, output):
@@ -395,7 +397,7 @@ def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad):
     loss = x.new_empty(x.shape[0] if reduction == "none" else ())
     if reduction == "none" or not need_grad:
         return loss, x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    return loss, torch.empty_like(x), weight.new_empty(weight.shape, dtype=torch.float32)
+    return loss, x.new_empty(x.shape), weight.new_empty(weight.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("trainsuite::linear_cross_entropy_bwd", mutates_args=())
@@ -408,7 +410,7 @@ def _lce_bwd_op(dloss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, targ
 
 @_lce_bwd_op.register_fake
 def _(dloss, x, weight, targets, ignore_index, softcap, z_loss):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _lce_setup(ctx, inputs, output):
@@ -595,7 +597,7 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 @_attn_op.register_fake
 def _(q, k, v, causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("trainsuite::attention_bwd", mutates_args=())
@@ -622,7 +624,7 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _attn_setup(ctx, inputs, output):

@@ -288,3 +288,15 @@ def test_rms_norm_and_losses_gpu_low_precision(dtype):
     torch_ = grads(lambda x, W: kernels.linear_cross_entropy_ref(x, W, t, softcap=30.0), x.to(dtype), W.to(dtype))
     for o, tt, r in zip(ours, torch_, ref):
         assert err(o, r) <= 3 * err(tt, r) + 1e-4
+
+
+@needs_triton
+def test_fake_kernels_match_real_strides(interpret):
+    """torch.compile plans memory from each op's fake kernel: its output strides must be the real kernel's, also for
+    the non-contiguous inputs that QK-norm and a fused qkv projection give (permuted views)."""
+    qkv = torch.randn(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (3, B, H, T, D) views, as the models make them
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    checks = [(kernels._rms_norm_op, (q, torch.randn(8), 1e-6)), (kernels._rms_norm_op, (q, None, 1e-6)),
+              (kernels._attn_op, (q, k, v, False, 0.35))]
+    for op, args in checks:
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
