@@ -508,8 +508,8 @@ class EMA:
     """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
     swap() exchanges it with the live weights, so the same model object evaluates either."""
 
-    def __init__(self, params, decay):
-        self.params, self.decay, self.t = list(params), decay, 0
+    def __init__(self, params, decay, model=None):
+        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
         self.shadow = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
@@ -524,6 +524,8 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(s)
             s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+            self.model.reshard()
 
 # -----------------------------------------------------------------------------
 # Distributed and precision
@@ -1021,7 +1023,7 @@ def train(cfg, stop):
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                         broadcast_buffers=False)  # buffers are constants
     opts = build_optimizers(cfg, raw, device)
-    ema = EMA(raw.parameters(), cfg.ema) if cfg.ema else None
+    ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)

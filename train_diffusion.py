@@ -1,0 +1,1421 @@
+"""
+train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file you can read top to bottom.
+
+Rectified flow (velocity target, logit-normal timesteps, Euler or Heun sampling) by default; DDPM epsilon-prediction
+with a cosine schedule, min-SNR weighting and DDIM sampling as the alternative. The DiT conditions on the timestep and
+the class through adaLN-Zero, drops labels at random for classifier-free guidance, and is trained with an EMA of its
+weights (the samples come from it), AdamW with warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the
+guards of train_gpt.py. Quality is measured offline: the held-out denoising loss on a fixed timestep grid and, given a
+train_vit.py classifier, how often it recognises each sample's class and the Frechet distance in its feature space.
+
+  python train_diffusion.py                            # CPU demo: makes shapes, trains 7 min, writes samples.png
+  python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
+  python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
+  python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
+  python train_diffusion.py --benchmark --preset=cifar10
+  python train_diffusion.py -h                         # every flag, with its default
+"""
+import contextlib
+import copy
+import dataclasses
+import difflib
+import glob
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Config:
+    # data and output
+    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
+    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv goes beside it
+    preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
+    num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
+    flip: bool = True                  # random horizontal flip of the training images
+    # model
+    image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
+    patch_size: int = 4                # pixels per side of a patch: (image_size / patch_size)^2 tokens
+    n_layer: int = 4                   # transformer blocks
+    n_head: int = 4                    # attention heads
+    n_embd: int = 128                  # model width
+    mlp_ratio: float = 4.0             # MLP hidden width / n_embd
+    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    init_std: float = 0.02             # std of the hidden weights at init; adaLN and the output layer start at zero
+    class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
+    # objective
+    objective: str = "flow"            # flow|ddpm: rectified-flow velocity, or DDPM epsilon on a cosine schedule
+    t_mean: float = 0.0                # flow: timesteps t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3)
+    t_std: float = 1.0                 # flow: see t_mean
+    min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
+    # sampling
+    sampler: str = "auto"              # auto|euler|heun|ddim (auto: euler for flow, ddim for ddpm)
+    sample_steps: int = 32             # sampler steps (heun makes two model calls per step)
+    cfg_scale: float = 4.0             # classifier-free guidance: 1 = the conditional model alone, 0 = unconditional
+    sample_seed: int = 0               # noise of the sample grids and the quality metrics: the same at every eval
+    per_class: int = 8                 # columns of the sample grid (rows are classes)
+    # budget: max_steps, else epochs, else time_budget
+    max_steps: int = 0                 # optimizer steps; 0 = from epochs or time_budget
+    epochs: float = 0.0                # passes over the train split; 0 = from max_steps or time_budget
+    time_budget: float = 420.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
+    batch_size: int = 64               # micro-batch per rank, in images
+    grad_accum: int = 1                # micro-steps per optimizer step
+    # optimizer and schedule
+    lr: float = 2e-3                   # peak LR
+    weight_decay: float = 0.0          # decoupled, on 2-D hidden matrices only
+    beta1: float = 0.9                 # AdamW
+    beta2: float = 0.95                # AdamW
+    grad_clip: float = 1.0             # max global grad norm; 0 = off
+    schedule: str = "constant"         # constant|cosine, after linear warmup
+    warmup_steps: int = 100            # linear warmup, in optimizer steps
+    final_lr_frac: float = 0.0         # LR at the end of cosine, as a fraction of the peak
+    ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
+    # eval, logging, checkpoints
+    eval_every: int = 1000             # steps between evals; 0 = only at the end
+    eval_images: int = 500             # val images in the denoising loss (each at 8 timesteps); 0 = all
+    eval_samples: int = 200            # samples drawn at each periodic eval (the grid and the classifier metrics)
+    final_samples: int = 500           # samples drawn at the final eval and by --sample with --eval_classifier
+    eval_classifier: str = ""          # a train_vit.py checkpoint on the same data: its accuracy on samples, Frechet distance
+    fid_weights: str = ""              # Inception TorchScript file (clean-fid's inception-2015-12-05.pt) for FID; optional
+    log_every: int = 50                # steps between log lines
+    save_every: int = 0                # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
+    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
+    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
+    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    wandb: str = ""                    # wandb project name; empty = off
+    description: str = ""              # free text for the results.tsv experiment log
+    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
+    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
+    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
+    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
+    guard_window: int = 100            # steps in the running statistics and in the bad-step count
+    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    inject_fault: str = ""             # debug: KIND@STEP[-END][:RANK],... with KIND nan|spike|sigterm|kill
+    # system
+    device: str = "auto"               # auto|cpu|cuda|mps
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
+    compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
+    parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    seed: int = 1337                   # init, data order, noise and timesteps
+    benchmark: bool = False            # time steps on synthetic images and exit; needs no data
+    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
+    # sampling from a checkpoint
+    sample: bool = False               # write a sample grid from --ckpt's EMA weights (and score it) and exit
+    ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
+    sample_out: str = ""               # PNG written by --sample; empty = a name from the sampler settings, beside the checkpoint
+
+
+PRESETS = {
+    "cpu_demo": {},  # the defaults: 1.3M parameters, 64 patches of 4x4, 420 s of training on a 2-core CPU
+    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images, 256 tokens; not yet measured for quality
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2, n_layer=12, n_head=6,
+                    n_embd=384, time_budget=0.0, epochs=400, batch_size=256, lr=3e-4, cfg_scale=1.5, ema=0.9999,
+                    warmup_steps=1000, eval_every=10000, eval_images=10000, eval_samples=1000, final_samples=10000,
+                    sample_steps=50),
+}
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective")
+
+
+def run_layout(c, world_size, data):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "batch_size": c["batch_size"], "grad_accum": c["grad_accum"],
+            "world_size": world_size, "data": data}
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "sample_steps",
+              "per_class"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
+        die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
+    if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
+        die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
+    if min(cfg.num_classes + 1, cfg.min_snr, cfg.cfg_scale, cfg.epochs, cfg.image_size, cfg.eval_images,
+           cfg.eval_samples, cfg.final_samples, cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
+        die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
+            "guard flags must be >= 0")
+    if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
+        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: euler|heun sample flow, ddim samples ddpm")
+    if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --epochs or --time_budget")
+    for k in ("eval_classifier", "fid_weights"):
+        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
+            die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+    parse_faults(cfg.inject_fault)
+
+# === shared: cli ===
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+
+def field_comments(cls):
+    """{field: its trailing comment} of a dataclass: the text of -h, and the choices a|b|c a field may take."""
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+
+
+def check_choices(cfg):
+    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    for name, comment in field_comments(type(cfg)).items():
+        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
+        if m and str(getattr(cfg, name)) not in m[0].split("|"):
+            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+
+
+def parse_args(cls, argv):
+    """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
+    import argparse
+    helps = field_comments(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def to_bool(s):
+        if s.lower() in ("1", "true", "yes", "on"):
+            return True
+        if s.lower() in ("0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+    p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
+                                usage="%(prog)s [--key=value ...]", allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    for name, f in fields.items():
+        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        p.add_argument(f"--{name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+                       metavar=name.upper(), help=f"{helps.get(name, '')} (default: {f.default!r})")
+    args, unknown = p.parse_known_args(argv)
+    for u in unknown:
+        key = u.split("=")[0].lstrip("-")
+        near = difflib.get_close_matches(key, fields, n=1)
+        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    given = vars(args)
+    presets = getattr(sys.modules[cls.__module__], "PRESETS", {})
+    name = given.get("preset", "")
+    if name and name not in presets:
+        sys.exit(f"{p.prog}: error: unknown --preset={name}; choose one of {', '.join(presets)}")
+    return cls(**{**presets.get(name, {}), **given})
+# === end shared ===
+# -----------------------------------------------------------------------------
+# Model
+
+
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE, DiT): half the channels encode the row, half the column, each as
+    sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
+def timestep_embedding(t, dim=256):
+    """Sinusoidal features of t in [0, 1] (scaled to 0..1000, as DDPM's integer steps): (B,) -> (B, dim), fp32."""
+    freqs = torch.exp(-math.log(10000) * torch.arange(dim // 2, device=t.device, dtype=torch.float32) / (dim // 2))
+    args = 1000 * t.float()[:, None] * freqs[None]
+    return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
+
+
+def modulate(x, shift, scale):
+    """adaLN: x (B, T, d) normalised, shifted and scaled per sample by (B, d) vectors from the conditioning."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.hd = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.hd)), nn.Parameter(torch.ones(self.hd))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
+        if self.qk_norm:
+            q, k = kernels.rms_norm(q, self.q_norm), kernels.rms_norm(k, self.k_norm)
+        y = kernels.attention(q, k, v, causal=False)  # every patch sees every patch
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """A DiT block with adaLN-Zero: the conditioning c sets a shift, scale and gate for each branch; the gates
+    start at zero, so every block starts as the identity (Peebles & Xie 2023)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, hidden = cfg.n_embd, int(cfg.mlp_ratio * cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.fc, self.proj = nn.Linear(d, hidden, bias=False), nn.Linear(hidden, d, bias=False)
+        self.ada = nn.Linear(d, 6 * d)
+
+    def forward(self, x, c):
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c)).chunk(6, dim=-1)  # each (B, d)
+        x = x + gate1[:, None] * self.attn(modulate(kernels.rms_norm(x), shift1, scale1))
+        h = F.gelu(self.fc(modulate(kernels.rms_norm(x), shift2, scale2)), approximate="tanh")
+        return x + gate2[:, None] * self.proj(h)
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg, image_size, channels, num_classes):
+        super().__init__()
+        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
+        p, d = cfg.patch_size, cfg.n_embd
+        self.grid = image_size // p
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
+        self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
+        self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        # one row per class and a last one for "no label", which guidance needs; none when unconditional
+        self.y_emb = nn.Embedding(num_classes + 1, d) if num_classes else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.final_ada = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, p * p * channels)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
+        for name, p in self.named_parameters():
+            if "ada." in name or name.startswith(("final_ada.", "out.")):
+                nn.init.zeros_(p)  # adaLN-Zero: blocks start as the identity and the prediction as zero
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.ndim == 1:
+                nn.init.ones_(p)  # QK-norm gains
+            else:
+                nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
+        self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
+
+    def forward(self, x, t, y=None):
+        """x (B, H, W, C) noisy images, t (B,) in [0, 1], y (B,) labels (num_classes = none) -> (B, H, W, C)."""
+        B, H, W, C = x.shape
+        p, g = self.cfg.patch_size, self.grid
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
+        x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
+        c = self.t_mlp(timestep_embedding(t))  # (B, d): the conditioning of every block
+        if self.y_emb is not None:
+            c = c + self.y_emb(y)
+        for block in self.blocks:
+            x = block(x, c)
+        shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)
+        x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
+        return x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
+
+    def flops_per_image(self):
+        """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
+        T = self.grid ** 2
+        per_token = sum(p.numel() for n, p in self.named_parameters() if p.ndim == 2 and n.startswith(("patch.", "out.",
+                        "blocks.")) and ".ada." not in n)
+        return T * (6 * per_token + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
+
+
+def build_model(cfg, image_size, channels, num_classes, device):
+    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    with torch.device("meta"):
+        model = DiT(cfg, image_size, channels, num_classes)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.seed)
+    model.init_weights()
+    return model
+
+# -----------------------------------------------------------------------------
+# Diffusion: noising, training target and samplers
+# Both objectives use t in [0, 1], t = 0 the data and t = 1 pure noise.
+# flow: x_t = (1 - t) x_0 + t e, and the model predicts the velocity v = e - x_0 (Liu et al. 2022; Lipman et al. 2022).
+# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step i = t * T of T = 1000, and the model predicts e (Ho et al. 2020).
+
+T_DDPM = 1000
+
+
+def cosine_alpha_bar(T=T_DDPM, s=0.008):
+    """alpha_bar at steps 0..T of the cosine schedule, each beta clipped at 0.999 (Nichol & Dhariwal 2021, eq. 17)."""
+    f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
+    beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)
+    return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
+
+
+def sample_t(B, cfg, gen):
+    """Training timesteps (B,) from generator gen: logit-normal for flow (Esser et al. 2024), uniform over the
+    T steps for ddpm."""
+    if cfg.objective == "flow":
+        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
+    return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
+
+
+def corrupt(x0, noise, t, cfg, alpha_bar):
+    """Noise clean images x0 (B, H, W, C) to timesteps t (B,): (x_t, the model's target, loss weight (B,) or None)."""
+    if cfg.objective == "flow":
+        tb = t.view(-1, 1, 1, 1)
+        return (1 - tb) * x0 + tb * noise, noise - x0, None
+    ab = alpha_bar.to(x0.device)[(t * T_DDPM).round().long()].float()  # (B,)
+    x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
+    snr = ab / (1 - ab)  # min-SNR-gamma: the easy (high-SNR) steps weigh less, for epsilon-prediction min(SNR, g) / SNR
+    return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
+
+
+@torch.no_grad()
+def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
+    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32.
+
+    model(x, t, y) is the network or any function of that signature; y (B,) labels or None (unconditional). With
+    labels, guidance mixes the conditional and the unconditional (label `null`) outputs, both in one batch:
+    out = uncond + scale * (cond - uncond) (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction
+    (Karras et al. 2022); ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps.
+    """
+    x, B = noise.float(), noise.size(0)
+
+    def pred(x, t):
+        tt = torch.full((B,), float(t), device=x.device)
+        if y is None:
+            return model(x, tt, None).float()
+        out = model(torch.cat((x, x)), torch.cat((tt, tt)), torch.cat((y, torch.full_like(y, null)))).float()
+        cond, uncond = out.chunk(2)
+        return uncond + scale * (cond - uncond)
+
+    sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
+    if cfg.objective == "flow":
+        ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
+        for a, b in zip(ts[:-1], ts[1:]):
+            v = pred(x, a)
+            if sampler == "heun" and b > 0:  # average the slopes at both ends; the last step stays Euler
+                v = 0.5 * (v + pred(x + (b - a) * v, b))
+            x = x + (b - a) * v
+        return x
+    ab = alpha_bar.to(x.device)
+    steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
+    for i, j in zip(steps[:-1], steps[1:]):
+        eps = pred(x, i / T_DDPM)
+        x0 = ((x - (1 - ab[i]).sqrt() * eps) / ab[i].sqrt()).clamp(-1, 1).float()  # the predicted image, kept in range
+        eps = ((x - ab[i].sqrt() * x0) / (1 - ab[i]).sqrt()).float()
+        x = ab[j].sqrt().float() * x0 + (1 - ab[j]).sqrt().float() * eps
+    return x
+
+# -----------------------------------------------------------------------------
+# Data
+
+
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
+            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        assert meta["format"] == "trainsuite-image-1", f"format {meta['format']!r} is not an image dataset"
+        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
+                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+    except (OSError, ValueError, KeyError, AssertionError) as e:
+        die(f"{data_dir}: unreadable image data ({e}); re-run prepare_data.py for this data dir")
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
+                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside 0..{meta['num_classes'] - 1});"
+                f" re-run prepare_data.py for this data dir")
+    return meta, arrays
+
+
+class ImageLoader:
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
+
+    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
+    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
+    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
+    """
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
+                f"{B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.pos, self.order = s["epoch"], s["pos"], None
+
+    def next(self):
+        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        n, step = len(self.y), self.B * self.world_size
+        if self.pos + step > n:
+            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+            self.order = torch.randperm(n, generator=g).to(self.x.device)
+        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        self.pos += step
+        return self.x[idx], self.y[idx]
+
+
+def to_model(x):
+    """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
+    return x.float() / 127.5 - 1
+
+
+def to_pixels(x):
+    """Model-space images in [-1, 1] -> uint8 pixels, rounded as a PNG would store them."""
+    return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+
+# -----------------------------------------------------------------------------
+# Optimizer and schedule
+
+
+def build_optimizers(cfg, raw, device):
+    """AdamW; weight decay on the hidden matrices of the blocks only (not on embeddings, adaLN, norms or biases)."""
+    decay = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.") and ".ada." not in n]
+    rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    for g in opt.param_groups:
+        g["peak_lr"] = g["lr"]
+    return [opt]
+
+
+def lr_mult(cfg, step, progress):
+    """LR multiplier: linear warmup over warmup_steps, then constant or cosine decay over progress in [0, 1]."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if cfg.schedule == "cosine":
+        f = cfg.final_lr_frac
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
+    return warm
+
+
+class EMA:
+    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
+    swap() exchanges it with the live weights, so the same model object evaluates or samples with either."""
+
+    def __init__(self, params, decay, model=None):
+        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+            self.model.reshard()
+
+# -----------------------------------------------------------------------------
+# Distributed and precision
+
+# === shared: dist ===
+def setup_dist(device_arg="auto"):
+    """Return (rank, world_size, device). Under torchrun, join the process group: NCCL on CUDA, gloo on CPU."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+    return rank, world_size, device
+
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+# === end shared ===
+# === shared: precision ===
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+
+def setup_precision(device, dtype_arg="auto"):
+    """Resolve the dtype and return (dtype, autocast context, GradScaler). fp32 master weights in every case."""
+    if dtype_arg == "auto":
+        cuda = device.type == "cuda"
+        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if cuda else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    return dtype, ctx, scaler
+
+
+def peak_flops(device, dtype):
+    """Peak dense FLOP/s of this GPU for MFU, or None when unknown (CPU, unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
+
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+# === end shared ===
+# -----------------------------------------------------------------------------
+# Checkpointing
+
+# === shared: checkpoint ===
+def atomic_write(path, write_fn):
+    """Write a file so that it is either complete or absent: temp file in the same dir, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class CheckpointWriter:
+    """Writes ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prunes older ones,
+    keeping the newest keep_last plus every multiple of milestone_every. With background=True the write runs in a
+    thread from a deep copy of the state, so training goes on; a failed write stops the run at the next save."""
+
+    def __init__(self, out_dir, keep_last=2, milestone_every=0, background=False):
+        self.out_dir, self.keep_last, self.milestone_every, self.background = out_dir, keep_last, milestone_every, background
+        self.thread, self.error = None, None
+
+    def save(self, obj, step):
+        self.wait()  # one write at a time
+        if self.background:
+            self.thread = threading.Thread(target=self.write, args=(copy.deepcopy(obj), step))
+            self.thread.start()
+        else:
+            self.write(obj, step)
+            self.wait()
+
+    def write(self, obj, step):
+        path = os.path.join(self.out_dir, f"ckpt_{step:07d}.pt")
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            atomic_write(path, lambda f: torch.save(obj, f))
+            marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
+            atomic_write(path + ".done", lambda f: f.write(marker))
+        except OSError as e:
+            self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+            return
+        # newer steps than this one are an abandoned timeline (a rollback, or a resume past an unreadable newest
+        # checkpoint): they go, and never count among the keep_last that protect the good ones
+        done = list_checkpoints(self.out_dir)
+        older = [(s, p) for s, p in done if s <= step][:-self.keep_last] if self.keep_last > 0 else []
+        remove_checkpoints([p for s, p in done if s > step] +
+                           [p for s, p in older if not (self.milestone_every and s % self.milestone_every == 0)])
+
+    def wait(self):
+        """Block until the write in flight is on disk; stop the run if it failed."""
+        if self.thread:
+            self.thread.join()
+            self.thread = None
+        if self.error:
+            die(self.error)
+
+
+def remove_checkpoints(paths):
+    """Delete checkpoints, each marker first: a half-deleted checkpoint never looks complete."""
+    for p in paths:
+        for q in (p + ".done", p):
+            os.remove(q)
+
+
+def sha256_file(path):
+    """Hex sha256 of a file, read in 16 MB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoints in out_dir that have a completion marker, oldest first."""
+    found = []
+    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
+        m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p))
+        if m and os.path.exists(p + ".done"):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def load_checkpoint(where, map_location="cpu", before=None):
+    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones),
+    optionally the newest from before step `before`."""
+    candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
+    candidates = [c for c in candidates if before is None or c[0] < before]
+    for _, path in reversed(candidates):
+        try:
+            marker_path = path + ".done"
+            if os.path.exists(marker_path):
+                with open(marker_path) as f:
+                    marker = json.load(f)
+                if os.path.getsize(path) != marker["size"] or sha256_file(path) != marker["sha256"]:
+                    raise ValueError("size or checksum differs from its completion marker")
+            return torch.load(path, map_location=map_location, weights_only=False), path
+        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    return None, None
+# === end shared ===
+# === shared: metrics ===
+class Metrics:
+    """Append every logged value to out_dir/metrics.jsonl (one JSON object per line), and to wandb if enabled."""
+
+    def __init__(self, out_dir, enabled=True, wandb_project="", config=None):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, None
+        if enabled and wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                sys.exit("error: --wandb needs the wandb package: pip install wandb")
+            self.wandb = wandb.init(project=wandb_project, config=config)
+
+    def log(self, **kv):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        if self.wandb:
+            self.wandb.log(kv, step=kv.get("step"))
+
+
+def append_results(out_dir, row):
+    """Append one row to results.tsv beside out_dir: the experiment log shared by all scripts."""
+    path = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")
+    cols = ["run_id", "script", "commit", "metric", "value", "peak_mem_gb", "wall_s", "description"]
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("\t".join(cols) + "\n")
+        f.write("\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
+
+
+def git_commit():
+    """Short hash of the code's git commit, or 'unknown'."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+# === end shared ===
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def write_grid(path, images, rows, labels=None, zoom=2):
+    """A PNG of uint8 images (rows * cols, H, W, C) where image r + j * rows sits in row r, column j, enlarged
+    `zoom` times (nearest neighbour), with a label at the left of each row if given. Written atomically."""
+    from PIL import Image, ImageDraw
+    n, H, W, C = images.shape
+    cols, gap = n // rows, 2
+    margin = 8 + 6 * max(map(len, labels)) if labels else 0
+    canvas = np.full((rows * (H * zoom + gap) + gap, margin + cols * (W * zoom + gap) + gap, 3), 255, np.uint8)
+    big = images.repeat(zoom, 1).repeat(zoom, 2)
+    big = big.repeat(3, 3) if C == 1 else big
+    for r in range(rows):
+        for j in range(cols):
+            y0, x0 = gap + r * (H * zoom + gap), margin + gap + j * (W * zoom + gap)
+            canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
+    im = Image.fromarray(canvas)
+    if labels:
+        draw = ImageDraw.Draw(im)
+        for r, name in enumerate(labels):
+            draw.text((4, gap + r * (H * zoom + gap) + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+    atomic_write(path, lambda f: im.save(f, format="PNG"))
+
+# -----------------------------------------------------------------------------
+# Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
+
+
+@torch.no_grad()
+def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
+    """Mean squared error of the model's target on the first n_images val images (0: all) at 8 fixed
+    timesteps, with fixed noise: the same numbers at every eval, so evals compare. Returns (mean, per-t)."""
+    model.eval()
+    n = min(n_images or len(y_all), len(y_all))
+    ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
+    sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # the same for any B, ranks
+    for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
+        i = (it * world_size + rank) * B
+        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
+        x0 = to_model(x_all[i:j])
+        noise = noise_all[i:j].to(x0.device)
+        for k, t in enumerate(ts.tolist()):
+            tt = torch.full((j - i,), t, device=x0.device)
+            x_t, target, _ = corrupt(x0, noise, tt, cfg, alpha_bar)
+            with ctx:
+                out = model(x_t, tt, y_all[i:j] if K else None).float()
+            sums[k] += w * (out - target).square().mean((1, 2, 3)).sum().double()
+    model.train()
+    per_t = (all_mean(sums, world_size) * world_size / n).tolist()
+    return sum(per_t) / len(per_t), per_t
+
+
+@torch.no_grad()
+def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
+    """n samples as uint8 (n, H, W, C) on every rank, sample i of class i % K (K = 0: unconditional). The noise
+    comes from cfg.sample_seed alone, so the samples do not depend on the number of ranks; each rank draws an
+    equal share (the same number of forwards on every rank) and all of them are gathered."""
+    share = math.ceil(n / world_size)
+    noise = torch.randn(share * world_size, *shape, generator=torch.Generator().manual_seed(cfg.sample_seed))
+    labels = torch.arange(share * world_size) % max(K, 1)
+    device = next(model.parameters()).device
+    model.eval()
+
+    def net(x, t, y):
+        with ctx:
+            return model(x, t, y)
+
+    out = []
+    for i in range(rank * share, (rank + 1) * share, B):
+        j = min(i + B, (rank + 1) * share)
+        y = labels[i:j].to(device) if K else None
+        out.append(to_pixels(sample(net, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)))
+    model.train()
+    mine = torch.cat(out)
+    if world_size > 1:
+        parts = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(parts, mine)
+        mine = torch.cat(parts)
+    return mine[:n]
+
+
+def frechet_distance(a, b):
+    """Frechet distance between Gaussians fitted to features a (n, d) and b (m, d), as in FID (Heusel et al. 2017):
+    |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), with tr (S_a S_b)^1/2 = tr (S_a^1/2 S_b S_a^1/2)^1/2, float64."""
+    a, b = a.double(), b.double()
+    sa, sb = torch.cov(a.T), torch.cov(b.T)
+    w, V = torch.linalg.eigh(sa)
+    ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
+    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()
+    return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
+
+
+class Judge:
+    """Scores samples offline with a train_vit.py classifier trained on the same data: how often it recognises each
+    sample's class, and the Frechet distance between real val images and samples in its feature space (its pooled
+    features, 'FD-ViT'); with --fid_weights, FID proper on Inception features. Real-image features are computed once."""
+
+    def __init__(self, path, meta, fid_weights, device, val_x):
+        import train_vit  # only this metric needs the classifier's code; training runs without it
+        ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
+        if ckpt is None or "pool" not in ckpt["config"]:  # the ViT's pooling: a train_vit.py checkpoint
+            die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
+        m = ckpt["data_meta"]
+        if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
+            die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
+                f"train it with train_vit.py on this --data_dir")
+        self.clf = train_vit.build_model(train_vit.Config(**ckpt["config"]), m, device).eval()
+        self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
+        self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
+        self.real = self.features(val_x[:10000])
+
+    @torch.no_grad()
+    def features(self, x):
+        """{name: features (n, d)} of uint8 images (n, H, W, C), plus the classifier's logits."""
+        out = {"logits": [], "vit": [], "inception": []}
+        for i in range(0, len(x), 500):
+            xb = x[i:i + 500].float() / 255
+            f = self.clf(xb, features=True)
+            out["vit"].append(f)
+            out["logits"].append(self.clf.head(f))
+            if self.inception is not None:  # takes NCHW in 0..255 and resizes to 299 inside
+                img = xb.permute(0, 3, 1, 2).expand(-1, 3, -1, -1) * 255
+                out["inception"].append(self.inception(img, return_features=True).view(len(xb), -1))
+        return {k: torch.cat(v).float() for k, v in out.items() if v}
+
+    def score(self, samples, K):
+        """{'clf_acc', 'fd_vit'(, 'fid')} of uint8 samples where sample i has class i % K."""
+        f = self.features(samples)
+        res = {"fd_vit": frechet_distance(self.real["vit"], f["vit"])}
+        if K:
+            res["clf_acc"] = (f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K).float().mean().item()
+        if self.inception is not None:
+            res["fid"] = frechet_distance(self.real["inception"], f["inception"])
+        return res
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+# === shared: guard ===
+class Guard:
+    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
+
+    Non-finite values are bad at once; after 10 good steps, a value more than `sigma` running stds above its
+    running mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is
+    skipped; `max_bad` bad steps within `window` steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1).
+    With clip_mult > 0 the clipping threshold follows clip_mult x the running grad-norm mean instead of a constant.
+    """
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
+        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+
+    def load_state(self, s):
+        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+
+    def clip(self, max_norm):
+        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+
+    def check(self, step, loss, gnorm):
+        """None if the update is safe, else the reason; good values update the running statistics."""
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
+        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
+                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
+        if reason:
+            self.bad = [s for s in self.bad if s > step - self.window] + [step]
+            return reason
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        for i, v in enumerate((loss, gnorm)):
+            d = v - self.mean[i]
+            self.mean[i] += a * d
+            self.var[i] = (1 - a) * (self.var[i] + a * d * d)
+        return None
+
+    def rollback_due(self):
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+
+
+class StopSignal:
+    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
+    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+
+    def __enter__(self):
+        self.received, self.old = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self.old[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+
+def parse_faults(spec):
+    """--inject_fault=KIND@STEP[-END][:RANK],... -> [(kind, first, last, rank or None)], for testing the guards."""
+    faults = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(nan|spike|sigterm|kill)@(\d+)(?:-(\d+))?(?::(\d+))?", item)
+        if not m:
+            die(f"--inject_fault: cannot read {item!r}; write KIND@STEP[-END][:RANK] with KIND nan|spike|sigterm|kill")
+        faults.append((m[1], int(m[2]), int(m[3] or m[2]), None if m[4] is None else int(m[4])))
+    return faults
+
+
+def inject_faults(faults, fired, step, rank, loss):
+    """Apply the faults due at this step, each once (a rollback replays steps, not faults): nan makes the loss NaN,
+    spike multiplies it by 10, sigterm sends this process SIGTERM, kill exits at once as a crashed worker would."""
+    for kind, first, last, r in faults:
+        if first <= step <= last and r in (None, rank) and (kind, step) not in fired:
+            fired.add((kind, step))
+            if kind in ("nan", "spike"):
+                loss = loss * (float("nan") if kind == "nan" else 10.0)
+            elif kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # not again once torchrun restarted us
+                os._exit(1)
+    return loss
+
+
+def sharpness(loss_fn, params, iters=10, seed=0):
+    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
+    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
+    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
+    w0 = [p.detach().clone() for p in params]
+    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
+    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
+    eps, lam = 1e-3 * norm(w0), 0.0
+    for _ in range(iters):
+        n = norm(v)
+        v, grads = [t / n for t in v], []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w, t in zip(params, w0, v):
+                    p.copy_(w + sign * eps * t)
+            for p in params:
+                p.grad = None
+            loss_fn().backward()
+            grads.append([p.grad.float() for p in params])
+        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
+        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
+        v = hv
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+            p.grad = None
+    return lam
+# === end shared ===
+
+def prepare_default_data(cfg, rank, world_size):
+    """With the default data_dir and no data yet, rank 0 makes the shapes dataset (no network) and the rest wait."""
+    if cfg.data_dir != Config.data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        return
+    if rank == 0:
+        print(f"no data in {cfg.data_dir}: generating the shapes dataset (no network needed)")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+        if subprocess.run([sys.executable, script, "shapes", f"--data_dir={cfg.data_dir}"]).returncode:
+            die("generating the shapes dataset failed (see above)")
+    if world_size > 1:
+        dist.barrier()
+
+
+def conditioning(cfg, meta):
+    """The number of classes the model is conditioned on: 0 (unconditional) for one class or --num_classes=0."""
+    K = meta["num_classes"]
+    if cfg.num_classes > 0 and cfg.num_classes != K:
+        die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0 (none)")
+    return 0 if cfg.num_classes == 0 or K == 1 else K
+
+
+def main(cfg):
+    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
+    if cfg.sample:  # checked there, against the objective of the checkpoint
+        return sample_main(cfg)
+    check_config(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+        return train(cfg, stop)
+
+def train(cfg, stop):
+    """The training run of main(); stop.received is set by a signal."""
+    rank, world_size, device = setup_dist(cfg.device)
+    master = rank == 0
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
+    if cfg.parallel == "fsdp" and world_size > 1 and dtype == torch.float16:
+        die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    B, accum = cfg.batch_size, cfg.grad_accum
+    images_per_step = B * accum * world_size
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted us after a failure
+    resume = (cfg.resume or restarts > 0) and not cfg.benchmark
+
+    # data: both splits held whole on the device as uint8; synthetic images for --benchmark
+    if cfg.benchmark:
+        size = cfg.image_size or 32
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3}
+        g = torch.Generator().manual_seed(0)
+        arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
+                            torch.randint(0, 10, (4 * B,), generator=g).numpy())}
+    else:
+        prepare_default_data(cfg, rank, world_size)
+        meta, arrays = load_image_data(cfg.data_dir)
+    (H, W), C = meta["image_size"], meta["channels"]
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
+            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % cfg.patch_size:
+        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+    K = conditioning(cfg, meta)
+    rows = K or cfg.per_class  # of the sample grid
+    train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
+    if not cfg.benchmark:
+        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
+    data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+    alpha_bar = cosine_alpha_bar()
+    judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and master and not cfg.benchmark else None
+
+    # model: built on the meta device, materialised, initialised; then compiled and wrapped
+    raw = build_model(cfg, H, C, K, device)
+    n_params = sum(p.numel() for p in raw.parameters())
+    flops_per_step = raw.flops_per_image() * images_per_step
+    model = raw
+    if world_size > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+        for block in raw.blocks:  # compile each block before sharding it, then shard the root (embeddings, output)
+            if use_compile:
+                block.compile()
+            fully_shard(block, **({"mp_policy": mp} if mp else {}))
+        fully_shard(raw, **({"mp_policy": mp} if mp else {}))
+    else:
+        model = torch.compile(raw) if use_compile else raw
+        if world_size > 1:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                        broadcast_buffers=False)  # buffers are constants
+    opts = build_optimizers(cfg, raw, device)
+    ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
+    saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
+    layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
+
+    # budget: steps given, or from epochs; a time budget is checked as we go
+    steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
+    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.epochs) else 0.0
+
+    def restore(ckpt, with_data=True):
+        """Model, EMA, optimizer, scaler, guard and the data position from a checkpoint; (step, time, history)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        opt = StateDictOptions(full_state_dict=True)
+        if ema:  # load the EMA weights into the model (sharding them as it is sharded), then keep them aside
+            set_model_state_dict(raw, ckpt["ema"], options=opt)
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=opt)
+        scaler.load_state_dict(ckpt["scaler"])
+        guard.load_state(ckpt["guard"])
+        if with_data:
+            train_loader.load_state(ckpt["data"])
+        return ckpt["step"], ckpt["train_time"], ckpt["history"]
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint; never mix runs or configs
+    step, train_time, history = 0, 0.0, []
+    if not cfg.benchmark and not resume and list_checkpoints(cfg.out_dir):
+        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+    if resume:
+        ckpt, path = load_checkpoint(cfg.out_dir)
+        if ckpt is None and list_checkpoints(cfg.out_dir):
+            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+        if ckpt is None:
+            if master:
+                print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
+        else:
+            saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data"]["info"])
+            diff = [f"{k}={v!r} (now {layout[k]!r})" for k, v in saved.items() if layout[k] != v]
+            if diff or bool(ckpt.get("ema")) != bool(ema):
+                die(f"--resume: {path} was made with a different config: {', '.join(diff) or 'ema on/off'}; pass the "
+                    f"same flags or use a new --out_dir")
+            step, train_time, history = restore(ckpt)
+            if master:
+                print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+
+    if master and not cfg.benchmark:  # a benchmark writes nothing: never the config.json of a run in out_dir
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+        except OSError as e:
+            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
+    if master:
+        print(json.dumps(dataclasses.asdict(cfg)))
+        budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+        print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
+              + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
+              f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
+              f"compile {use_compile} | lr {cfg.lr:g}")
+    metrics = Metrics(cfg.out_dir, master and not cfg.benchmark, cfg.wandb, dataclasses.asdict(cfg))
+    peak = peak_flops(device, dtype)
+
+    def save(step):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        opt = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(raw, opts, options=opt)
+        esd = None
+        if ema:  # every rank joins the gathers (FSDP); one writes
+            ema.swap()  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
+            esd = {k: v.clone() for k, v in get_model_state_dict(raw, options=opt).items()}
+            ema.swap()
+        if master:
+            saver.save({"model": msd, "optim": osd, "ema": esd, "ema_t": ema.t if ema else 0, "scaler": scaler.state_dict(),
+                        "guard": guard.state(), "step": step, "data": {**train_loader.state(), "info": data_info},
+                        "train_time": train_time, "history": history, "config": dataclasses.asdict(cfg),
+                        "world_size": world_size, "num_classes": K,
+                        "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}}, step)
+
+    def run_eval(step, final=False):
+        """Denoising loss of the model and its EMA on val; samples from the EMA: a grid, and scores if a judge."""
+        rec = {"step": step}
+        for tag in ("", "ema_") if ema else ("",):
+            if tag:
+                ema.swap()
+            rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, cfg, alpha_bar, K, B,
+                                                                            rank, world_size, ctx, cfg.eval_images)
+        n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
+        t0 = time.perf_counter()
+        samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, B, rank, world_size, ctx)
+        rec["sample_s"] = time.perf_counter() - t0
+        if ema:
+            ema.swap()
+        grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
+        if master:
+            write_grid(grid, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
+            if judge:
+                rec.update(judge.score(samples, K))
+            line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+            if ema:
+                line += f" | ema val loss {rec['ema_val_loss']:.4f}"
+            if judge:
+                line += (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if K else "") + f" | FD-ViT {rec['fd_vit']:.2f}"
+                line += f" | FID {rec['fid']:.2f}" if "fid" in rec else ""
+            print(line + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
+        metrics.log(**rec)
+        history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
+        return rec
+
+    def rollback(step):
+        """Back to the newest intact checkpoint from before the first recent bad step; the loader is left where it
+        is, so the batches read since that checkpoint are skipped (PaLM). Returns (step, train_time, history)."""
+        saver.wait()
+        if world_size > 1:
+            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        first_bad, guard.bad = guard.bad[0], []
+        ckpt, path = load_checkpoint(cfg.out_dir, before=first_bad)
+        if ckpt is None:
+            if master:
+                print(f"step {step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+            return step, train_time, history
+        tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
+        if tries[ckpt["step"]] > 3:
+            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps")
+        if master:
+            remove_checkpoints([p for s, p in list_checkpoints(cfg.out_dir) if s > ckpt["step"]])  # never resumed
+            print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        metrics.log(step=step, event="rollback", to_step=ckpt["step"], data=train_loader.state())
+        out = restore(ckpt, with_data=False)
+        guard.bad = []
+        return out
+
+    # the loop: accumulate grads over micro-steps (sync only on the last), clip, check, step, EMA, log, eval, save
+    t_log, steps_since_log, start_step, wall0, last = time.perf_counter(), 0, step, time.perf_counter(), {}
+    faults, fired, tries, clock, stopped = parse_faults(cfg.inject_fault), set(), {}, train_time, False
+    while True:
+        progress = clock / time_budget if time_budget else step / max_steps  # clock: the train time all ranks agree on
+        done = progress >= 1.0 or stopped
+        t_pause = time.perf_counter()  # evals and saves are not training time
+        if not cfg.benchmark and step > start_step and not done:
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                run_eval(step)
+            if cfg.save_every and step % cfg.save_every == 0:
+                save(step)
+        t_log += time.perf_counter() - t_pause
+        if done:
+            break
+        if cfg.benchmark and step == 5:  # warm-up (compile, allocator) done: start the clock
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            t_bench = time.perf_counter()
+        t0 = time.perf_counter()
+        # noise, timesteps, label dropout and flips are drawn for the whole global batch from a generator seeded by
+        # (seed, step), and each rank takes its slice: a resumed run draws the same numbers as an uninterrupted one
+        # (the checkpoint needs no RNG state), and training does not depend on the number of ranks
+        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
+        mult = lr_mult(cfg, step, progress)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * mult
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            sync = micro == accum - 1
+            if world_size > 1 and cfg.parallel == "fsdp":
+                raw.set_requires_gradient_sync(sync)
+            no_sync = model.no_sync() if world_size > 1 and cfg.parallel == "ddp" and not sync else contextlib.nullcontext()
+            x, y = train_loader.next()
+            x0 = to_model(x)
+            mine = slice(rank * B, (rank + 1) * B)
+            noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
+            t = sample_t(B * world_size, cfg, gen)[mine]
+            u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
+            if cfg.flip:
+                x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
+            y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None  # label K: none
+            x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
+            with no_sync:
+                with ctx:
+                    out = model(x_t, t, y).float()
+                mse = (out - target).square().mean((1, 2, 3))  # (B,)
+                loss = (mse * weight if weight is not None else mse).mean() / accum
+                if faults:
+                    loss = inject_faults(faults, fired, step + 1, rank, loss)
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = full(nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip)))
+        # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
+        local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
+                 torch.full((), train_time, device=device)]
+        loss_v, gnorm_v, stop_v, clock = all_mean(torch.stack(local), world_size).tolist()
+        overflow = scaler.is_enabled() and math.isfinite(loss_v) and not math.isfinite(gnorm_v)  # fp16: the scaler's job
+        reason = None if overflow else guard.check(step + 1, loss_v, gnorm_v)
+        if reason is None:
+            for opt in opts:
+                scaler.step(opt)  # skipped when fp16 grads overflowed
+            if ema and not overflow:
+                ema.update()
+        scaler.update()
+        step += 1
+        steps_since_log += 1
+        train_time += time.perf_counter() - t0
+        stopped = stop_v > 0
+        if reason:
+            metrics.log(step=step, event="skip", reason=reason, loss=loss_v, gnorm=gnorm_v)
+            if master:
+                print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {cfg.guard_window} steps")
+            if guard.rollback_due():
+                step, train_time, history = rollback(step)
+                clock = train_time
+                continue
+        if step % cfg.log_every == 0 or step == max_steps:
+            dt = (time.perf_counter() - t_log) / steps_since_log
+            t_log, steps_since_log = time.perf_counter(), 0
+            img_s = images_per_step / dt
+            mfu = flops_per_step / dt / peak if peak else None
+            last = {"step": step, "loss": loss_v, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm_v,
+                    "ms": dt * 1e3, "img_s": img_s, "mfu": mfu, "train_time": train_time,
+                    "epoch": train_loader.epoch + train_loader.pos / len(train_loader.y)}
+            metrics.log(**last)
+            history.append({"step": step, "loss": loss_v})
+            if master:
+                total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+                print(f"step {step:05d}/{total} | loss {loss_v:.4f} | lr {last['lr']:.1e} | gnorm {gnorm_v:.2f} | "
+                      f"{dt * 1e3:.0f} ms | {fmt_rate(img_s)} img/s | epoch {last['epoch']:.2f} | mfu "
+                      + (f"{100 * mfu:.1f}%" if mfu else "-"))
+
+    if cfg.benchmark:
+        if stopped:
+            die(f"--benchmark stopped by {stop.received or 'a signal to another rank'} at step {step}; nothing measured")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t_bench) / cfg.bench_steps
+        res = {"img_s": images_per_step / dt, "ms_per_step": dt * 1e3, "mfu": flops_per_step / dt / peak if peak else None,
+               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
+        if master:
+            print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
+                  f"{fmt_rate(res['img_s'])} img/s | {res['ms_per_step']:.1f} ms/step | mfu "
+                  + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
+                  f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
+        return res
+    if stopped:  # preempted: save where we are and leave with exit code 0; --resume carries on
+        save(step)
+        saver.wait()
+        if master:
+            print(f"stopped by {stop.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                  f"{cfg.out_dir}; run the same command with --resume to continue")
+        if world_size > 1:
+            dist.destroy_process_group()
+        return {"preempted": True, "steps": step, "train_time": train_time}
+
+    rec = run_eval(step, final=True)
+    save(step)
+    saver.wait()
+    wall = time.perf_counter() - wall0
+    result = {**rec, "train_loss": last.get("loss"), "steps": step, "images": step * images_per_step,
+              "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}
+    if master:
+        key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
+        append_results(cfg.out_dir, {"run_id": time.strftime("%Y%m%d-%H%M%S"), "script": "train_diffusion.py",
+                                     "commit": git_commit(), "metric": key, "value": f"{rec[key]:.4f}",
+                                     "peak_mem_gb": f"{result['peak_mem_gb']:.2f}", "wall_s": f"{wall:.0f}",
+                                     "description": cfg.description})
+        print(f"done: {step} steps, {step * images_per_step / len(train_loader.y):.1f} epochs in {train_time:.0f} s | "
+              + " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid") if k in rec)
+              + f" | checkpoint and samples.png in {cfg.out_dir}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return result
+
+def sample_main(cfg):
+    """--sample: a grid from a checkpoint's EMA weights (rows = classes) and, with --eval_classifier, its scores."""
+    check_choices(cfg)
+    where = cfg.ckpt or cfg.out_dir
+    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None or "objective" not in ckpt["config"]:
+        die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    _, _, device = setup_dist(cfg.device)
+    _, ctx, _ = setup_precision(device, cfg.dtype)
+    meta, trained = ckpt["data_meta"], Config(**ckpt["config"])
+    cfg = dataclasses.replace(cfg, objective=trained.objective)
+    check_config(cfg)
+    K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
+    model = build_model(trained, H, C, K, device)
+    model.load_state_dict(ckpt["ema"] or ckpt["model"])
+    rows = K or cfg.per_class
+    n = max(rows * cfg.per_class, cfg.final_samples if cfg.eval_classifier else 0)
+    sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
+    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | {sampler} "
+          f"{cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
+    t0 = time.perf_counter()
+    samples = draw_samples(model, n, (H, W, C), K, cfg, cosine_alpha_bar(), 256, 0, 1, ctx)
+    out = cfg.sample_out or os.path.join(os.path.dirname(path), f"sample_{sampler}{cfg.sample_steps}_cfg"
+                                         f"{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png")
+    write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
+    res = {"grid": out, "sample_s": time.perf_counter() - t0}
+    if cfg.eval_classifier:
+        _, arrays = load_image_data(trained.data_dir, ("val",)) if os.path.exists(trained.data_dir) else (None, None)
+        if arrays is None:
+            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its val images")
+        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, torch.from_numpy(np.array(arrays["val"][0])).to(device))
+        res.update(judge.score(samples, K))
+    print(f"wrote {out} in {res['sample_s']:.1f} s" + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
+    return res
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+if __name__ == "__main__":
+    main(parse_args(Config, sys.argv[1:]))
