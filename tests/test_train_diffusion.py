@@ -231,8 +231,8 @@ def test_learns_shapes_samples_and_scores(shapes, tmp_path):
     for f in ("config.json", "metrics.jsonl", "samples.png", "samples_00075.png", "ckpt_0000150.pt"):
         assert (tmp_path / "run" / f).exists(), f
     assert (tmp_path / "results.tsv").read_text().count("train_diffusion.py") == 1
-    out = td.main(td.Config(sample=True, ckpt=cfg.out_dir, device="cpu", sampler="heun", sample_steps=4, per_class=3, cfg_scale=2,
-                            eval_classifier=clf.out_dir, final_samples=30))
+    out = td.main(td.Config(sample=True, ckpt=cfg.out_dir, device="cpu", sampler="heun", sample_steps=4, per_class=3,
+                            cfg_scale=2, eval_classifier=clf.out_dir, final_samples=30))
     from PIL import Image
     assert Image.open(out["grid"]).size[1] == 10 * (16 * 2 + 2) + 2  # 10 rows of classes
     assert os.path.basename(out["grid"]) == "sample_heun4_cfg2_seed0.png" and 0 <= out["clf_acc"] <= 1
