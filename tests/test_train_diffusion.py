@@ -1,6 +1,5 @@
 """train_diffusion.py: schedules, samplers on known targets, guidance, metrics, CPU training runs, exact resume,
 sampling and scoring from checkpoints, bad input, two-rank torchrun parity."""
-import json
 import math
 import os
 import shutil
@@ -13,6 +12,7 @@ import torch
 
 import prepare_data
 import train_diffusion as td
+from test_train_vit import records  # {step: value} of a key in a run's metrics.jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=2, n_head=2, n_embd=32, patch_size=4, batch_size=16, time_budget=0.0, warmup_steps=5,
@@ -43,12 +43,6 @@ def one_image(tmp_path_factory):
 
 def tiny(data, out, **kw):
     return td.Config(**{**TINY, "data_dir": str(data), "out_dir": str(out), **kw})
-
-
-def records(out_dir, key):
-    """{step: value} of key in a run's metrics.jsonl."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
 
 
 def run_script(*args, torchrun=False, cwd=ROOT, script="train_diffusion.py"):
