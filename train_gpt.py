@@ -65,6 +65,8 @@ class Config:
     logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
     rope_base: float = 10000.0         # RoPE theta
     init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
+    mup: bool = False                  # maximal update parametrisation: the best LR transfers across width (see GPT)
+    base_width: int = 128              # muP: the n_embd at which muP equals the standard parametrisation; tune LR here
     # budget: max_steps, else tokens, else time_budget
     max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
     tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
@@ -133,14 +135,14 @@ PRESETS = {
                       lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm",
-               "tie_embeddings", "logit_softcap", "rope_base")
+               "tie_embeddings", "logit_softcap", "rope_base", "mup", "base_width")
 
 
 def run_layout(c, world_size, vocab_real):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and batch layout."""
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c[k] for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum, "world_size": world_size,
+    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum, "world_size": world_size,
             "vocab": vocab_real}
 
 
@@ -152,6 +154,9 @@ def check_config(cfg):
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change --n_embd or --n_head")
     if cfg.n_head % kv:
         die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
+    if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
+        die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
+            "drop --tie_embeddings")
     for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
         if getattr(cfg, k) < 1:
             die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
@@ -274,6 +279,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.n_head, self.n_kv = layer, cfg.n_head, cfg.n_kv_head or cfg.n_head
         self.hd = cfg.n_embd // cfg.n_head
+        # muP: logits q.k / d, not / sqrt(d), since trained q and k become correlated and q.k grows like d; written
+        # as 1 / sqrt(d * m) it equals the usual 1 / sqrt(d) at the base width (head dim grows with width)
+        self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
         self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)
         self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=False)
         self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
@@ -289,7 +297,7 @@ class Attention(nn.Module):
         if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
             k, v = cache.update(self.layer, k, v)
         # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
-        y = kernels.attention(q, k, v, causal=True)
+        y = kernels.attention(q, k, v, causal=True, scale=self.scale)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -325,7 +333,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def width_mult(cfg):
+    """muP's width multiplier m = n_embd / base_width; 1 under the standard parametrisation."""
+    return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
+
+
 class GPT(nn.Module):
+    """muP (Yang et al. 2022, "Tensor Programs V", Table 3, Adam column), with m = n_embd / base_width: hidden
+    matrices start at std init_std / sqrt(m) (variance 1 / fan_in) and train at LR / m (build_optimizers); the
+    embedding and the gains keep their init and LR; the head's output is multiplied by 1 / m; attention uses 1 / d.
+    Every term is 1 at m = 1, so muP at the base width is this very model. `scaling.py coord_check` tests it."""
+
     def __init__(self, cfg, vocab_size):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
@@ -345,8 +363,10 @@ class GPT(nn.Module):
                 nn.init.ones_(p)  # norm gains
             elif name.endswith("proj.weight") or name == "head.weight":
                 nn.init.zeros_(p)  # each block starts as the identity and the first loss is ln(vocab)
+            elif name.startswith("blocks."):  # hidden matrices: fan_in grows with width
+                nn.init.normal_(p, std=self.cfg.init_std / math.sqrt(width_mult(self.cfg)))
             else:
-                nn.init.normal_(p, std=self.cfg.init_std)
+                nn.init.normal_(p, std=self.cfg.init_std)  # the embedding: fan_in is the vocab, not the width
         cos, sin = rope_tables(self.cfg.seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base, self.cos.device)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
@@ -359,7 +379,7 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, d)
         for block in self.blocks:
             x = block(x, cos, sin, cache)
-        x = self.norm(x)
+        x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m (exactly 1 otherwise)
         w = self.wte.weight if self.head is None else self.head.weight
         cap = self.cfg.logit_softcap or None
         if targets is not None:  # head and loss fused in chunks: the (B*T, V) logits never exist at once;
@@ -628,12 +648,16 @@ def build_optimizers(cfg, raw, device):
     if cfg.optimizer == "muon":
         # Newton-Schulz orthogonalised momentum (Jordan et al. 2024); "match_rms_adamw" scales each update to
         # AdamW's RMS, 0.2 * sqrt(max(fan_in, fan_out)), so the LR grows with width and one LR serves both (Moonlight)
-        muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+        # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
+        muon = torch.optim.Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
                                 adjust_lr_fn="match_rms_adamw")
         adam = torch.optim.AdamW(rest, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0, fused=fused)
         opts = [muon, adam]
     else:
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
+        # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
+        # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
+                  dict(params=rest, weight_decay=0.0)]
         opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
     for opt in opts:
         for g in opt.param_groups:
@@ -1352,7 +1376,7 @@ def train(cfg, stop):
             t_log, steps_since_log = time.perf_counter(), 0
             tok_s = tokens_per_step / dt
             mfu = flops_per_step / dt / peak if peak else None
-            last = {"step": step, "loss": loss_v, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm_v,
+            last = {"step": step, "loss": loss_v, "lr": cfg.lr * mult, "gnorm": gnorm_v,
                     "ms": dt * 1e3, "tok_s": tok_s, "mfu": mfu, "train_time": train_time}
             metrics.log(**last)
             history.append({"step": step, "loss": loss_v})
