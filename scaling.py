@@ -314,7 +314,8 @@ def fit_law(N, D, L, param_grid=None, delta=1e-3, starts=None, w=None):
 
 def params_of(theta):
     e, a, b, al, be = theta.tolist()
-    return dict(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=al, beta=be)
+    ex = lambda v: math.exp(v) if v < 700 else float("inf")  # noqa: E731  (a degenerate fit can run off)
+    return dict(E=ex(e), A=ex(a), B=ex(b), alpha=al, beta=be)
 
 
 def law(p, N, D):
@@ -539,7 +540,8 @@ def plan(p, C, max_flops=None, tokens_per_step=None, force=False):
     """N_opt, D_opt (6 N D = C), the predicted loss and a batch size ~ C^0.25 for budget C; refuses to extrapolate
     beyond twice the largest fitted compute unless force. Returns a dict."""
     if max_flops and C > 2 * max_flops:
-        nxt = np.geomspace(max_flops * 3, C / 2, max(2, math.ceil(math.log(C / 2 / max_flops / 3, 3)) + 1))
+        lo = min(2 * max_flops, C / 2)  # budgets up to half of C, a factor of about 3 apart
+        nxt = sorted(set(np.geomspace(lo, C / 2, max(2, math.ceil(math.log(C / 2 / lo, 3)) + 1)).round(-6)))
         msg = (f"{C:.3g} FLOPs is {C / max_flops:.0f}x the largest fitted compute ({max_flops:.3g}); a law fitted at "
                f"small scale is only trusted to about 2x beyond it. Sweep further first: python scaling.py sweep "
                f"--flops={','.join(f'{c:.2g}' for c in nxt)}")
@@ -635,6 +637,7 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
                 ax.plot(widths, a[t], marker="o", label=n)
             ax.set(xscale="log", yscale="log", title=f"{param}, after step {t + 1}")
             ax.set_xticks(widths, [str(w) for w in widths])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             if t == 0:
                 ax.set_ylabel("mean |activation|")
             if r == 1:
@@ -734,7 +737,7 @@ def main(argv=None):
     p = sub.add_parser("lr_transfer", help="loss against LR at several widths, SP and muP", allow_abbrev=False)
     p.add_argument("--widths", default="32,64,128,256", help="n_embd values; the smallest is muP's base width")
     p.add_argument("--lrs", default="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", help="peak learning rates")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--n_layer", type=int, default=2)
     p.add_argument("--n_head", type=int, default=4, help="fixed, so the head dim grows with width (muP's 1/d)")
     transfer = p
