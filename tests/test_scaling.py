@@ -153,9 +153,10 @@ def test_mup_scales_init_lr_and_attention_with_width(optimizer):
 def test_coord_check_flat_under_mup_drifts_under_standard(tmp_path):
     _, slopes = sc.coord_check(widths=(32, 64, 128, 256), steps=3, seeds=1, seq_len=32, batch_size=4,
                                out_dir=str(tmp_path))
-    # slope of log mean |activation| against log width after step 3: ~0 is flat, 1 grows like the width
+    # slope of log mean |activation| against log width after step 3: ~0 is flat, 1 grows like the width (measured:
+    # muP 0.06 at most, SP logits 0.94, SP blocks 2.1 and 2.5)
     assert max(abs(v) for v in slopes["muP"].values()) < 0.4, slopes
-    assert slopes["SP"]["logits"] > 0.7 and min(slopes["SP"][f"block {i}"] for i in range(2)) > 1.0, slopes
+    assert slopes["SP"]["logits"] > 0.6 and min(slopes["SP"][f"block {i}"] for i in range(2)) > 1.0, slopes
     assert abs(slopes["SP"]["embedding"]) < 0.1  # the embedding does not depend on width in either
     assert (tmp_path / "coord_check.png").stat().st_size > 10_000
 
@@ -186,7 +187,7 @@ def test_sweep_fit_plan_end_to_end_with_resume(corpus, tmp_path, capsys):
     res = sc.main(["fit", f"--out_dir={out}", "--bootstrap=10"])
     err = capsys.readouterr().err
     assert "only 6 runs" in err  # too few for 5 parameters, and said so
-    assert res["n_runs"] == 6 and res["rms_log_residual"] < 0.05
+    assert res["n_runs"] == 6 and res["rms_log_residual"] < 0.08  # 0.036 here; a failed fit is far above 0.1
     for f in ("fit.json", "isoflop.png", "fit.png"):
         assert os.path.getsize(os.path.join(out, f)) > 1000
     small = res["max_flops"]

@@ -244,11 +244,11 @@ def test_one_image_dataset_is_reproduced(one_image, tmp_path, objective):
     assert res["steps"] == 250
     from PIL import Image
     grid = np.asarray(Image.open(tmp_path / objective / "samples.png"))  # 4 rows x 4 samples, no labels
-    for r in range(4):
-        for j in range(4):
-            y, x = 2 + r * 18, 2 + j * 18
-            s = grid[y:y + 16:2, x:x + 16:2].astype(float)  # undo the 2x zoom
-            assert np.abs(s - img).mean() < 12, (r, j, np.abs(s - img).mean())  # of 255
+    errs = [np.abs(grid[y:y + 16:2, x:x + 16:2].astype(float) - img).mean()  # undo the 2x zoom; of 255
+            for y in range(2, 4 * 18, 18) for x in range(2, 4 * 18, 18)]
+    # untrained: 118 (flow) and 127 (ddpm) on average, 127 and 141 at worst; trained: 4.1 and 4.6, 7.6 and 11.9 at
+    # worst; an all-black image would score 37.5. Bars with margin on both: the mean and the worst sample
+    assert np.mean(errs) < 14 and max(errs) < 30, errs
 
 
 @pytest.mark.slow

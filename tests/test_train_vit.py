@@ -154,9 +154,11 @@ def test_learns_shapes_and_writes_its_files(shapes, tmp_path):
                warmup_steps=20, ema=0.99)
     res = tv.main(cfg)
     loss = records(cfg.out_dir, "loss")
-    assert np.mean([loss[s] for s in range(310, 401, 10)]) < np.mean([loss[s] for s in range(10, 101, 10)]) - 0.2
+    # bars about half way from chance to what the run reaches (seeds 1-3 and 1337: train loss down 0.26-0.35,
+    # val loss 1.70-1.80 from ln 10 = 2.30, accuracy 29-33% from 10%); CI once failed a 30% bar at 29%
+    assert np.mean([loss[s] for s in range(310, 401, 10)]) < np.mean([loss[s] for s in range(10, 101, 10)]) - 0.12
     assert res["val_loss"] < math.log(10) - 0.3
-    assert max(res["val_acc"], res["ema_val_acc"]) > 0.3  # chance is 0.10
+    assert max(res["val_acc"], res["ema_val_acc"]) > 0.2  # chance is 0.10
     assert len(res["per_class_acc"]) == 10 and res["steps"] == 400
     for f in ("config.json", "metrics.jsonl", "accuracy.png", "confusion.png", "ckpt_0000400.pt"):
         assert (tmp_path / "run" / f).exists(), f
