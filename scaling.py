@@ -142,10 +142,9 @@ def base_config(args, extra_flags):
 
 
 def vocab_of(cfg):
-    """The padded vocab train_gpt.py will build for cfg's data (the data is prepared first if it is the default)."""
-    tg.prepare_default_data(cfg, 0, 1)
-    meta = tg.load_meta(cfg.data_dir)
-    return 64 * math.ceil((cfg.vocab_size or meta["vocab_size"]) / 64)
+    """The vocabulary train_gpt.py will use for cfg's data (the data is prepared first if it is the default)."""
+    tg.prepare_default_data(cfg, 0, 1, "stdlib", "the Python stdlib corpus")
+    return cfg.vocab_size or tg.load_meta(cfg.data_dir)["vocab_size"]
 
 
 def isoflop_plan(budgets, n_sizes, cfg, vocab, ratio=20.0, min_steps=100):

@@ -19,18 +19,19 @@ import copy
 import dataclasses
 import difflib
 import glob
-import hashlib
 import inspect
 import json
 import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class Config:
     n_kv_head: int = 0                 # key/value heads (GQA); 0 = n_head (MHA), 1 = MQA
     n_embd: int = 128                  # model width
     seq_len: int = 128                 # context length in tokens
-    vocab_size: int = 0                # 0 = from the data's meta; padded up to a multiple of 64 for fast matmuls
+    vocab_size: int = 0                # tokens in the vocabulary; 0 = the data's (meta.json)
     mlp: str = "swiglu"                # swiglu|relu2|gelu
     norm: str = "rmsnorm"              # rmsnorm|layernorm (pre-norm either way)
     qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
@@ -106,7 +107,6 @@ class Config:
     rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
     skip_data: str = ""                # TSV of token ranges (shard, start, end) never read, e.g. a rollback's skipped.tsv
     sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
-    inject_fault: str = ""             # debug: KIND@STEP[-END][:RANK],... with KIND nan|spike|sigterm|kill
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
@@ -116,8 +116,7 @@ class Config:
     benchmark: bool = False            # time steps on synthetic tokens and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
     # sampling
-    mode: str = "train"                # train|sample
-    sample: bool = False               # same as --mode=sample
+    sample: bool = False               # sample from a checkpoint instead of training
     ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
@@ -138,12 +137,12 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "no
                "tie_embeddings", "logit_softcap", "rope_base", "mup", "base_width")
 
 
-def run_layout(c, world_size, vocab_real):
+def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and batch layout."""
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum, "world_size": world_size,
-            "vocab": vocab_real}
+    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum,
+            "world_size": world_size, **data_info}
 
 
 def check_config(cfg):
@@ -171,59 +170,6 @@ def check_config(cfg):
             float(cfg.tokens)
         except ValueError:
             die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
-    parse_faults(cfg.inject_fault)
-
-# === shared: cli ===
-def die(msg):
-    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
-    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
-
-
-def field_comments(cls):
-    """{field: its trailing comment} of a dataclass: the text of -h, and the choices a|b|c a field may take."""
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
-
-
-def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them."""
-    for name, comment in field_comments(type(cfg)).items():
-        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
-        if m and str(getattr(cfg, name)) not in m[0].split("|"):
-            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
-
-
-def parse_args(cls, argv):
-    """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
-    import argparse
-    helps = field_comments(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-
-    def to_bool(s):
-        if s.lower() in ("1", "true", "yes", "on"):
-            return True
-        if s.lower() in ("0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-    p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
-                                usage="%(prog)s [--key=value ...]", allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
-    for name, f in fields.items():
-        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
-        p.add_argument(f"--{name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
-                       metavar=name.upper(), help=f"{helps.get(name, '')} (default: {f.default!r})")
-    args, unknown = p.parse_known_args(argv)
-    for u in unknown:
-        key = u.split("=")[0].lstrip("-")
-        near = difflib.get_close_matches(key, fields, n=1)
-        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
-    given = vars(args)
-    presets = getattr(sys.modules[cls.__module__], "PRESETS", {})
-    name = given.get("preset", "")
-    if name and name not in presets:
-        sys.exit(f"{p.prog}: error: unknown --preset={name}; choose one of {', '.join(presets)}")
-    return cls(**{**presets.get(name, {}), **given})
-# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Model
@@ -339,18 +285,19 @@ def width_mult(cfg):
 
 
 class GPT(nn.Module):
-    """muP (Yang et al. 2022, "Tensor Programs V", Table 3, Adam column), with m = n_embd / base_width: hidden
-    matrices start at std init_std / sqrt(m) (variance 1 / fan_in) and train at LR / m (build_optimizers); the
-    embedding and the gains keep their init and LR; the head's output is multiplied by 1 / m; attention uses 1 / d.
-    Every term is 1 at m = 1, so muP at the base width is this very model. `scaling.py coord_check` tests it."""
+    """Token embedding, n_layer pre-norm blocks, a final norm and the head (tied to the embedding, or its own). The
+    embedding and head have the vocabulary padded to a multiple of 64 rows, for fast matmuls; the padding is never
+    sampled. With --mup (Yang et al. 2022, "Tensor Programs V", Table 3, Adam column) and m = n_embd / base_width,
+    hidden matrices start at std init_std / sqrt(m) and train at LR / m (build_optimizers), the head's input is
+    multiplied by 1 / m and attention uses 1 / d; every factor is 1 at m = 1 (`scaling.py coord_check` tests it)."""
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
-        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
+        self.cfg, self.vocab_size, rows = cfg, vocab_size, 64 * math.ceil(vocab_size / 64)
+        self.wte = nn.Embedding(rows, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = Norm(cfg.n_embd, cfg.norm)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, rows, bias=False)
         cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base, None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -399,16 +346,16 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, vocab_real=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
         """Continue idx (B, T0) by max_new_tokens sampled tokens, with a KV cache; returns (B, T0 + max_new_tokens)."""
         was_training = self.training
         self.eval()
         with torch.compiler.set_stance("force_eager"):  # compiled blocks (FSDP) would recompile for every length
-            out = self._sample(idx, max_new_tokens, temperature, top_k, vocab_real, generator)
+            out = self._sample(idx, max_new_tokens, temperature, top_k, generator)
         self.train(was_training)
         return out
 
-    def _sample(self, out, max_new_tokens, temperature, top_k, vocab_real, generator):
+    def _sample(self, out, max_new_tokens, temperature, top_k, generator):
         """The sampling loop of generate: prefill the cache with the context, then feed one token at a time."""
         T, cache = self.cfg.seq_len, None
         for i in range(max_new_tokens):
@@ -416,8 +363,7 @@ class GPT(nn.Module):
                 cache = KVCache(len(self.blocks), T)
                 logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
             logits = logits[:, -1, :]
-            if vocab_real is not None:
-                logits[:, vocab_real:] = -float("inf")  # never sample the padding of the vocab
+            logits[:, self.vocab_size:] = -float("inf")  # never sample the padding of the vocab
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -507,14 +453,14 @@ class TokenLoader:
     saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
     """
 
-    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab=65536, skip=()):
+    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536, skip=()):
         self.files, self.B, self.T, self.rank, self.world_size, self.device, self.eot = files, B, T, rank, world_size, device, eot
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
-        self.lanes, self.vocab = lanes, vocab
+        self.lanes, self.vocab_size = lanes, vocab_size
         names = [os.path.basename(f) for f in files]
         unknown = sorted({n for n, _, _ in skip} - set(names))
         if unknown:
@@ -579,8 +525,8 @@ class TokenLoader:
         rows = [self._next_row() for _ in range(self.B * self.world_size)]
         mine = rows[self.rank * self.B:(self.rank + 1) * self.B]
         buf = np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine])
-        if buf.max() >= self.vocab:  # would index past the embedding: a crash on CPU, a device assert on CUDA
-            die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab}; the shards and "
+        if buf.max() >= self.vocab_size:  # would index past the embedding: a crash on CPU, a device assert on CUDA
+            die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; the shards and "
                 f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
         buf = torch.from_numpy(buf.astype(np.int64))
         if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously while the GPU computes
@@ -593,8 +539,8 @@ class TokenLoader:
 class SyntheticLoader:
     """Random tokens of the right shape, for --benchmark: no data needed."""
 
-    def __init__(self, B, T, vocab, device):
-        self.x = torch.randint(0, vocab, (B, T + 1), device=device, generator=torch.Generator(device).manual_seed(0))
+    def __init__(self, B, T, vocab_size, device):
+        self.x = torch.randint(0, vocab_size, (B, T + 1), device=device, generator=torch.Generator(device).manual_seed(0))
 
     def state(self):
         return {}
@@ -676,350 +622,62 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# Distributed and precision
-
-# === shared: dist ===
-def setup_dist(device_arg="auto"):
-    """Return (rank, world_size, device). Under torchrun, join the process group: NCCL on CUDA, gloo on CPU."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device_arg)
-    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
-        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
-        store, _, _ = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
-    return rank, world_size, device
-
-
-def full(t):
-    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def all_mean(x, world_size):
-    """Average a tensor over ranks (a no-op in a single process)."""
-    if world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= world_size
-    return x
-# === end shared ===
-
-# === shared: precision ===
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
-              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
-
-
-def setup_precision(device, dtype_arg="auto"):
-    """Resolve the dtype and return (dtype, autocast context, GradScaler). fp32 master weights in every case."""
-    if dtype_arg == "auto":
-        cuda = device.type == "cuda"
-        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if cuda else "float32"
-    dtype = getattr(torch, dtype_arg)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
-    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
-    return dtype, ctx, scaler
-
-
-def peak_flops(device, dtype):
-    """Peak dense FLOP/s of this GPU for MFU, or None when unknown (CPU, unlisted GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return peak / 2 if peak and dtype == torch.float32 else peak
-
-
-def peak_memory_gb(device):
-    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
-# === end shared ===
-
-# -----------------------------------------------------------------------------
-# Checkpointing
-
-# === shared: checkpoint ===
-def atomic_write(path, write_fn):
-    """Write a file so that it is either complete or absent: temp file in the same dir, fsync, rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-class CheckpointWriter:
-    """Writes ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prunes older ones,
-    keeping the newest keep_last plus every multiple of milestone_every. With background=True the write runs in a
-    thread from a deep copy of the state, so training goes on; a failed write stops the run at the next save."""
-
-    def __init__(self, out_dir, keep_last=2, milestone_every=0, background=False):
-        self.out_dir, self.keep_last, self.milestone_every, self.background = out_dir, keep_last, milestone_every, background
-        self.thread, self.error = None, None
-
-    def save(self, obj, step):
-        self.wait()  # one write at a time
-        if self.background:
-            self.thread = threading.Thread(target=self.write, args=(copy.deepcopy(obj), step))
-            self.thread.start()
-        else:
-            self.write(obj, step)
-            self.wait()
-
-    def write(self, obj, step):
-        path = os.path.join(self.out_dir, f"ckpt_{step:07d}.pt")
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            atomic_write(path, lambda f: torch.save(obj, f))
-            marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
-            atomic_write(path + ".done", lambda f: f.write(marker))
-        except OSError as e:
-            self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
-            return
-        # newer steps than this one are an abandoned timeline (a rollback, or a resume past an unreadable newest
-        # checkpoint): they go, and never count among the keep_last that protect the good ones
-        done = list_checkpoints(self.out_dir)
-        older = [(s, p) for s, p in done if s <= step][:-self.keep_last] if self.keep_last > 0 else []
-        remove_checkpoints([p for s, p in done if s > step] +
-                           [p for s, p in older if not (self.milestone_every and s % self.milestone_every == 0)])
-
-    def wait(self):
-        """Block until the write in flight is on disk; stop the run if it failed."""
-        if self.thread:
-            self.thread.join()
-            self.thread = None
-        if self.error:
-            die(self.error)
-
-
-def remove_checkpoints(paths):
-    """Delete checkpoints, each marker first: a half-deleted checkpoint never looks complete."""
-    for p in paths:
-        for q in (p + ".done", p):
-            os.remove(q)
-
-
-def sha256_file(path):
-    """Hex sha256 of a file, read in 16 MB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def list_checkpoints(out_dir):
-    """[(step, path)] of the checkpoints in out_dir that have a completion marker, oldest first."""
-    found = []
-    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
-        m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p))
-        if m and os.path.exists(p + ".done"):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def load_checkpoint(where, map_location="cpu", before=None):
-    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones),
-    optionally the newest from before step `before`."""
-    candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
-    candidates = [c for c in candidates if before is None or c[0] < before]
-    for _, path in reversed(candidates):
-        try:
-            marker_path = path + ".done"
-            if os.path.exists(marker_path):
-                with open(marker_path) as f:
-                    marker = json.load(f)
-                if os.path.getsize(path) != marker["size"] or sha256_file(path) != marker["sha256"]:
-                    raise ValueError("size or checksum differs from its completion marker")
-            return torch.load(path, map_location=map_location, weights_only=False), path
-        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
-            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
-    return None, None
-# === end shared ===
-
-# === shared: metrics ===
-class Metrics:
-    """Append every logged value to out_dir/metrics.jsonl (one JSON object per line), and to wandb if enabled."""
-
-    def __init__(self, out_dir, enabled=True, wandb_project="", config=None):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, None
-        if enabled and wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                sys.exit("error: --wandb needs the wandb package: pip install wandb")
-            self.wandb = wandb.init(project=wandb_project, config=config)
-
-    def log(self, **kv):
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(kv) + "\n")
-        if self.wandb:
-            self.wandb.log(kv, step=kv.get("step"))
-
-
-def append_results(out_dir, row):
-    """Append one row to results.tsv beside out_dir: the experiment log shared by all scripts."""
-    path = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")
-    cols = ["run_id", "script", "commit", "metric", "value", "peak_mem_gb", "wall_s", "description"]
-    new = not os.path.exists(path)
-    with open(path, "a") as f:
-        if new:
-            f.write("\t".join(cols) + "\n")
-        f.write("\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
-
-
-def git_commit():
-    """Short hash of the code's git commit, or 'unknown'."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-# === end shared ===
-
-
-def fmt_rate(x):
-    """3.66M, 812k, 95: rates readable at any scale."""
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-
-
-def plot_losses(out_dir, history):
-    """loss.png: train loss and val loss against step."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("loss", "-"), ("val_loss", "o-")):
-        pts = [(h["step"], h[key]) for h in history if key in h]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=os.path.basename(os.path.abspath(out_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
-    plt.close(fig)
-
-# -----------------------------------------------------------------------------
 # Training loop
 
-# === shared: guard ===
-class Guard:
-    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
 
-    Non-finite values are bad at once; after 10 good steps, a value more than `sigma` running stds above its
-    running mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is
-    skipped; `max_bad` bad steps within `window` steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1).
-    With clip_mult > 0 the clipping threshold follows clip_mult x the running grad-norm mean instead of a constant.
-    """
-
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
-        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
-        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
-
-    def state(self):
-        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
-
-    def load_state(self, s):
-        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
-
-    def clip(self, max_norm):
-        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
-
-    def check(self, step, loss, gnorm):
-        """None if the update is safe, else the reason; good values update the running statistics."""
-        finite = math.isfinite(loss) and math.isfinite(gnorm)
-        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
-        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
-            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
-            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
-                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
-        if reason:
-            self.bad = [s for s in self.bad if s > step - self.window] + [step]
-            return reason
-        self.n += 1
-        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
-        for i, v in enumerate((loss, gnorm)):
-            d = v - self.mean[i]
-            self.mean[i] += a * d
-            self.var[i] = (1 - a) * (self.var[i] + a * d * d)
-        return None
-
-    def rollback_due(self):
-        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
+    """Val loss, perplexity and bits per byte on the first eval_tokens of val (up to 4M at the end): the same tokens
+    every time, read in lanes, so a short eval samples the whole split too."""
+    limit = min(sum(len(s) for s in loader.shards), 1 << 22) if final else cfg.eval_tokens
+    n = max(1, limit // (cfg.batch_size * cfg.seq_len * world_size))
+    loader.load_state({"epoch": 0, "shard": 0})
+    model.eval()
+    total = torch.zeros((), device=loader.device)
+    with torch.no_grad():
+        for _ in range(n):
+            x, y = loader.next()
+            with ctx:
+                total += model(x, y).float()
+    model.train()
+    loss = all_mean(total / n, world_size).item()
+    rec, val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}, meta.get("splits", {}).get("val", {})
+    if val.get("bytes"):  # bits per byte = nats per token / ln 2 x tokens per byte: comparable across tokenizers
+        rec["val_tokens_per_byte"] = val["tokens"] / val["bytes"]
+        rec["val_bpb"] = loss / math.log(2) * rec["val_tokens_per_byte"]
+    print(f"eval {step:05d} | val loss {loss:.4f} | ppl {rec['val_ppl']:.2f}" + (f" | val bpb {rec['val_bpb']:.4f}" if
+          "val_bpb" in rec else "") + (f" | {n * cfg.batch_size * cfg.seq_len * world_size} tokens" if final else ""))
+    return rec
 
 
-class StopSignal:
-    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
-    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
-
-    def __enter__(self):
-        self.received, self.old = None, {}
-        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.old[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-        signal.signal(signum, self.old[signum])
-
-    def __exit__(self, *exc):
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
+def sample(model, meta, n_tokens, temperature, top_k, seed, prompt=""):
+    """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
+    encode, decode = load_tokenizer(meta)
+    eot = meta.get("eot_id")
+    ids = ([eot] if eot is not None else []) + encode(prompt)
+    if not ids:
+        die("empty prompt and no end-of-text token to start from; pass --prompt=TEXT")
+    device = next(model.parameters()).device
+    out = model.generate(torch.tensor([ids], device=device), n_tokens, temperature, top_k,
+                         torch.Generator(device).manual_seed(seed))
+    return out[0].tolist(), decode(out[0, 1 if eot is not None else 0:].tolist())
 
 
-def parse_faults(spec):
-    """--inject_fault=KIND@STEP[-END][:RANK],... -> [(kind, first, last, rank or None)], for testing the guards."""
-    faults = []
-    for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(nan|spike|sigterm|kill)@(\d+)(?:-(\d+))?(?::(\d+))?", item)
-        if not m:
-            die(f"--inject_fault: cannot read {item!r}; write KIND@STEP[-END][:RANK] with KIND nan|spike|sigterm|kill")
-        faults.append((m[1], int(m[2]), int(m[3] or m[2]), None if m[4] is None else int(m[4])))
-    return faults
-
-
-def inject_faults(faults, fired, step, rank, loss):
-    """Apply the faults due at this step, each once (a rollback replays steps, not faults): nan makes the loss NaN,
-    spike multiplies it by 10, sigterm sends this process SIGTERM, kill exits at once as a crashed worker would."""
-    for kind, first, last, r in faults:
-        if first <= step <= last and r in (None, rank) and (kind, step) not in fired:
-            fired.add((kind, step))
-            if kind in ("nan", "spike"):
-                loss = loss * (float("nan") if kind == "nan" else 10.0)
-            elif kind == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
-            elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # not again once torchrun restarted us
-                os._exit(1)
-    return loss
+def layer_stats(raw, x, ctx):
+    """Per layer (embedding, each block, head): |grad| / |weight| from the last backward, and the RMS of each layer's
+    output on x. One ratio far above the rest, or an RMS that keeps growing, is an early sign of instability."""
+    sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
+    acts = [raw.wte, *raw.blocks]
+    layers = acts + ([raw.head] if raw.head is not None else [])
+    stats, rms = {}, []
+    if all(p.grad is not None for p in raw.parameters()):
+        stats["grad_ratio"] = torch.stack([(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt()
+                                           for m in layers]).tolist()
+    hooks = [m.register_forward_hook(lambda m, i, o: rms.append(o.float().square().mean().sqrt())) for m in acts]
+    with torch.no_grad(), ctx, torch.compiler.set_stance("force_eager"):
+        raw(x[:1])
+    for h in hooks:
+        h.remove()
+    return {**stats, "act_rms": torch.stack(rms).tolist()}
 
 
 def sharpness(loss_fn, params, iters=10, seed=0):
@@ -1050,52 +708,160 @@ def sharpness(loss_fn, params, iters=10, seed=0):
             p.copy_(w)
             p.grad = None
     return lam
-# === end shared ===
 
 
-def evaluate(model, loader, n_batches, ctx):
-    """Mean cross-entropy over the first n_batches of the val split (the same tokens every time)."""
-    loader.load_state({"epoch": 0, "shard": 0})
-    model.eval()
-    total = torch.zeros((), device=loader.device)
-    with torch.no_grad():
-        for _ in range(n_batches):
-            x, y = loader.next()
-            with ctx:
-                total += model(x, y).float()
-    model.train()
-    return total / n_batches
+def plot_losses(out_dir, history):
+    """loss.png: train loss and val loss against step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("loss", "-"), ("val_loss", "o-")):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
+    plt.close(fig)
 
 
-def prepare_default_data(cfg, rank, world_size):
-    """With the default data_dir and no data yet, rank 0 builds the stdlib corpus (no network) and the rest wait."""
-    if cfg.data_dir != Config.data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
-        return
+def main(cfg):
+    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    if cfg.sample:
+        return sample_main(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+        return train(cfg, stop)
+
+
+def train(cfg, stop):
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    rank, world_size, device = setup_dist(cfg.device)
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
+    if cfg.sharpness_every and cfg.parallel == "fsdp" and world_size > 1:
+        die("--sharpness_every does not work with --parallel=fsdp; use --parallel=ddp")
+    B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
+    if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
+        accum, rest = divmod(cfg.total_batch, B * T * world_size)
+        if rest or not accum:
+            die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x ranks = {B} x {T} x "
+                f"{world_size} = {B * T * world_size}; change one of them")
+    tokens_per_step = B * T * accum * world_size
+
+    # data: token shards read in order, each rank its rows of a batch; the vocabulary comes from the data unless given
+    skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()  # a bad file fails before any data is prepared
+    if not cfg.benchmark:
+        prepare_default_data(cfg, rank, world_size, "stdlib", "the Python stdlib corpus")
+    meta = {"vocab_size": cfg.vocab_size or 50257, "eot_id": None} if cfg.benchmark else load_meta(cfg.data_dir)
+    if meta["vocab_size"] > (cfg.vocab_size or meta["vocab_size"]):
+        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 (from data)")
+    vocab_size = cfg.vocab_size or meta["vocab_size"]
+    if cfg.benchmark:
+        train_loader = SyntheticLoader(B, T, vocab_size, device)
+    else:  # a lane per row of a step; val in lanes too, so a short eval samples the whole split as the final one does
+        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
+                                   lanes=B * world_size * accum, vocab_size=vocab_size, skip=skip)
+        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
+                                 lanes=B * world_size, vocab_size=vocab_size)
+        tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
+
+    # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
+    raw = build_model(cfg, vocab_size, device)
+    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
+    opts = build_optimizers(cfg, raw, device)
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
+    n_params = sum(p.numel() for p in raw.parameters())
+    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # auto: Chinchilla's 20 per parameter
+    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
+    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.tokens else cfg.time_budget
+    run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, None), max_steps, time_budget,
+              tokens_per_step, "tok", raw.flops_per_token() * tokens_per_step)
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    ckpt = run.resume(run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}))
+    if ckpt:
+        train_loader.load_state(ckpt["data"])
+    data_state, (x, y) = train_loader.state(), train_loader.next()  # bad data stops the run before anything is written
+    metrics = Metrics(cfg, rank == 0)
+    print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
+          f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
+          f"{device} {dtype} | compile {compiled} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}")
+
+    # the loop: an optimizer step (micro-steps, clip, check, update), then log, eval and save
+    run.start()
+    while not run.done():
+        mult = lr_mult(cfg, run.step, run.progress())
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)  # here, not after the update: an eval reads the last step's grads
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * mult
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            with grad_sync(model, micro == accum - 1):
+                with ctx:
+                    loss = model(x, y, cfg.z_loss) / accum  # the mean over micro-steps: grads equal one big batch's
+                data_state, (x, y) = train_loader.state(), train_loader.next()  # read ahead while the GPU computes
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
+        loss, gnorm = run.agree(loss_sum, gnorm, stop)  # every rank sees the same loss, grad norm, clock and signal
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        reason = None if overflow else guard.check(run.step + 1, loss, gnorm)
+        if reason is None:
+            for opt in opts:
+                scaler.step(opt)  # which skips it when fp16 grads overflowed
+        scaler.update()
+        run.step += 1
+
+        back = run.skip(metrics, reason, loss, gnorm) if reason else None
+        if back:  # rolled back to a checkpoint: the data read since then is never trained on
+            skip_data(cfg, metrics, run.step, train_loader.ranges(back["data"], data_state))
+            continue
+        if run.step % cfg.log_every == 0 or run.done():
+            run.log(metrics, loss, gnorm, cfg.lr * mult)
+        if cfg.benchmark:
+            continue
+        with run.paused():  # evals and saves are not training time
+            if run.final() or (cfg.eval_every and run.step % cfg.eval_every == 0):
+                rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, run.step, run.final())
+                if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
+                    text = sample(raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)[1]
+                    print("-" * 40 + "\n" + text + "\n" + "-" * 40)
+                metrics.log(step=run.step, **rec, **layer_stats(raw, x, ctx))  # grad/weight ratio, activation RMS
+                run.history.append({"step": run.step, **rec})
+            if cfg.sharpness_every and run.step % cfg.sharpness_every == 0 and not run.done():
+                lam = sharpness(lambda: model(x, y, cfg.z_loss), list(raw.parameters()))
+                metrics.log(step=run.step, sharpness=lam)
+                print(f"sharpness {run.step:05d} | top Hessian eigenvalue {lam:.4g}")
+            if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
+                run.save(data=data_state, data_info={"vocab_size": vocab_size}, tokenizer=tokenizer)
+
+    # the end: the benchmark's figures, or how to resume after a signal, or the results against gzip and xz
+    if cfg.benchmark or run.stopped:
+        return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}", result={"params": n_params})
     if rank == 0:
-        print(f"no data in {cfg.data_dir}: preparing the Python stdlib corpus (no network needed)")
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-        if subprocess.run([sys.executable, script, "stdlib", f"--data_dir={cfg.data_dir}"]).returncode:
-            die("preparing the stdlib corpus failed (see above)")
-    if world_size > 1:
-        dist.barrier()
+        plot_losses(cfg.out_dir, run.history)
+    metric = "val_bpb" if "val_bpb" in rec else "val_loss"
+    refs = "".join(f" | {t} -9 {meta[f'val_{t}_bpb']:.3f} ({'beaten' if rec['val_bpb'] < meta[f'val_{t}_bpb'] else 'not beaten'})"
+                   for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
+    return run.finish(f"done: {run.step} steps, {run.step * tokens_per_step / 1e6:.1f}M tokens in {run.train_time:.0f} s | "
+                      f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint and loss.png in {cfg.out_dir}",
+                      metrics, {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params}, metric)
 
 
-def layer_stats(raw, x, ctx):
-    """Per layer (embedding, each block, head): |grad| / |weight| from the last backward, and the RMS of each layer's
-    output on x. One ratio far above the rest, or an RMS that keeps growing, is an early sign of instability."""
-    sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
-    acts = [raw.wte, *raw.blocks]
-    layers = acts + ([raw.head] if raw.head is not None else [])
-    stats, rms = {}, []
-    if all(p.grad is not None for p in raw.parameters()):
-        stats["grad_ratio"] = torch.stack([(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt()
-                                           for m in layers]).tolist()
-    hooks = [m.register_forward_hook(lambda m, i, o: rms.append(o.float().square().mean().sqrt())) for m in acts]
-    with torch.no_grad(), ctx, torch.compiler.set_stance("force_eager"):
-        raw(x[:1])
-    for h in hooks:
-        h.remove()
-    return {**stats, "act_rms": torch.stack(rms).tolist()}
+def skip_data(cfg, metrics, step, ranges):
+    """After a rollback: append the token ranges read since the checkpoint to out_dir/skipped.tsv, never trained on;
+    --skip_data=that file keeps any later run off them too."""
+    if metrics.on:
+        with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
+            f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in ranges)
+    metrics.log(step=step, event="skipped_data", ranges=ranges)
+    print(f"step {step:05d} | {len(ranges)} token ranges appended to {cfg.out_dir}/skipped.tsv")
 
 
 def read_skip_file(path):
@@ -1107,356 +873,487 @@ def read_skip_file(path):
         die(f"--skip_data={path}: {e}; each line must be SHARD<TAB>START<TAB>END in tokens")
 
 
-def main(cfg):
-    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
-    check_config(cfg)
-    if cfg.sample or cfg.mode == "sample":
-        return sample_main(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
-        return train(cfg, stop)
+def sample_main(cfg):
+    """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
+    where = cfg.ckpt or cfg.out_dir
+    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None:
+        die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    _, _, device = setup_dist(cfg.device)
+    trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+    model = build_model(trained, ckpt["data_info"]["vocab_size"], device)
+    model.load_state_dict(ckpt["model"])
+    ids, text = sample(model, ckpt["tokenizer"], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
+    print(f"# {path} (step {ckpt['step']})\n{text}")
+    return {"text": text, "ids": ids}
 
+# -----------------------------------------------------------------------------
+# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
+# wrapping; the run's clock, checkpoints, resume and rollback; metrics; the guards. The recipe above reads without it.
 
-def train(cfg, stop):
-    """The training run of main(); stop.received is set by a signal."""
-    rank, world_size, device = setup_dist(cfg.device)
-    master = rank == 0
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
-    if cfg.parallel == "fsdp" and world_size > 1 and (dtype == torch.float16 or cfg.sharpness_every):
-        die("--parallel=fsdp supports neither float16 (no sharded loss scaler) nor --sharpness_every; use --parallel=ddp")
-    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
-    B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
-        accum, rest = divmod(cfg.total_batch, B * T * world_size)
-        if rest or not accum:
-            die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x ranks = {B} x {T} x "
-                f"{world_size} = {B * T * world_size}; change one of them")
-    tokens_per_step = B * T * accum * world_size
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted us after a failure
-    resume = (cfg.resume or restarts > 0) and not cfg.benchmark
+# === shared: machinery ===
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
 
-    # data: token shards of each split, read in order; the vocab comes from the data unless given
-    skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()  # a bad file fails before any data is prepared
-    if cfg.benchmark:
-        meta = {"tokenizer": None, "vocab_size": cfg.vocab_size or 50257, "eot_id": None, "splits": {}}
-    else:
-        prepare_default_data(cfg, rank, world_size)
-        meta = load_meta(cfg.data_dir)
-    if cfg.vocab_size and meta["vocab_size"] > cfg.vocab_size:
-        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 (from data)")
-    vocab_real = cfg.vocab_size or meta["vocab_size"]
-    vocab = 64 * math.ceil(vocab_real / 64)
-    if cfg.benchmark:
-        train_loader = SyntheticLoader(B, T, vocab_real, device)
-    else:
-        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
-                                   lanes=B * world_size * accum, vocab=vocab_real, skip=skip)  # a lane per row of a step
-        # val in lanes too, so a short periodic eval samples the whole val split, like the final one
-        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
-                                 lanes=B * world_size, vocab=vocab_real)
-        val = meta.get("splits", {}).get("val", {})
-        tokens_per_byte = val["tokens"] / val["bytes"] if val.get("bytes") else None  # for bits per byte
-        tok_info = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
-        _, decode = load_tokenizer(tok_info)
+def field_comments(cls):
+    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
-    # model: built on the meta device, materialised, initialised; then compiled and wrapped
-    raw = build_model(cfg, vocab, device)
-    n_params = sum(p.numel() for p in raw.parameters())
-    flops_per_step = raw.flops_per_token() * tokens_per_step
-    model = raw
+def check_choices(cfg):
+    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    for name, comment in field_comments(type(cfg)).items():
+        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
+        if m and str(getattr(cfg, name)) not in m[0].split("|"):
+            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+
+def parse_args(cls, argv):
+    """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
+    import argparse
+    module, names, yes = sys.modules[cls.__module__], [f.name for f in dataclasses.fields(cls)], ("1", "true", "yes", "on")
+
+    def to_bool(s):
+        if s.lower() not in (*yes, "0", "false", "no", "off"):
+            raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+        return s.lower() in yes
+
+    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], usage="%(prog)s [--key=value ...]",
+                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    for f in dataclasses.fields(cls):
+        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        p.add_argument(f"--{f.name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+                       metavar=f.name.upper(), help=f"{field_comments(cls).get(f.name, '')} (default: {f.default!r})")
+    args, unknown = p.parse_known_args(argv)
+    for u in unknown:
+        near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), names, n=1)
+        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    preset = vars(args).get("preset", "")
+    if preset and preset not in module.PRESETS:
+        sys.exit(f"{p.prog}: error: unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
+    return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
+
+def setup_dist(device_arg="auto"):
+    """(rank, world_size, device). Under torchrun, join the process group (NCCL on CUDA, gloo on CPU); ranks other
+    than 0 print nothing, so each line is said once."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    return rank, world_size, device
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def setup_precision(device, dtype_arg="auto"):
+    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 + loss scaling without bf16), fp32 elsewhere;
+    the master weights stay fp32."""
+    if dtype_arg == "auto":
+        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+
+def wrap_model(raw, cfg, device, dtype, world_size):
+    """(model, compiled): raw compiled, then wrapped in DDP, or sharded by FSDP2 a block at a time (each block compiled
+    before it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     if world_size > 1 and cfg.parallel == "fsdp":
+        if dtype == torch.float16:
+            die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
-        for block in raw.blocks:  # compile each block before sharding it, then shard the root (embeddings, head)
-            if use_compile:
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)} if dtype != torch.float32 else {}
+        for block in raw.blocks:
+            if compiled:
                 block.compile()
-            fully_shard(block, **({"mp_policy": mp} if mp else {}))
-        fully_shard(raw, **({"mp_policy": mp} if mp else {}))
-    else:
-        model = torch.compile(raw) if use_compile else raw
-        if world_size > 1:
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opts = build_optimizers(cfg, raw, device)
-    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
-    saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
-    layout = run_layout(dataclasses.asdict(cfg), world_size, vocab_real)
+            fully_shard(block, **mp)
+        return fully_shard(raw, **mp), compiled
+    model = torch.compile(raw) if compiled else raw
+    if world_size > 1:  # buffers are constants: nothing to broadcast
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                    broadcast_buffers=False)
+    return model, compiled
 
-    # budget: steps given, or derived from a token budget; a time budget is checked as we go
-    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
-    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
-    time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.tokens) else 0.0
+def grad_sync(model, sync):
+    """The context of a micro-step's backward: grads are averaged across ranks only when sync (the last micro-step)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
-    def restore(ckpt, with_data=True):
-        """Model, optimizer, scaler, guard and RNG (and the data position) from a checkpoint; (step, time, history)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
-                       options=StateDictOptions(full_state_dict=True))
-        scaler.load_state_dict(ckpt["scaler"])
-        if "guard" in ckpt:  # not in checkpoints from before the guards
-            guard.load_state(ckpt["guard"])
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        if with_data:
-            train_loader.load_state(ckpt["data"])
-        return ckpt["step"], ckpt["train_time"], ckpt["history"]
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
 
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint; never mix runs or configs
-    step, train_time, history = 0, 0.0, []
-    if not cfg.benchmark and not resume and list_checkpoints(cfg.out_dir):
-        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-    if resume:
-        ckpt, path = load_checkpoint(cfg.out_dir)
-        if ckpt is None and list_checkpoints(cfg.out_dir):
+def peak_flops(device, dtype):
+    """Peak dense FLOP/s of this GPU, for MFU; None when unknown (CPU, a GPU not listed)."""
+    peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+class Run:
+    """A run's progress, clock and checkpoints; parts = (raw model, optimizers, scaler, guard, EMA or None) is what a
+    checkpoint holds besides. train_time counts training only (not evals and saves) and is agreed by all ranks."""
+
+    def __init__(self, cfg, rank, world_size, device, dtype, parts, max_steps, time_budget, per_step, unit, flops_per_step):
+        self.cfg, self.master, self.world_size, self.device, self.parts = cfg, rank == 0, world_size, device, parts
+        self.max_steps, self.time_budget, self.per_step, self.unit = max_steps, time_budget, per_step, unit
+        self.peak = peak_flops(device, dtype)
+        self.flops, self.step, self.train_time, self.history = flops_per_step / (self.peak or 1), 0, 0.0, []
+        self.stopped, self.signal = False, None
+        self.tries, self.writer, self.error, self.wall0, self.bench0 = {}, None, None, time.perf_counter(), 0.0
+        self.start()
+
+    def start(self):
+        """Start the clock, and the averages of the next log line."""
+        self.t_last, self.logged = time.perf_counter(), (self.step, self.train_time)
+
+    def progress(self):
+        """The fraction of the budget spent: of the time budget if there is one (the LR schedule follows it), else of steps."""
+        return self.train_time / self.time_budget if self.time_budget else self.step / self.max_steps
+
+    def done(self):
+        return self.stopped or self.progress() >= 1.0
+
+    def final(self):
+        return self.progress() >= 1.0 and not self.stopped
+
+    def agree(self, loss_sum, gnorm, stop):
+        """(loss, grad norm) from the step's one all-reduce (and host sync), which also agrees on the clock and on a
+        signal to any rank: every rank takes the same decisions and stops at the same step."""
+        now = time.perf_counter()
+        local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
+                             loss_sum.new_tensor(self.train_time + now - self.t_last)])
+        loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
+        self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
+        if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
+            self.bench0 = self.train_time
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
+        return loss, gnorm
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within it, the clock stops: evals and saves are not training time."""
+        t = time.perf_counter()
+        yield
+        self.t_last += time.perf_counter() - t
+
+    def log(self, metrics, loss, gnorm, lr, **extra):
+        """A log line and a metrics record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
+        dt = (self.train_time - self.logged[1]) / max(self.step - self.logged[0], 1)
+        rec = {"step": self.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{self.unit}_s": self.per_step / dt,
+               "mfu": self.flops / dt if self.peak else None, "train_time": self.train_time, **extra}
+        metrics.log(**rec)
+        self.history.append({"step": self.step, "loss": loss})
+        self.logged = (self.step, self.train_time)
+        total = f"{self.train_time:.0f}/{self.time_budget:.0f}s" if self.time_budget else f"{self.max_steps:05d}"
+        print(f"step {self.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if self.peak else "-")
+              + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
+
+    def resume(self, layout):
+        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and return it; None
+        for a new run. Never overwrites an earlier run, nor continues one of another run_layout."""
+        cfg, restarts = self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
+        if found and not (cfg.resume or restarts):
+            die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+        ckpt, path = load_checkpoint(cfg.out_dir) if found else (None, None)
+        if found and ckpt is None:
             die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
         if ckpt is None:
-            if master:
-                print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
-        else:
-            saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["vocab_real"])
-            diff = [f"{k}={v!r} (now {layout[k]!r})" for k, v in saved.items() if layout[k] != v]
-            if diff:
-                die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
-                    f"a new --out_dir")
-            step, train_time, history = restore(ckpt)
-            if master:
-                print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+            return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+        if diff:
+            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
+                f"new --out_dir")
+        self.restore(ckpt)
+        print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+        return ckpt
 
-    data_state = train_loader.state()  # loader position before the batch in hand: what a checkpoint must store
-    x, y = train_loader.next()  # read before anything is written: bad data stops the run with out_dir untouched
-    if master and not cfg.benchmark:  # a benchmark writes nothing: never the config.json of a run in out_dir
+    def restore(self, ckpt):
+        """Progress, weights, optimizers, scaler, guard and EMA from a checkpoint (each rank its shard under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True)
+        if ema:  # the EMA weights go through the model, to be sharded as it is, then aside
+            set_model_state_dict(raw, ckpt["ema"], options=options)
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
+        scaler.load_state_dict(ckpt["scaler"])
+        guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
+        self.step, self.train_time, self.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        self.start()
+
+    def save(self, **extra):
+        """Gather the full state (a collective under FSDP: every rank calls this); rank 0 writes it with extra, in the
+        background with --async_save (from a copy, so training goes on)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ckpt = dict(zip(("model", "optim"), get_state_dict(raw, opts, options=options)), ema=None)
+        if ema:  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
+            ema.swap()
+            ckpt["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
+            ema.swap()
+        ckpt.update(ema_t=ema.t if ema else 0, scaler=scaler.state_dict(), step=self.step, train_time=self.train_time,
+                    guard=guard.state(), history=self.history,
+                    config=dataclasses.asdict(self.cfg), world_size=self.world_size, **extra)
+        self.wait()  # one write at a time
+        if self.master:
+            self.writer = threading.Thread(target=write_checkpoint, args=(
+                self.cfg, copy.deepcopy(ckpt) if self.cfg.async_save else ckpt, self))
+            self.writer.start()
+            if not self.cfg.async_save:
+                self.wait()
+
+    def wait(self):
+        """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
+        if self.writer:
+            self.writer.join()
+            self.writer = None
+        if self.error:
+            die(self.error)
+
+    def skip(self, metrics, reason, loss, gnorm):
+        """Log an update the guard skipped. After too many, roll back to the newest intact checkpoint from before the
+        first of them and return it (the loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
+        guard, out = self.parts[3], self.cfg.out_dir
+        metrics.log(step=self.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
+        print(f"step {self.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
+        if not guard.rollback_due():
+            return None
+        first_bad, guard.bad = guard.bad[0], []
+        self.wait()
+        if self.world_size > 1:
+            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        ckpt, path = load_checkpoint(out, before=first_bad)
+        if ckpt is None:
+            return print(f"step {self.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+        self.tries[ckpt["step"]] = self.tries.get(ckpt["step"], 0) + 1
+        if self.tries[ckpt["step"]] > 3:
+            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps" +
+                (f", or look at the data ranges in {out}/skipped.tsv" if os.path.exists(f"{out}/skipped.tsv") else ""))
+        if self.master:  # the abandoned timeline: nothing may resume it
+            for s, p in list_checkpoints(out):
+                os.remove(p) if s > ckpt["step"] else None
+        print(f"step {self.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        metrics.log(step=self.step, event="rollback", to_step=ckpt["step"])
+        self.restore(ckpt)
+        guard.bad = []
+        return ckpt
+
+    def finish(self, what, metrics=None, result=None, metric=None):
+        """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv and the summary
+        line `what`. Waits for the last checkpoint and leaves the process group."""
+        self.wait()
+        mem, dt = peak_memory_gb(self.device), (self.train_time - self.bench0) / max(self.cfg.bench_steps, 1)
+        if self.cfg.benchmark and self.stopped:
+            die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
+        if self.cfg.benchmark:
+            result = {f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.flops / dt if self.peak
+                      else None, "peak_mem_gb": mem, **result}
+            print(f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
+                  f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if self.peak else "-") +
+                  f" | peak mem {mem:.2f} GB")
+        elif self.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
+            result = {"preempted": True, "steps": self.step, "train_time": self.train_time}
+            print(f"stopped by {self.signal} at step {self.step}: checkpoint saved in {self.cfg.out_dir}; run the same "
+                  f"command with --resume to continue")
+        else:
+            result.update(steps=self.step, train_time=self.train_time, wall_time=time.perf_counter() - self.wall0,
+                          peak_mem_gb=mem)
+            metrics.result(metric, result[metric], mem, result["wall_time"])
+            print(what)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return result
+
+def write_checkpoint(cfg, ckpt, run=None):
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed: complete or absent. Then the older ones are pruned,
+    but for the newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
+    path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}.pt")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        run.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+        return
+    # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
+    # and never count among the keep_last that protect the good ones
+    found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
+    older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
+    for s, p in [(s, p) for s, p in found if s > ckpt["step"]] + [(s, p) for s, p in older if not (every and s % every == 0)]:
+        os.remove(p)
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoints in out_dir, oldest first (a write in progress has another name)."""
+    found = [(re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))]
+    return sorted((int(m[1]), p) for m, p in found if m)
+
+def load_checkpoint(where, before=None):
+    """(checkpoint, path) of a file, or of the newest intact checkpoint in a directory (falling back past bad ones),
+    optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum of
+    the zip file torch.save writes matches, so a truncated or corrupted file (a crash, a bad copy) is never used."""
+    for _, path in reversed([c for c in ([(0, where)] if os.path.isfile(where) else list_checkpoints(where))
+                             if before is None or c[0] < before]):
         try:
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
+            bad = zipfile.ZipFile(path).testzip()
+            if bad:
+                raise ValueError(f"checksum of {bad} does not match")
+            return torch.load(path, map_location="cpu", weights_only=False), path
+        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    return None, None
+
+class Metrics:
+    """Rank 0's record: config.json, then every logged value appended to metrics.jsonl (one JSON object per line) and
+    sent to wandb if asked; at the end a row of results.tsv beside out_dir. A benchmark writes nothing."""
+
+    def __init__(self, cfg, master):
+        self.cfg, self.on, self.wandb = cfg, master and not cfg.benchmark, None
+        print(json.dumps(dataclasses.asdict(cfg)))
+        try:
+            if self.on:
+                os.makedirs(cfg.out_dir, exist_ok=True)
+                with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                    json.dump(dataclasses.asdict(cfg), f, indent=2)
+            if self.on and cfg.wandb:
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb, config=dataclasses.asdict(cfg))
         except OSError as e:
             die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
-    if master:
-        print(json.dumps(dataclasses.asdict(cfg)))
-        budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
-        print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_real} (padded {vocab}) | {tokens_per_step} tokens/step "
-              f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
-              f"compile {use_compile} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}")
-    metrics = Metrics(cfg.out_dir, master and not cfg.benchmark, cfg.wandb, dataclasses.asdict(cfg))
-    peak = peak_flops(device, dtype)
+        except ImportError:
+            die("--wandb needs the wandb package: pip install wandb")
 
-    def save(step):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-        msd, osd = get_state_dict(raw, opts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if master:  # every rank joins the gather above (FSDP); one writes
-            saver.save({"model": msd, "optim": osd, "scaler": scaler.state_dict(), "guard": guard.state(), "step": step,
-                        "data": data_state, "train_time": train_time, "history": history,
-                        "rng": {"cpu": torch.get_rng_state()}, "config": dataclasses.asdict(cfg), "world_size": world_size,
-                        "vocab_size": vocab, "vocab_real": vocab_real, "tokenizer": tok_info}, step)
+    def log(self, **kv):
+        if self.on:
+            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(kv) + "\n")
+            if self.wandb:
+                self.wandb.log(kv, step=kv.get("step"))
 
-    def eval_and_sample(step, final=False):
-        limit = min(sum(len(s) for s in val_loader.shards), 1 << 22) if final else cfg.eval_tokens
-        n_batches = max(1, limit // (B * T * world_size))
-        vl = all_mean(evaluate(model, val_loader, n_batches, ctx), world_size).item()
-        rec = {"step": step, "val_loss": vl, "val_ppl": math.exp(min(vl, 50))}
-        if tokens_per_byte:  # bits per byte = nats per token / ln 2 * tokens per byte: comparable across tokenizers
-            rec["val_bpb"], rec["val_tokens_per_byte"] = vl / math.log(2) * tokens_per_byte, tokens_per_byte
-        line = f"eval {step:05d} | val loss {vl:.4f} | ppl {rec['val_ppl']:.2f}"
-        line += f" | val bpb {rec['val_bpb']:.4f}" if "val_bpb" in rec else ""
-        if master:
-            print(line + (f" | {n_batches * B * T * world_size} tokens" if final else ""))
-        if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
-            bos = meta["eot_id"] if meta["eot_id"] is not None else 0
-            g = torch.Generator(device).manual_seed(cfg.seed)
-            out = raw.generate(torch.full((1, 1), bos, device=device), cfg.sample_tokens, cfg.temperature, cfg.top_k,
-                               vocab_real, g)
-            if master:
-                print("-" * 40 + "\n" + decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
-        metrics.log(**rec, **layer_stats(raw, x, ctx))  # per-layer grad/weight ratios and activation RMS
-        history.append(rec)
-        return rec
+    def result(self, metric, value, mem, wall):
+        """A row of results.tsv beside out_dir, the experiment log of every script: run, commit, metric, memory, time."""
+        path = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out_dir)), "results.tsv")
+        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric, f"{value:.4f}",
+               f"{mem:.2f}", f"{wall:.0f}", self.cfg.description.replace("\t", " ")]
+        if self.on:
+            head = "" if os.path.exists(path) else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            with open(path, "a") as f:
+                f.write(head + "\t".join(row) + "\n")
 
-    def rollback(step):
-        """Back to the newest intact checkpoint from before the first recent bad step, with the loader left where it
-        is: the batches read since that checkpoint are skipped (PaLM). Returns (step, train_time, history)."""
-        saver.wait()
-        if world_size > 1:
-            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
-        first_bad, guard.bad = guard.bad[0], []
-        ckpt, path = load_checkpoint(cfg.out_dir, before=first_bad)
-        if ckpt is None:
-            if master:
-                print(f"step {step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
-            return step, train_time, history
-        tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
-        if tries[ckpt["step"]] > 3:
-            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr, raise --warmup_steps "
-                f"or look at the data ranges in {cfg.out_dir}/skipped.tsv")
-        skipped = train_loader.ranges(ckpt["data"], data_state)
-        if master:
-            remove_checkpoints([p for s, p in list_checkpoints(cfg.out_dir) if s > ckpt["step"]])  # never resumed
-            with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
-                f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in skipped)
-            print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the data read since is skipped, "
-                  f"{len(skipped)} token ranges appended to {cfg.out_dir}/skipped.tsv")
-        metrics.log(step=step, event="rollback", to_step=ckpt["step"], skipped=skipped)
-        out = restore(ckpt, with_data=False)
-        guard.bad = []
-        return out
+class Guard:
+    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
+    Non-finite values are bad at once; after 10 good steps, a value more than sigma running stds above its running
+    mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is skipped; max_bad
+    bad steps within window steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1). With clip_mult > 0 the
+    clipping threshold follows clip_mult x the running grad-norm mean instead of a constant."""
 
-    def batch_loss():  # the training loss on the batch in hand, for --sharpness_every
-        with ctx:
-            return model(x, y, cfg.z_loss)
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
+        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
 
-    # the loop: accumulate grads over micro-steps (sync only on the last), clip, check, step, log, eval, save
-    t_log, steps_since_log, start_step, wall0, last = time.perf_counter(), 0, step, time.perf_counter(), {}
-    faults, fired, tries, clock, stopped = parse_faults(cfg.inject_fault), set(), {}, train_time, False
-    while True:
-        progress = clock / time_budget if time_budget else step / max_steps  # clock: the train time all ranks agree on
-        done = progress >= 1.0 or stopped
-        t_pause = time.perf_counter()  # evals and saves are not training time
-        if not cfg.benchmark and step > start_step and not done:
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                eval_and_sample(step)
-            if cfg.sharpness_every and step % cfg.sharpness_every == 0:
-                lam = sharpness(batch_loss, list(raw.parameters()))
-                metrics.log(step=step, sharpness=lam)
-                if master:
-                    print(f"sharpness {step:05d} | top Hessian eigenvalue {lam:.4g}")
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(step)
-        t_log += time.perf_counter() - t_pause
-        if done:
-            break
-        if cfg.benchmark and step == 5:  # warm-up (compile, allocator) done: start the clock
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(device)
-            t_bench = time.perf_counter()
-        t0 = time.perf_counter()
-        mult = lr_mult(cfg, step, progress)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)  # here, not after the update: an eval reads the last step's grads
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            sync = micro == accum - 1
-            if world_size > 1 and cfg.parallel == "fsdp":
-                raw.set_requires_gradient_sync(sync)
-            no_sync = model.no_sync() if world_size > 1 and cfg.parallel == "ddp" and not sync else contextlib.nullcontext()
-            with no_sync:
-                with ctx:
-                    loss = model(x, y, cfg.z_loss) / accum  # mean over micro-steps, so grads equal one big batch
-                if faults:
-                    loss = inject_faults(faults, fired, step + 1, rank, loss)
-                data_state = train_loader.state()
-                x, y = train_loader.next()  # prefetch: the CPU reads the next batch while the GPU computes
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        for opt in opts:
-            scaler.unscale_(opt)
-        gnorm = full(nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip)))
-        # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
-        local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
-                 torch.full((), train_time, device=device)]
-        loss_v, gnorm_v, stop_v, clock = all_mean(torch.stack(local), world_size).tolist()
-        overflow = scaler.is_enabled() and math.isfinite(loss_v) and not math.isfinite(gnorm_v)  # fp16: the scaler's job
-        reason = None if overflow else guard.check(step + 1, loss_v, gnorm_v)
-        if reason is None:
-            for opt in opts:
-                scaler.step(opt)  # skipped when fp16 grads overflowed
-        scaler.update()
-        step += 1
-        steps_since_log += 1
-        train_time += time.perf_counter() - t0
-        stopped = stop_v > 0
+    def state(self):
+        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+
+    def load_state(self, s):
+        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+
+    def clip(self, max_norm):
+        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+
+    def check(self, step, loss, gnorm):
+        """None if the update is safe, else the reason; good values update the running statistics."""
+        reason = None if math.isfinite(loss) and math.isfinite(gnorm) else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
+        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
+                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
         if reason:
-            metrics.log(step=step, event="skip", reason=reason, loss=loss_v, gnorm=gnorm_v)
-            if master:
-                print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {cfg.guard_window} steps")
-            if guard.rollback_due():
-                step, train_time, history = rollback(step)
-                clock = train_time
-                continue
-        if step % cfg.log_every == 0 or step == max_steps:
-            dt = (time.perf_counter() - t_log) / steps_since_log
-            t_log, steps_since_log = time.perf_counter(), 0
-            tok_s = tokens_per_step / dt
-            mfu = flops_per_step / dt / peak if peak else None
-            last = {"step": step, "loss": loss_v, "lr": cfg.lr * mult, "gnorm": gnorm_v,
-                    "ms": dt * 1e3, "tok_s": tok_s, "mfu": mfu, "train_time": train_time}
-            metrics.log(**last)
-            history.append({"step": step, "loss": loss_v})
-            if master:
-                total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
-                print(f"step {step:05d}/{total} | loss {loss_v:.4f} | lr {last['lr']:.1e} | gnorm {gnorm_v:.2f} | "
-                      f"{dt * 1e3:.0f} ms | {fmt_rate(tok_s)} tok/s | mfu " + (f"{100 * mfu:.1f}%" if mfu else "-"))
+            self.bad = [s for s in self.bad if s > step - self.window] + [step]
+            return reason
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        for i, v in enumerate((loss, gnorm)):
+            d = v - self.mean[i]
+            self.mean[i], self.var[i] = self.mean[i] + a * d, (1 - a) * (self.var[i] + a * d * d)
 
-    if cfg.benchmark:
-        if stopped:
-            die(f"--benchmark stopped by {stop.received or 'a signal to another rank'} at step {step}; nothing measured")
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t_bench) / cfg.bench_steps
-        res = {"tok_s": tokens_per_step / dt, "ms_per_step": dt * 1e3, "mfu": flops_per_step / dt / peak if peak else None,
-               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-        if master:
-            print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {fmt_rate(res['tok_s'])} tok/s | "
-                  f"{res['ms_per_step']:.1f} ms/step | mfu " + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
-                  f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
-        return res
-    if stopped:  # preempted: save where we are and leave with exit code 0; --resume carries on
-        save(step)
-        saver.wait()
-        if master:
-            print(f"stopped by {stop.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
-                  f"{cfg.out_dir}; run the same command with --resume to continue")
-        if world_size > 1:
-            dist.destroy_process_group()
-        return {"preempted": True, "steps": step, "train_time": train_time}
+    def rollback_due(self):
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
-    rec = eval_and_sample(step, final=True)
-    save(step)
-    saver.wait()
-    wall = time.perf_counter() - wall0
-    result = {**rec, "train_loss": last.get("loss"), "steps": step, "tokens": step * tokens_per_step,
-              "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}
-    if master:
-        plot_losses(cfg.out_dir, history)
-        metric = ("val_bpb", rec["val_bpb"]) if "val_bpb" in rec else ("val_loss", rec["val_loss"])
-        append_results(cfg.out_dir, {"run_id": time.strftime("%Y%m%d-%H%M%S"), "script": "train_gpt.py",
-                                     "commit": git_commit(), "metric": metric[0], "value": f"{metric[1]:.4f}",
-                                     "peak_mem_gb": f"{result['peak_mem_gb']:.2f}", "wall_s": f"{wall:.0f}",
-                                     "description": cfg.description})
-        summary = f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s"
-        if "val_bpb" in rec:
-            summary += f" | val bpb {rec['val_bpb']:.4f}"
-            for tool in ("gzip", "xz"):
-                if meta.get(f"val_{tool}_bpb"):
-                    ref = meta[f"val_{tool}_bpb"]
-                    summary += f" | {tool} -9 {ref:.3f} ({'beaten' if rec['val_bpb'] < ref else 'not beaten'})"
-        print(summary + f" | checkpoint and loss.png in {cfg.out_dir}")
+class StopSignal:
+    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
+    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+
+    def __enter__(self):
+        self.received, main = None, threading.current_thread() is threading.main_thread()  # handlers run there only
+        self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self.old[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+def prepare_default_data(cfg, rank, world_size, command, what):
+    """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
+    if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        return
+    if rank == 0:
+        print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+        if subprocess.run([sys.executable, script, command, f"--data_dir={cfg.data_dir}"]).returncode:
+            die(f"preparing {what} failed (see above)")
     if world_size > 1:
-        dist.destroy_process_group()
-    return result
-
-
-def sample_main(cfg):
-    """--sample: load a checkpoint and continue --prompt with temperature / top-k sampling and a KV cache."""
-    where = cfg.ckpt or cfg.out_dir
-    if not os.path.exists(where):
-        die(f"no checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    ckpt, path = load_checkpoint(where)
-    if ckpt is None:
-        die(f"no complete checkpoint in {where!r}; train first or pass --ckpt=PATH")
-    _, _, device = setup_dist(cfg.device)
-    mcfg = Config(**{**ckpt["config"], "seed": cfg.seed})
-    model = build_model(mcfg, ckpt["vocab_size"], device)
-    model.load_state_dict(ckpt["model"])
-    encode, decode = load_tokenizer(ckpt["tokenizer"])
-    eot = ckpt["tokenizer"].get("eot_id")
-    ids = ([eot] if eot is not None else []) + encode(cfg.prompt)
-    if not ids:
-        die("empty prompt and no end-of-text token to start from; pass --prompt=TEXT")
-    g = torch.Generator(device).manual_seed(cfg.seed)
-    out = model.generate(torch.tensor([ids], device=device), cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                         ckpt["vocab_real"], g)
-    text = decode(out[0, 1 if eot is not None else 0:].tolist())
-    print(f"# {path} (step {ckpt['step']})\n{text}")
-    return {"text": text, "ids": out[0].tolist()}
+        dist.barrier()
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Entry point

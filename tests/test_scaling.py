@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import faults
 import scaling as sc
 import train_gpt as tg
 
@@ -167,7 +168,8 @@ def test_sweep_fit_plan_end_to_end_with_resume(corpus, tmp_path, capsys):
     out = str(tmp_path / "sc")
     flags = ["sweep", "--models=1x16,1x32,2x32", "--tokens=8e3,2.4e4", f"--out_dir={out}", f"--data_dir={corpus}",
              "--batch_size=4", "--seq_len=32", "--warmup_steps=5"]
-    sc.main(flags + ["--inject_fault=sigterm@10"])  # a signal in the first run: it saves and the sweep stops
+    with faults.inject(sc.tg, "sigterm@10"):  # a signal in the first run: it saves and the sweep stops
+        sc.main(flags)
     assert "stopped at step 10" in capsys.readouterr().out
     assert not os.path.exists(os.path.join(out, "sweep.tsv"))
     sc.main(flags)  # the same command: the first run resumes from its checkpoint, the rest run

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import faults
 import prepare_data
 import train_gpt as tg
 
@@ -28,11 +29,12 @@ def losses(out_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def run_script(*args, env=None, torchrun=False, cwd=ROOT):
-    """Run train_gpt.py in a subprocess; torchrun=True (or a list of extra torchrun flags) runs two ranks."""
+def run_script(*args, env=None, torchrun=False, cwd=ROOT, fault=None):
+    """Run train_gpt.py in a subprocess; torchrun=True (or a list of extra torchrun flags) runs two ranks; fault runs
+    it under tests/faults.py."""
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             *(torchrun if isinstance(torchrun, list) else [])] if torchrun else [sys.executable])
-    cmd += [os.path.join(ROOT, "train_gpt.py"), *args]
+    cmd += ([os.path.join(ROOT, "tests", "faults.py"), fault] if fault else []) + [os.path.join(ROOT, "train_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=600, env={**os.environ, **(env or {})})
 
 # ----------------------------------------------------------------------------- units
@@ -154,8 +156,9 @@ def test_loss_falls_and_run_writes_its_files(corpus, tmp_path, optimizer):
     first = losses(tmp_path / "out")[1]
     assert r["steps"] == 40 and r["val_loss"] < first - 2.0, (first, r["val_loss"])
     assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2) * r["val_tokens_per_byte"], rel=1e-6)
-    for f in ("config.json", "metrics.jsonl", "loss.png", "ckpt_0000040.pt", "ckpt_0000040.pt.done"):
+    for f in ("config.json", "metrics.jsonl", "loss.png", "ckpt_0000040.pt"):
         assert (tmp_path / "out" / f).exists(), f
+    assert tg.load_checkpoint(str(tmp_path / "out"))[0]["step"] == 40
     rows = (tmp_path / "results.tsv").read_text().splitlines()
     assert rows[0].startswith("run_id") and "val_bpb" in rows[1]
 
@@ -167,13 +170,12 @@ def test_resume_is_exact(corpus, tmp_path, async_save, old_format):
     a, b = tmp_path / "a", tmp_path / "b"
     ra = tg.main(tiny(corpus, a, max_steps=12, save_every=6, keep_last=5, optimizer="muon", async_save=async_save))
     b.mkdir()
-    for ext in ("", ".done"):
-        shutil.copy(a / f"ckpt_0000006.pt{ext}", b)
+    shutil.copy(a / "ckpt_0000006.pt", b)
     if old_format:
         ckpt = torch.load(b / "ckpt_0000006.pt", weights_only=False)
         del ckpt["guard"]
         ckpt["config"] = {k: v for k, v in ckpt["config"].items() if k in tg.ARCH_FIELDS + ("batch_size", "grad_accum")}
-        tg.CheckpointWriter(str(b)).save(ckpt, 6)  # also without the config fields added since, e.g. total_batch
+        tg.write_checkpoint(tiny(corpus, b), ckpt)  # also without the config fields added since, e.g. total_batch
     rb = tg.main(tiny(corpus, b, max_steps=12, resume=True, optimizer="muon"))
     la, lb = losses(a), losses(b)
     assert sorted(lb) == list(range(7, 13))
@@ -197,8 +199,9 @@ def test_sample_from_checkpoint(corpus, tmp_path):
 def test_benchmark_needs_no_data(tmp_path):
     r = tg.main(tg.Config(**{**TINY, "benchmark": True, "bench_steps": 3, "out_dir": str(tmp_path)}))
     assert r["tok_s"] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None and r["params"] > 0
-    with pytest.raises(SystemExit, match="--benchmark stopped by SIGTERM at step 2; nothing measured"):
-        tg.main(tg.Config(**{**TINY, "benchmark": True, "out_dir": str(tmp_path), "inject_fault": "sigterm@2"}))
+    with pytest.raises(SystemExit, match="--benchmark stopped by SIGTERM at step 2; nothing measured"), \
+            faults.inject(tg, "sigterm@2"):
+        tg.main(tg.Config(**{**TINY, "benchmark": True, "out_dir": str(tmp_path)}))
     assert os.listdir(tmp_path) == []
 
 
@@ -219,7 +222,6 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--lrr=0.1"], "did you mean --lr"),
     (["--batch_size=abc"], "invalid int value"),
     (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
-    (["--inject_fault=nan5", "--max_steps=1"], "cannot read 'nan5'"),
     (["--skip_data=/nonexistent.tsv", "--max_steps=1"], "--skip_data=/nonexistent.tsv"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
@@ -227,6 +229,12 @@ def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     p = run_script(*args, f"--out_dir={tmp_path}/o", "--device=cpu", cwd=tmp_path)
     assert p.returncode != 0 and message in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # one line, no traceback
+    assert os.listdir(tmp_path) == []
+
+
+def test_fault_runner_refuses_a_bad_spec_in_one_line(tmp_path):
+    p = run_script("--max_steps=1", f"--out_dir={tmp_path}/o", fault="nan5", cwd=tmp_path)
+    assert p.returncode != 0 and "cannot read 'nan5'" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert os.listdir(tmp_path) == []
 
 
@@ -303,8 +311,7 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     ckpt = torch.load(tmp_path / "two" / "ckpt_0000005.pt", weights_only=False)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])  # plain keys, loadable anywhere
     (tmp_path / "again").mkdir()  # resume the two-rank run from step 3: steps 4 and 5 must come out the same
-    for ext in ("", ".done"):
-        shutil.copy(tmp_path / "two" / f"ckpt_0000003.pt{ext}", tmp_path / "again")
+    shutil.copy(tmp_path / "two" / "ckpt_0000003.pt", tmp_path / "again")
     again = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
                        f"--out_dir={tmp_path}/again", "--resume", torchrun=True)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -375,7 +382,8 @@ def test_guard_flags_nonfinite_spikes_and_asks_for_rollback():
 
 def test_injected_nan_is_skipped_and_training_continues(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2, warmup_steps=10))
-    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=40, lr=1e-2, warmup_steps=10, inject_fault="nan@12"))
+    with faults.inject(tg, "nan@12"):
+        r = tg.main(tiny(corpus, tmp_path / "b", max_steps=40, lr=1e-2, warmup_steps=10))
     assert [e["step"] for e in events(tmp_path / "b", "skip")] == [12]
     la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert all(la[s] == lb[s] for s in range(1, 12))  # identical until the fault
@@ -386,8 +394,9 @@ def test_injected_nan_is_skipped_and_training_continues(corpus, tmp_path):
 
 def test_repeated_spikes_roll_back_and_skip_the_data(corpus, tmp_path):
     out = tmp_path / "o"
-    r = tg.main(tiny(corpus, out, max_steps=40, lr=1e-2, warmup_steps=10, save_every=10, keep_last=5, rollback_after=3,
-                     inject_fault="spike@24-26"))
+    with faults.inject(tg, "spike@24-26"):
+        r = tg.main(tiny(corpus, out, max_steps=40, lr=1e-2, warmup_steps=10, save_every=10, keep_last=5,
+                         rollback_after=3))
     assert [e["step"] for e in events(out, "skip")] == [24, 25, 26]
     (rb,) = events(out, "rollback")
     assert rb["step"] == 26 and rb["to_step"] == 20  # the newest checkpoint from before the first bad step
@@ -399,8 +408,8 @@ def test_repeated_spikes_roll_back_and_skip_the_data(corpus, tmp_path):
 
 
 def test_rollback_gives_up_when_spikes_persist(corpus, tmp_path):
-    with pytest.raises(SystemExit, match="bad steps go on after 3 rollbacks to step 10"):
-        tg.main(tiny(corpus, tmp_path / "o", max_steps=60, save_every=10, rollback_after=2, inject_fault="nan@12-40"))
+    with pytest.raises(SystemExit, match="bad steps go on after 3 rollbacks to step 10"), faults.inject(tg, "nan@12-40"):
+        tg.main(tiny(corpus, tmp_path / "o", max_steps=60, save_every=10, rollback_after=2))
 
 
 def test_loader_never_reads_skipped_ranges(tmp_path):
@@ -423,7 +432,8 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(corpus, tmp_path):
     import signal
     before = signal.getsignal(signal.SIGTERM)
     a = tg.main(tiny(corpus, tmp_path / "a", max_steps=12))
-    stopped = tg.main(tiny(corpus, tmp_path / "b", max_steps=12, inject_fault="sigterm@5"))
+    with faults.inject(tg, "sigterm@5"):
+        stopped = tg.main(tiny(corpus, tmp_path / "b", max_steps=12))
     assert stopped == {"preempted": True, "steps": 5, "train_time": stopped["train_time"]}
     assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "b"))] == [5]
     assert signal.getsignal(signal.SIGTERM) is before  # main() put the handlers back
@@ -472,14 +482,13 @@ def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
     torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model."""
     common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
               "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2"]
-    p = run_script(*common, f"--out_dir={tmp_path}/t", "--inject_fault=sigterm@3:1", torchrun=True)
+    p = run_script(*common, f"--out_dir={tmp_path}/t", fault="sigterm@3:1", torchrun=True)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "stopped by a signal to another rank at step 3" in p.stdout
     assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "t"))] == [3]
     p = run_script(*common, f"--out_dir={tmp_path}/t", "--resume", torchrun=True)
     assert p.returncode == 0, p.stderr[-3000:]
-    k = run_script(*common, f"--out_dir={tmp_path}/k", "--save_every=2", "--inject_fault=kill@4:1",
-                   torchrun=["--max-restarts=1"])
+    k = run_script(*common, f"--out_dir={tmp_path}/k", "--save_every=2", fault="kill@4:1", torchrun=["--max-restarts=1"])
     assert k.returncode == 0, k.stderr[-3000:]
     assert "resumed from" in k.stdout and "(torchrun restart 1)" in k.stdout
     lt, lk = losses(tmp_path / "t"), losses(tmp_path / "k")
