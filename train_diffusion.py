@@ -20,17 +20,18 @@ import copy
 import dataclasses
 import difflib
 import glob
-import hashlib
 import inspect
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,7 +112,6 @@ class Config:
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
     rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
-    inject_fault: str = ""             # debug: KIND@STEP[-END][:RANK],... with KIND nan|spike|sigterm|kill
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
@@ -137,10 +137,10 @@ PRESETS = {
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective")
 
 
-def run_layout(c, world_size, data):
+def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "batch_size": c["batch_size"], "grad_accum": c["grad_accum"],
-            "world_size": world_size, "data": data}
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
 
 def check_config(cfg):
@@ -167,59 +167,7 @@ def check_config(cfg):
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
-    parse_faults(cfg.inject_fault)
 
-# === shared: cli ===
-def die(msg):
-    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
-    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
-
-
-def field_comments(cls):
-    """{field: its trailing comment} of a dataclass: the text of -h, and the choices a|b|c a field may take."""
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
-
-
-def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them."""
-    for name, comment in field_comments(type(cfg)).items():
-        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
-        if m and str(getattr(cfg, name)) not in m[0].split("|"):
-            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
-
-
-def parse_args(cls, argv):
-    """Build a Config from --key=value / --key value flags; -h lists every field, its default and its comment."""
-    import argparse
-    helps = field_comments(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-
-    def to_bool(s):
-        if s.lower() in ("1", "true", "yes", "on"):
-            return True
-        if s.lower() in ("0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-    p = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
-                                usage="%(prog)s [--key=value ...]", allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
-    for name, f in fields.items():
-        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
-        p.add_argument(f"--{name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
-                       metavar=name.upper(), help=f"{helps.get(name, '')} (default: {f.default!r})")
-    args, unknown = p.parse_known_args(argv)
-    for u in unknown:
-        key = u.split("=")[0].lstrip("-")
-        near = difflib.get_close_matches(key, fields, n=1)
-        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
-    given = vars(args)
-    presets = getattr(sys.modules[cls.__module__], "PRESETS", {})
-    name = given.get("preset", "")
-    if name and name not in presets:
-        sys.exit(f"{p.prog}: error: unknown --preset={name}; choose one of {', '.join(presets)}")
-    return cls(**{**presets.get(name, {}), **given})
-# === end shared ===
 # -----------------------------------------------------------------------------
 # Model
 
@@ -536,253 +484,6 @@ class EMA:
             self.model.reshard()
 
 # -----------------------------------------------------------------------------
-# Distributed and precision
-
-# === shared: dist ===
-def setup_dist(device_arg="auto"):
-    """Return (rank, world_size, device). Under torchrun, join the process group: NCCL on CUDA, gloo on CPU."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device_arg)
-    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
-        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
-        store, _, _ = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
-    return rank, world_size, device
-
-
-def full(t):
-    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def all_mean(x, world_size):
-    """Average a tensor over ranks (a no-op in a single process)."""
-    if world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= world_size
-    return x
-# === end shared ===
-# === shared: precision ===
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
-              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
-
-
-def setup_precision(device, dtype_arg="auto"):
-    """Resolve the dtype and return (dtype, autocast context, GradScaler). fp32 master weights in every case."""
-    if dtype_arg == "auto":
-        cuda = device.type == "cuda"
-        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if cuda else "float32"
-    dtype = getattr(torch, dtype_arg)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
-    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
-    return dtype, ctx, scaler
-
-
-def peak_flops(device, dtype):
-    """Peak dense FLOP/s of this GPU for MFU, or None when unknown (CPU, unlisted GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return peak / 2 if peak and dtype == torch.float32 else peak
-
-
-def peak_memory_gb(device):
-    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
-# === end shared ===
-# -----------------------------------------------------------------------------
-# Checkpointing
-
-# === shared: checkpoint ===
-def atomic_write(path, write_fn):
-    """Write a file so that it is either complete or absent: temp file in the same dir, fsync, rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-class CheckpointWriter:
-    """Writes ckpt_STEP.pt atomically, then its completion marker (size + sha256); only then prunes older ones,
-    keeping the newest keep_last plus every multiple of milestone_every. With background=True the write runs in a
-    thread from a deep copy of the state, so training goes on; a failed write stops the run at the next save."""
-
-    def __init__(self, out_dir, keep_last=2, milestone_every=0, background=False):
-        self.out_dir, self.keep_last, self.milestone_every, self.background = out_dir, keep_last, milestone_every, background
-        self.thread, self.error = None, None
-
-    def save(self, obj, step):
-        self.wait()  # one write at a time
-        if self.background:
-            self.thread = threading.Thread(target=self.write, args=(copy.deepcopy(obj), step))
-            self.thread.start()
-        else:
-            self.write(obj, step)
-            self.wait()
-
-    def write(self, obj, step):
-        path = os.path.join(self.out_dir, f"ckpt_{step:07d}.pt")
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            atomic_write(path, lambda f: torch.save(obj, f))
-            marker = json.dumps({"size": os.path.getsize(path), "sha256": sha256_file(path)}).encode()
-            atomic_write(path + ".done", lambda f: f.write(marker))
-        except OSError as e:
-            self.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
-            return
-        # newer steps than this one are an abandoned timeline (a rollback, or a resume past an unreadable newest
-        # checkpoint): they go, and never count among the keep_last that protect the good ones
-        done = list_checkpoints(self.out_dir)
-        older = [(s, p) for s, p in done if s <= step][:-self.keep_last] if self.keep_last > 0 else []
-        remove_checkpoints([p for s, p in done if s > step] +
-                           [p for s, p in older if not (self.milestone_every and s % self.milestone_every == 0)])
-
-    def wait(self):
-        """Block until the write in flight is on disk; stop the run if it failed."""
-        if self.thread:
-            self.thread.join()
-            self.thread = None
-        if self.error:
-            die(self.error)
-
-
-def remove_checkpoints(paths):
-    """Delete checkpoints, each marker first: a half-deleted checkpoint never looks complete."""
-    for p in paths:
-        for q in (p + ".done", p):
-            os.remove(q)
-
-
-def sha256_file(path):
-    """Hex sha256 of a file, read in 16 MB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def list_checkpoints(out_dir):
-    """[(step, path)] of the checkpoints in out_dir that have a completion marker, oldest first."""
-    found = []
-    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
-        m = re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p))
-        if m and os.path.exists(p + ".done"):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def load_checkpoint(where, map_location="cpu", before=None):
-    """Load a checkpoint file, or the newest complete and intact one in a directory (falling back past bad ones),
-    optionally the newest from before step `before`."""
-    candidates = [(0, where)] if os.path.isfile(where) else list_checkpoints(where)
-    candidates = [c for c in candidates if before is None or c[0] < before]
-    for _, path in reversed(candidates):
-        try:
-            marker_path = path + ".done"
-            if os.path.exists(marker_path):
-                with open(marker_path) as f:
-                    marker = json.load(f)
-                if os.path.getsize(path) != marker["size"] or sha256_file(path) != marker["sha256"]:
-                    raise ValueError("size or checksum differs from its completion marker")
-            return torch.load(path, map_location=map_location, weights_only=False), path
-        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
-            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
-    return None, None
-# === end shared ===
-# === shared: metrics ===
-class Metrics:
-    """Append every logged value to out_dir/metrics.jsonl (one JSON object per line), and to wandb if enabled."""
-
-    def __init__(self, out_dir, enabled=True, wandb_project="", config=None):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, None
-        if enabled and wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                sys.exit("error: --wandb needs the wandb package: pip install wandb")
-            self.wandb = wandb.init(project=wandb_project, config=config)
-
-    def log(self, **kv):
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(kv) + "\n")
-        if self.wandb:
-            self.wandb.log(kv, step=kv.get("step"))
-
-
-def append_results(out_dir, row):
-    """Append one row to results.tsv beside out_dir: the experiment log shared by all scripts."""
-    path = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")
-    cols = ["run_id", "script", "commit", "metric", "value", "peak_mem_gb", "wall_s", "description"]
-    new = not os.path.exists(path)
-    with open(path, "a") as f:
-        if new:
-            f.write("\t".join(cols) + "\n")
-        f.write("\t".join(str(row.get(c, "")).replace("\t", " ") for c in cols) + "\n")
-
-
-def git_commit():
-    """Short hash of the code's git commit, or 'unknown'."""
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-# === end shared ===
-
-def fmt_rate(x):
-    """3.66M, 812k, 95: rates readable at any scale."""
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-
-
-def write_grid(path, images, rows, labels=None, zoom=2):
-    """A PNG of uint8 images (rows * cols, H, W, C) where image r + j * rows sits in row r, column j, enlarged
-    `zoom` times (nearest neighbour), with a label at the left of each row if given. Written atomically."""
-    from PIL import Image, ImageDraw
-    n, H, W, C = images.shape
-    cols, gap = n // rows, 2
-    margin = 8 + 6 * max(map(len, labels)) if labels else 0
-    canvas = np.full((rows * (H * zoom + gap) + gap, margin + cols * (W * zoom + gap) + gap, 3), 255, np.uint8)
-    big = images.repeat(zoom, 1).repeat(zoom, 2)
-    big = big.repeat(3, 3) if C == 1 else big
-    for r in range(rows):
-        for j in range(cols):
-            y0, x0 = gap + r * (H * zoom + gap), margin + gap + j * (W * zoom + gap)
-            canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
-    im = Image.fromarray(canvas)
-    if labels:
-        draw = ImageDraw.Draw(im)
-        for r, name in enumerate(labels):
-            draw.text((4, gap + r * (H * zoom + gap) + H * zoom // 2 - 5), name, fill=(0, 0, 0))
-    atomic_write(path, lambda f: im.save(f, format="PNG"))
-
-# -----------------------------------------------------------------------------
 # Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
 
 
@@ -865,7 +566,8 @@ class Judge:
         if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
             die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
                 f"train it with train_vit.py on this --data_dir")
-        self.clf = train_vit.build_model(train_vit.Config(**ckpt["config"]), m, device).eval()
+        known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
+        self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
         self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
         self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])
@@ -897,141 +599,56 @@ class Judge:
 # -----------------------------------------------------------------------------
 # Training loop
 
-# === shared: guard ===
-class Guard:
-    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
 
-    Non-finite values are bad at once; after 10 good steps, a value more than `sigma` running stds above its
-    running mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is
-    skipped; `max_bad` bad steps within `window` steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1).
-    With clip_mult > 0 the clipping threshold follows clip_mult x the running grad-norm mean instead of a constant.
-    """
-
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
-        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
-        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
-
-    def state(self):
-        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
-
-    def load_state(self, s):
-        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
-
-    def clip(self, max_norm):
-        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
-
-    def check(self, step, loss, gnorm):
-        """None if the update is safe, else the reason; good values update the running statistics."""
-        finite = math.isfinite(loss) and math.isfinite(gnorm)
-        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
-        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
-            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
-            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
-                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
-        if reason:
-            self.bad = [s for s in self.bad if s > step - self.window] + [step]
-            return reason
-        self.n += 1
-        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
-        for i, v in enumerate((loss, gnorm)):
-            d = v - self.mean[i]
-            self.mean[i] += a * d
-            self.var[i] = (1 - a) * (self.var[i] + a * d * d)
-        return None
-
-    def rollback_due(self):
-        return self.max_bad > 0 and len(self.bad) >= self.max_bad
-
-
-class StopSignal:
-    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
-    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
-
-    def __enter__(self):
-        self.received, self.old = None, {}
-        if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.old[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-        signal.signal(signum, self.old[signum])
-
-    def __exit__(self, *exc):
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
-
-
-def parse_faults(spec):
-    """--inject_fault=KIND@STEP[-END][:RANK],... -> [(kind, first, last, rank or None)], for testing the guards."""
-    faults = []
-    for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(nan|spike|sigterm|kill)@(\d+)(?:-(\d+))?(?::(\d+))?", item)
-        if not m:
-            die(f"--inject_fault: cannot read {item!r}; write KIND@STEP[-END][:RANK] with KIND nan|spike|sigterm|kill")
-        faults.append((m[1], int(m[2]), int(m[3] or m[2]), None if m[4] is None else int(m[4])))
-    return faults
-
-
-def inject_faults(faults, fired, step, rank, loss):
-    """Apply the faults due at this step, each once (a rollback replays steps, not faults): nan makes the loss NaN,
-    spike multiplies it by 10, sigterm sends this process SIGTERM, kill exits at once as a crashed worker would."""
-    for kind, first, last, r in faults:
-        if first <= step <= last and r in (None, rank) and (kind, step) not in fired:
-            fired.add((kind, step))
-            if kind in ("nan", "spike"):
-                loss = loss * (float("nan") if kind == "nan" else 10.0)
-            elif kind == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
-            elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # not again once torchrun restarted us
-                os._exit(1)
-    return loss
-
-
-def sharpness(loss_fn, params, iters=10, seed=0):
-    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
-    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
-    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
-    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
-    w0 = [p.detach().clone() for p in params]
-    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
-    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
-    eps, lam = 1e-3 * norm(w0), 0.0
-    for _ in range(iters):
-        n = norm(v)
-        v, grads = [t / n for t in v], []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, w, t in zip(params, w0, v):
-                    p.copy_(w + sign * eps * t)
-            for p in params:
-                p.grad = None
-            loss_fn().backward()
-            grads.append([p.grad.float() for p in params])
-        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
-        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
-        v = hv
-    with torch.no_grad():
-        for p, w in zip(params, w0):
-            p.copy_(w)
-            p.grad = None
-    return lam
-# === end shared ===
-
-def prepare_default_data(cfg, rank, world_size):
-    """With the default data_dir and no data yet, rank 0 makes the shapes dataset (no network) and the rest wait."""
-    if cfg.data_dir != Config.data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
-        return
+def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final=False):
+    """The held-out denoising loss of the weights and of their EMA; samples from the EMA: a grid (rows = classes) in
+    out_dir, and with a judge their scores. Returns the record."""
+    rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
+    for tag in ("", "ema_") if ema else ("",):
+        if tag:
+            ema.swap()
+        rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, cfg, alpha_bar, K, B,
+                                                                        rank, world_size, ctx, cfg.eval_images)
+    rows = K or cfg.per_class
+    n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
+    t0 = time.perf_counter()
+    samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, B, rank, world_size, ctx)
+    rec["sample_s"] = time.perf_counter() - t0
+    if ema:
+        ema.swap()
+    grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
     if rank == 0:
-        print(f"no data in {cfg.data_dir}: generating the shapes dataset (no network needed)")
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-        if subprocess.run([sys.executable, script, "shapes", f"--data_dir={cfg.data_dir}"]).returncode:
-            die("generating the shapes dataset failed (see above)")
-    if world_size > 1:
-        dist.barrier()
+        write_grid(grid, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
+    if judge:
+        rec.update(judge.score(samples, K))
+    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}" + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
+          + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
+          + (f" | FD-ViT {rec['fd_vit']:.2f}" if judge else "") + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
+          + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
+    return rec
+
+
+def write_grid(path, images, rows, labels=None, zoom=2):
+    """A PNG of uint8 images (rows * cols, H, W, C) where image r + j * rows sits in row r, column j, enlarged
+    `zoom` times (nearest neighbour), with a label at the left of each row if given. Written atomically."""
+    from PIL import Image, ImageDraw
+    n, H, W, C = images.shape
+    cols, gap = n // rows, 2
+    margin = 8 + 6 * max(map(len, labels)) if labels else 0
+    canvas = np.full((rows * (H * zoom + gap) + gap, margin + cols * (W * zoom + gap) + gap, 3), 255, np.uint8)
+    big = images.repeat(zoom, 1).repeat(zoom, 2)
+    big = big.repeat(3, 3) if C == 1 else big
+    for r in range(rows):
+        for j in range(cols):
+            y0, x0 = gap + r * (H * zoom + gap), margin + gap + j * (W * zoom + gap)
+            canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
+    im = Image.fromarray(canvas)
+    if labels:
+        draw = ImageDraw.Draw(im)
+        for r, name in enumerate(labels):
+            draw.text((4, gap + r * (H * zoom + gap) + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+    im.save(f"{path}.tmp", format="PNG")
+    os.replace(f"{path}.tmp", path)
 
 
 def conditioning(cfg, meta):
@@ -1050,20 +667,15 @@ def main(cfg):
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
 
+
 def train(cfg, stop):
-    """The training run of main(); stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
     rank, world_size, device = setup_dist(cfg.device)
-    master = rank == 0
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
-    if cfg.parallel == "fsdp" and world_size > 1 and dtype == torch.float16:
-        die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun restarted us after a failure
-    resume = (cfg.resume or restarts > 0) and not cfg.benchmark
 
-    # data: both splits held whole on the device as uint8; synthetic images for --benchmark
+    # data: both splits held whole on the device as uint8; random images for --benchmark
     if cfg.benchmark:
         size = cfg.image_size or 32
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3}
@@ -1071,212 +683,62 @@ def train(cfg, stop):
         arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
                             torch.randint(0, 10, (4 * B,), generator=g).numpy())}
     else:
-        prepare_default_data(cfg, rank, world_size)
+        prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
         meta, arrays = load_image_data(cfg.data_dir)
-    (H, W), C = meta["image_size"], meta["channels"]
+    (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     if cfg.image_size and cfg.image_size != H:
         die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
             f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
     if H != W or H % cfg.patch_size:
         die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
-    K = conditioning(cfg, meta)
-    rows = K or cfg.per_class  # of the sample grid
     train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
     if not cfg.benchmark:
         val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     alpha_bar = cosine_alpha_bar()
-    judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and master and not cfg.benchmark else None
+    judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and rank == 0 \
+        and not cfg.benchmark else None
 
-    # model: built on the meta device, materialised, initialised; then compiled and wrapped
+    # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
     raw = build_model(cfg, H, C, K, device)
-    n_params = sum(p.numel() for p in raw.parameters())
-    flops_per_step = raw.flops_per_image() * images_per_step
-    model = raw
-    if world_size > 1 and cfg.parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
-        for block in raw.blocks:  # compile each block before sharding it, then shard the root (embeddings, output)
-            if use_compile:
-                block.compile()
-            fully_shard(block, **({"mp_policy": mp} if mp else {}))
-        fully_shard(raw, **({"mp_policy": mp} if mp else {}))
-    else:
-        model = torch.compile(raw) if use_compile else raw
-        if world_size > 1:
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                        broadcast_buffers=False)  # buffers are constants
+    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
-    saver = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save)
-    layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
-
-    # budget: steps given, or from epochs; a time budget is checked as we go
+    n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
     max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = cfg.time_budget if not (cfg.benchmark or cfg.max_steps or cfg.epochs) else 0.0
+    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
+    run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, ema), max_steps, time_budget,
+              images_per_step, "img", raw.flops_per_image() * images_per_step)
 
-    def restore(ckpt, with_data=True):
-        """Model, EMA, optimizer, scaler, guard and the data position from a checkpoint; (step, time, history)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-        opt = StateDictOptions(full_state_dict=True)
-        if ema:  # load the EMA weights into the model (sharding them as it is sharded), then keep them aside
-            set_model_state_dict(raw, ckpt["ema"], options=opt)
-            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
-        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=opt)
-        scaler.load_state_dict(ckpt["scaler"])
-        guard.load_state(ckpt["guard"])
-        if with_data:
-            train_loader.load_state(ckpt["data"])
-        return ckpt["step"], ckpt["train_time"], ckpt["history"]
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    ckpt = run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info))
+    if ckpt:
+        train_loader.load_state(ckpt["data"])
+    metrics = Metrics(cfg, rank == 0)
+    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
+          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
+          f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (
+              f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          + f" | {device} {dtype} | compile {compiled} | lr {cfg.lr:g}")
 
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint; never mix runs or configs
-    step, train_time, history = 0, 0.0, []
-    if not cfg.benchmark and not resume and list_checkpoints(cfg.out_dir):
-        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-    if resume:
-        ckpt, path = load_checkpoint(cfg.out_dir)
-        if ckpt is None and list_checkpoints(cfg.out_dir):
-            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
-        if ckpt is None:
-            if master:
-                print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
-        else:
-            saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data"]["info"])
-            diff = [f"{k}={v!r} (now {layout[k]!r})" for k, v in saved.items() if layout[k] != v]
-            if diff or bool(ckpt.get("ema")) != bool(ema):
-                die(f"--resume: {path} was made with a different config: {', '.join(diff) or 'ema on/off'}; pass the "
-                    f"same flags or use a new --out_dir")
-            step, train_time, history = restore(ckpt)
-            if master:
-                print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-
-    if master and not cfg.benchmark:  # a benchmark writes nothing: never the config.json of a run in out_dir
-        try:
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
-        except OSError as e:
-            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
-    if master:
-        print(json.dumps(dataclasses.asdict(cfg)))
-        budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
-        print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
-              + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
-              f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
-              f"compile {use_compile} | lr {cfg.lr:g}")
-    metrics = Metrics(cfg.out_dir, master and not cfg.benchmark, cfg.wandb, dataclasses.asdict(cfg))
-    peak = peak_flops(device, dtype)
-
-    def save(step):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-        opt = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd, osd = get_state_dict(raw, opts, options=opt)
-        esd = None
-        if ema:  # every rank joins the gathers (FSDP); one writes
-            ema.swap()  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
-            esd = {k: v.clone() for k, v in get_model_state_dict(raw, options=opt).items()}
-            ema.swap()
-        if master:
-            saver.save({"model": msd, "optim": osd, "ema": esd, "ema_t": ema.t if ema else 0, "scaler": scaler.state_dict(),
-                        "guard": guard.state(), "step": step, "data": {**train_loader.state(), "info": data_info},
-                        "train_time": train_time, "history": history, "config": dataclasses.asdict(cfg),
-                        "world_size": world_size, "num_classes": K,
-                        "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}}, step)
-
-    def run_eval(step, final=False):
-        """Denoising loss of the model and its EMA on val; samples from the EMA: a grid, and scores if a judge."""
-        rec = {"step": step}
-        for tag in ("", "ema_") if ema else ("",):
-            if tag:
-                ema.swap()
-            rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, cfg, alpha_bar, K, B,
-                                                                            rank, world_size, ctx, cfg.eval_images)
-        n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
-        t0 = time.perf_counter()
-        samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, B, rank, world_size, ctx)
-        rec["sample_s"] = time.perf_counter() - t0
-        if ema:
-            ema.swap()
-        grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
-        if master:
-            write_grid(grid, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
-            if judge:
-                rec.update(judge.score(samples, K))
-            line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
-            if ema:
-                line += f" | ema val loss {rec['ema_val_loss']:.4f}"
-            if judge:
-                line += (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if K else "") + f" | FD-ViT {rec['fd_vit']:.2f}"
-                line += f" | FID {rec['fid']:.2f}" if "fid" in rec else ""
-            print(line + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
-        metrics.log(**rec)
-        history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
-        return rec
-
-    def rollback(step):
-        """Back to the newest intact checkpoint from before the first recent bad step; the loader is left where it
-        is, so the batches read since that checkpoint are skipped (PaLM). Returns (step, train_time, history)."""
-        saver.wait()
-        if world_size > 1:
-            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
-        first_bad, guard.bad = guard.bad[0], []
-        ckpt, path = load_checkpoint(cfg.out_dir, before=first_bad)
-        if ckpt is None:
-            if master:
-                print(f"step {step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
-            return step, train_time, history
-        tries[ckpt["step"]] = tries.get(ckpt["step"], 0) + 1
-        if tries[ckpt["step"]] > 3:
-            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps")
-        if master:
-            remove_checkpoints([p for s, p in list_checkpoints(cfg.out_dir) if s > ckpt["step"]])  # never resumed
-            print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-        metrics.log(step=step, event="rollback", to_step=ckpt["step"], data=train_loader.state())
-        out = restore(ckpt, with_data=False)
-        guard.bad = []
-        return out
-
-    # the loop: accumulate grads over micro-steps (sync only on the last), clip, check, step, EMA, log, eval, save
-    t_log, steps_since_log, start_step, wall0, last = time.perf_counter(), 0, step, time.perf_counter(), {}
-    faults, fired, tries, clock, stopped = parse_faults(cfg.inject_fault), set(), {}, train_time, False
-    while True:
-        progress = clock / time_budget if time_budget else step / max_steps  # clock: the train time all ranks agree on
-        done = progress >= 1.0 or stopped
-        t_pause = time.perf_counter()  # evals and saves are not training time
-        if not cfg.benchmark and step > start_step and not done:
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                run_eval(step)
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(step)
-        t_log += time.perf_counter() - t_pause
-        if done:
-            break
-        if cfg.benchmark and step == 5:  # warm-up (compile, allocator) done: start the clock
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(device)
-            t_bench = time.perf_counter()
-        t0 = time.perf_counter()
+    # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
+    run.start()
+    while not run.done():
         # noise, timesteps, label dropout and flips are drawn for the whole global batch from a generator seeded by
         # (seed, step), and each rank takes its slice: a resumed run draws the same numbers as an uninterrupted one
         # (the checkpoint needs no RNG state), and training does not depend on the number of ranks
-        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
-        mult = lr_mult(cfg, step, progress)
+        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (run.step + 1))
+        mult = lr_mult(cfg, run.step, run.progress())
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            sync = micro == accum - 1
-            if world_size > 1 and cfg.parallel == "fsdp":
-                raw.set_requires_gradient_sync(sync)
-            no_sync = model.no_sync() if world_size > 1 and cfg.parallel == "ddp" and not sync else contextlib.nullcontext()
             x, y = train_loader.next()
-            x0 = to_model(x)
-            mine = slice(rank * B, (rank + 1) * B)
+            x0, mine = to_model(x), slice(rank * B, (rank + 1) * B)
             noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
             t = sample_t(B * world_size, cfg, gen)[mine]
             u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
@@ -1284,100 +746,54 @@ def train(cfg, stop):
                 x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
             y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None  # label K: none
             x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
-            with no_sync:
+            with grad_sync(model, micro == accum - 1):
                 with ctx:
                     out = model(x_t, t, y).float()
                 mse = (out - target).square().mean((1, 2, 3))  # (B,)
                 loss = (mse * weight if weight is not None else mse).mean() / accum
-                if faults:
-                    loss = inject_faults(faults, fired, step + 1, rank, loss)
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
-        gnorm = full(nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip)))
-        # one all-reduce and host sync per step, so every rank decides on the same loss, grad norm, signal and clock
-        local = [loss_sum.float(), gnorm.float(), torch.full((), float(stop.received is not None), device=device),
-                 torch.full((), train_time, device=device)]
-        loss_v, gnorm_v, stop_v, clock = all_mean(torch.stack(local), world_size).tolist()
-        overflow = scaler.is_enabled() and math.isfinite(loss_v) and not math.isfinite(gnorm_v)  # fp16: the scaler's job
-        reason = None if overflow else guard.check(step + 1, loss_v, gnorm_v)
+        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
+        loss, gnorm = run.agree(loss_sum, gnorm, stop)  # every rank sees the same loss, grad norm, clock and signal
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        reason = None if overflow else guard.check(run.step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)  # skipped when fp16 grads overflowed
+                scaler.step(opt)  # which skips it when fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
-        step += 1
-        steps_since_log += 1
-        train_time += time.perf_counter() - t0
-        stopped = stop_v > 0
-        if reason:
-            metrics.log(step=step, event="skip", reason=reason, loss=loss_v, gnorm=gnorm_v)
-            if master:
-                print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {cfg.guard_window} steps")
-            if guard.rollback_due():
-                step, train_time, history = rollback(step)
-                clock = train_time
-                continue
-        if step % cfg.log_every == 0 or step == max_steps:
-            dt = (time.perf_counter() - t_log) / steps_since_log
-            t_log, steps_since_log = time.perf_counter(), 0
-            img_s = images_per_step / dt
-            mfu = flops_per_step / dt / peak if peak else None
-            last = {"step": step, "loss": loss_v, "lr": opts[0].param_groups[0]["lr"], "gnorm": gnorm_v,
-                    "ms": dt * 1e3, "img_s": img_s, "mfu": mfu, "train_time": train_time,
-                    "epoch": train_loader.epoch + train_loader.pos / len(train_loader.y)}
-            metrics.log(**last)
-            history.append({"step": step, "loss": loss_v})
-            if master:
-                total = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
-                print(f"step {step:05d}/{total} | loss {loss_v:.4f} | lr {last['lr']:.1e} | gnorm {gnorm_v:.2f} | "
-                      f"{dt * 1e3:.0f} ms | {fmt_rate(img_s)} img/s | epoch {last['epoch']:.2f} | mfu "
-                      + (f"{100 * mfu:.1f}%" if mfu else "-"))
+        run.step += 1
 
-    if cfg.benchmark:
-        if stopped:
-            die(f"--benchmark stopped by {stop.received or 'a signal to another rank'} at step {step}; nothing measured")
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t_bench) / cfg.bench_steps
-        res = {"img_s": images_per_step / dt, "ms_per_step": dt * 1e3, "mfu": flops_per_step / dt / peak if peak else None,
-               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-        if master:
-            print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
-                  f"{fmt_rate(res['img_s'])} img/s | {res['ms_per_step']:.1f} ms/step | mfu "
-                  + (f"{100 * res['mfu']:.1f}%" if res["mfu"] else "-") +
-                  f" | peak mem {res['peak_mem_gb']:.2f} GB | {device} {dtype} compile={use_compile}")
-        return res
-    if stopped:  # preempted: save where we are and leave with exit code 0; --resume carries on
-        save(step)
-        saver.wait()
-        if master:
-            print(f"stopped by {stop.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
-                  f"{cfg.out_dir}; run the same command with --resume to continue")
-        if world_size > 1:
-            dist.destroy_process_group()
-        return {"preempted": True, "steps": step, "train_time": train_time}
+        if reason and run.skip(metrics, reason, loss, gnorm):  # rolled back to a checkpoint
+            continue
+        if run.step % cfg.log_every == 0 or run.done():
+            run.log(metrics, loss, gnorm, cfg.lr * mult, epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+        if cfg.benchmark:
+            continue
+        with run.paused():  # evals and saves are not training time
+            if run.final() or (cfg.eval_every and run.step % cfg.eval_every == 0):
+                rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size,
+                                    run.step, run.final())
+                metrics.log(**rec)
+                run.history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
+            if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
+                run.save(data=train_loader.state(), data_info=data_info, num_classes=K, data_meta={k: meta[k] for k in (
+                    "classes", "num_classes", "image_size", "channels")})
 
-    rec = run_eval(step, final=True)
-    save(step)
-    saver.wait()
-    wall = time.perf_counter() - wall0
-    result = {**rec, "train_loss": last.get("loss"), "steps": step, "images": step * images_per_step,
-              "train_time": train_time, "wall_time": wall, "params": n_params, "peak_mem_gb": peak_memory_gb(device)}
-    if master:
-        key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
-        append_results(cfg.out_dir, {"run_id": time.strftime("%Y%m%d-%H%M%S"), "script": "train_diffusion.py",
-                                     "commit": git_commit(), "metric": key, "value": f"{rec[key]:.4f}",
-                                     "peak_mem_gb": f"{result['peak_mem_gb']:.2f}", "wall_s": f"{wall:.0f}",
-                                     "description": cfg.description})
-        print(f"done: {step} steps, {step * images_per_step / len(train_loader.y):.1f} epochs in {train_time:.0f} s | "
-              + " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid") if k in rec)
-              + f" | checkpoint and samples.png in {cfg.out_dir}")
-    if world_size > 1:
-        dist.destroy_process_group()
-    return result
+    # the end: the benchmark's figures, or how to resume after a signal, or the results
+    if cfg.benchmark or run.stopped:
+        return run.finish(f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} {dtype} "
+                          f"compile={compiled}", result={"params": n_params})
+    key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
+    return run.finish(f"done: {run.step} steps, {run.step * images_per_step / len(train_loader.y):.1f} epochs in "
+                      f"{run.train_time:.0f} s | " + " | ".join(f"{k} {rec[k]:.4f}" for k in (
+                          "val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid") if k in rec)
+                      + f" | checkpoint and samples.png in {cfg.out_dir}", metrics,
+                      {**rec, "train_loss": loss, "images": run.step * images_per_step, "params": n_params}, key)
+
 
 def sample_main(cfg):
     """--sample: a grid from a checkpoint's EMA weights (rows = classes) and, with --eval_classifier, its scores."""
@@ -1388,7 +804,7 @@ def sample_main(cfg):
         die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
-    meta, trained = ckpt["data_meta"], Config(**ckpt["config"])
+    meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
     cfg = dataclasses.replace(cfg, objective=trained.objective)
     check_config(cfg)
     K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
@@ -1413,6 +829,474 @@ def sample_main(cfg):
         res.update(judge.score(samples, K))
     print(f"wrote {out} in {res['sample_s']:.1f} s" + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
+
+# -----------------------------------------------------------------------------
+# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
+# wrapping; the run's clock, checkpoints, resume and rollback; metrics; the guards. The recipe above reads without it.
+
+# === shared: machinery ===
+def die(msg):
+    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+def field_comments(cls):
+    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+
+def check_choices(cfg):
+    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    for name, comment in field_comments(type(cfg)).items():
+        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
+        if m and str(getattr(cfg, name)) not in m[0].split("|"):
+            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+
+def parse_args(cls, argv):
+    """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
+    import argparse
+    module, names, yes = sys.modules[cls.__module__], [f.name for f in dataclasses.fields(cls)], ("1", "true", "yes", "on")
+
+    def to_bool(s):
+        if s.lower() not in (*yes, "0", "false", "no", "off"):
+            raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+        return s.lower() in yes
+
+    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], usage="%(prog)s [--key=value ...]",
+                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    for f in dataclasses.fields(cls):
+        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        p.add_argument(f"--{f.name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+                       metavar=f.name.upper(), help=f"{field_comments(cls).get(f.name, '')} (default: {f.default!r})")
+    args, unknown = p.parse_known_args(argv)
+    for u in unknown:
+        near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), names, n=1)
+        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    preset = vars(args).get("preset", "")
+    if preset and preset not in module.PRESETS:
+        sys.exit(f"{p.prog}: error: unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
+    return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
+
+def setup_dist(device_arg="auto"):
+    """(rank, world_size, device). Under torchrun, join the process group (NCCL on CUDA, gloo on CPU); ranks other
+    than 0 print nothing, so each line is said once."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    return rank, world_size, device
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def setup_precision(device, dtype_arg="auto"):
+    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 + loss scaling without bf16), fp32 elsewhere;
+    the master weights stay fp32."""
+    if dtype_arg == "auto":
+        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+
+def wrap_model(raw, cfg, device, dtype, world_size):
+    """(model, compiled): raw compiled, then wrapped in DDP, or sharded by FSDP2 a block at a time (each block compiled
+    before it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    if world_size > 1 and cfg.parallel == "fsdp":
+        if dtype == torch.float16:
+            die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)} if dtype != torch.float32 else {}
+        for block in raw.blocks:
+            if compiled:
+                block.compile()
+            fully_shard(block, **mp)
+        return fully_shard(raw, **mp), compiled
+    model = torch.compile(raw) if compiled else raw
+    if world_size > 1:  # buffers are constants: nothing to broadcast
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                    broadcast_buffers=False)
+    return model, compiled
+
+def grad_sync(model, sync):
+    """The context of a micro-step's backward: grads are averaged across ranks only when sync (the last micro-step)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+def peak_flops(device, dtype):
+    """Peak dense FLOP/s of this GPU, for MFU; None when unknown (CPU, a GPU not listed)."""
+    peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
+
+def peak_memory_gb(device):
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+class Run:
+    """A run's progress, clock and checkpoints; parts = (raw model, optimizers, scaler, guard, EMA or None) is what a
+    checkpoint holds besides. train_time counts training only (not evals and saves) and is agreed by all ranks."""
+
+    def __init__(self, cfg, rank, world_size, device, dtype, parts, max_steps, time_budget, per_step, unit, flops_per_step):
+        self.cfg, self.master, self.world_size, self.device, self.parts = cfg, rank == 0, world_size, device, parts
+        self.max_steps, self.time_budget, self.per_step, self.unit = max_steps, time_budget, per_step, unit
+        self.peak = peak_flops(device, dtype)
+        self.flops, self.step, self.train_time, self.history = flops_per_step / (self.peak or 1), 0, 0.0, []
+        self.stopped, self.signal = False, None
+        self.tries, self.writer, self.error, self.wall0, self.bench0 = {}, None, None, time.perf_counter(), 0.0
+        self.start()
+
+    def start(self):
+        """Start the clock, and the averages of the next log line."""
+        self.t_last, self.logged = time.perf_counter(), (self.step, self.train_time)
+
+    def progress(self):
+        """The fraction of the budget spent: of the time budget if there is one (the LR schedule follows it), else of steps."""
+        return self.train_time / self.time_budget if self.time_budget else self.step / self.max_steps
+
+    def done(self):
+        return self.stopped or self.progress() >= 1.0
+
+    def final(self):
+        return self.progress() >= 1.0 and not self.stopped
+
+    def agree(self, loss_sum, gnorm, stop):
+        """(loss, grad norm) from the step's one all-reduce (and host sync), which also agrees on the clock and on a
+        signal to any rank: every rank takes the same decisions and stops at the same step."""
+        now = time.perf_counter()
+        local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
+                             loss_sum.new_tensor(self.train_time + now - self.t_last)])
+        loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
+        self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
+        if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
+            self.bench0 = self.train_time
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
+        return loss, gnorm
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within it, the clock stops: evals and saves are not training time."""
+        t = time.perf_counter()
+        yield
+        self.t_last += time.perf_counter() - t
+
+    def log(self, metrics, loss, gnorm, lr, **extra):
+        """A log line and a metrics record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
+        dt = (self.train_time - self.logged[1]) / max(self.step - self.logged[0], 1)
+        rec = {"step": self.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{self.unit}_s": self.per_step / dt,
+               "mfu": self.flops / dt if self.peak else None, "train_time": self.train_time, **extra}
+        metrics.log(**rec)
+        self.history.append({"step": self.step, "loss": loss})
+        self.logged = (self.step, self.train_time)
+        total = f"{self.train_time:.0f}/{self.time_budget:.0f}s" if self.time_budget else f"{self.max_steps:05d}"
+        print(f"step {self.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if self.peak else "-")
+              + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
+
+    def resume(self, layout):
+        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and return it; None
+        for a new run. Never overwrites an earlier run, nor continues one of another run_layout."""
+        cfg, restarts = self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
+        if found and not (cfg.resume or restarts):
+            die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+        ckpt, path = load_checkpoint(cfg.out_dir) if found else (None, None)
+        if found and ckpt is None:
+            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+        if ckpt is None:
+            return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+        if diff:
+            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
+                f"new --out_dir")
+        self.restore(ckpt)
+        print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+        return ckpt
+
+    def restore(self, ckpt):
+        """Progress, weights, optimizers, scaler, guard and EMA from a checkpoint (each rank its shard under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True)
+        if ema:  # the EMA weights go through the model, to be sharded as it is, then aside
+            set_model_state_dict(raw, ckpt["ema"], options=options)
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
+        scaler.load_state_dict(ckpt["scaler"])
+        guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
+        self.step, self.train_time, self.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        self.start()
+
+    def save(self, **extra):
+        """Gather the full state (a collective under FSDP: every rank calls this); rank 0 writes it with extra, in the
+        background with --async_save (from a copy, so training goes on)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ckpt = dict(zip(("model", "optim"), get_state_dict(raw, opts, options=options)), ema=None)
+        if ema:  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
+            ema.swap()
+            ckpt["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
+            ema.swap()
+        ckpt.update(ema_t=ema.t if ema else 0, scaler=scaler.state_dict(), step=self.step, train_time=self.train_time,
+                    guard=guard.state(), history=self.history,
+                    config=dataclasses.asdict(self.cfg), world_size=self.world_size, **extra)
+        self.wait()  # one write at a time
+        if self.master:
+            self.writer = threading.Thread(target=write_checkpoint, args=(
+                self.cfg, copy.deepcopy(ckpt) if self.cfg.async_save else ckpt, self))
+            self.writer.start()
+            if not self.cfg.async_save:
+                self.wait()
+
+    def wait(self):
+        """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
+        if self.writer:
+            self.writer.join()
+            self.writer = None
+        if self.error:
+            die(self.error)
+
+    def skip(self, metrics, reason, loss, gnorm):
+        """Log an update the guard skipped. After too many, roll back to the newest intact checkpoint from before the
+        first of them and return it (the loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
+        guard, out = self.parts[3], self.cfg.out_dir
+        metrics.log(step=self.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
+        print(f"step {self.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
+        if not guard.rollback_due():
+            return None
+        first_bad, guard.bad = guard.bad[0], []
+        self.wait()
+        if self.world_size > 1:
+            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        ckpt, path = load_checkpoint(out, before=first_bad)
+        if ckpt is None:
+            return print(f"step {self.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+        self.tries[ckpt["step"]] = self.tries.get(ckpt["step"], 0) + 1
+        if self.tries[ckpt["step"]] > 3:
+            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps" +
+                (f", or look at the data ranges in {out}/skipped.tsv" if os.path.exists(f"{out}/skipped.tsv") else ""))
+        if self.master:  # the abandoned timeline: nothing may resume it
+            for s, p in list_checkpoints(out):
+                os.remove(p) if s > ckpt["step"] else None
+        print(f"step {self.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        metrics.log(step=self.step, event="rollback", to_step=ckpt["step"])
+        self.restore(ckpt)
+        guard.bad = []
+        return ckpt
+
+    def finish(self, what, metrics=None, result=None, metric=None):
+        """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv and the summary
+        line `what`. Waits for the last checkpoint and leaves the process group."""
+        self.wait()
+        mem, dt = peak_memory_gb(self.device), (self.train_time - self.bench0) / max(self.cfg.bench_steps, 1)
+        if self.cfg.benchmark and self.stopped:
+            die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
+        if self.cfg.benchmark:
+            result = {f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.flops / dt if self.peak
+                      else None, "peak_mem_gb": mem, **result}
+            print(f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
+                  f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if self.peak else "-") +
+                  f" | peak mem {mem:.2f} GB")
+        elif self.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
+            result = {"preempted": True, "steps": self.step, "train_time": self.train_time}
+            print(f"stopped by {self.signal} at step {self.step}: checkpoint saved in {self.cfg.out_dir}; run the same "
+                  f"command with --resume to continue")
+        else:
+            result.update(steps=self.step, train_time=self.train_time, wall_time=time.perf_counter() - self.wall0,
+                          peak_mem_gb=mem)
+            metrics.result(metric, result[metric], mem, result["wall_time"])
+            print(what)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return result
+
+def write_checkpoint(cfg, ckpt, run=None):
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed: complete or absent. Then the older ones are pruned,
+    but for the newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
+    path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}.pt")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        run.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+        return
+    # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
+    # and never count among the keep_last that protect the good ones
+    found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
+    older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
+    for s, p in [(s, p) for s, p in found if s > ckpt["step"]] + [(s, p) for s, p in older if not (every and s % every == 0)]:
+        os.remove(p)
+
+def list_checkpoints(out_dir):
+    """[(step, path)] of the checkpoints in out_dir, oldest first (a write in progress has another name)."""
+    found = [(re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))]
+    return sorted((int(m[1]), p) for m, p in found if m)
+
+def load_checkpoint(where, before=None):
+    """(checkpoint, path) of a file, or of the newest intact checkpoint in a directory (falling back past bad ones),
+    optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum of
+    the zip file torch.save writes matches, so a truncated or corrupted file (a crash, a bad copy) is never used."""
+    for _, path in reversed([c for c in ([(0, where)] if os.path.isfile(where) else list_checkpoints(where))
+                             if before is None or c[0] < before]):
+        try:
+            bad = zipfile.ZipFile(path).testzip()
+            if bad:
+                raise ValueError(f"checksum of {bad} does not match")
+            return torch.load(path, map_location="cpu", weights_only=False), path
+        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    return None, None
+
+class Metrics:
+    """Rank 0's record: config.json, then every logged value appended to metrics.jsonl (one JSON object per line) and
+    sent to wandb if asked; at the end a row of results.tsv beside out_dir. A benchmark writes nothing."""
+
+    def __init__(self, cfg, master):
+        self.cfg, self.on, self.wandb = cfg, master and not cfg.benchmark, None
+        print(json.dumps(dataclasses.asdict(cfg)))
+        try:
+            if self.on:
+                os.makedirs(cfg.out_dir, exist_ok=True)
+                with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                    json.dump(dataclasses.asdict(cfg), f, indent=2)
+            if self.on and cfg.wandb:
+                import wandb
+                self.wandb = wandb.init(project=cfg.wandb, config=dataclasses.asdict(cfg))
+        except OSError as e:
+            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
+        except ImportError:
+            die("--wandb needs the wandb package: pip install wandb")
+
+    def log(self, **kv):
+        if self.on:
+            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(kv) + "\n")
+            if self.wandb:
+                self.wandb.log(kv, step=kv.get("step"))
+
+    def result(self, metric, value, mem, wall):
+        """A row of results.tsv beside out_dir, the experiment log of every script: run, commit, metric, memory, time."""
+        path = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out_dir)), "results.tsv")
+        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric, f"{value:.4f}",
+               f"{mem:.2f}", f"{wall:.0f}", self.cfg.description.replace("\t", " ")]
+        if self.on:
+            head = "" if os.path.exists(path) else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            with open(path, "a") as f:
+                f.write(head + "\t".join(row) + "\n")
+
+class Guard:
+    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
+    Non-finite values are bad at once; after 10 good steps, a value more than sigma running stds above its running
+    mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is skipped; max_bad
+    bad steps within window steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1). With clip_mult > 0 the
+    clipping threshold follows clip_mult x the running grad-norm mean instead of a constant."""
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
+        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+
+    def load_state(self, s):
+        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+
+    def clip(self, max_norm):
+        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+
+    def check(self, step, loss, gnorm):
+        """None if the update is safe, else the reason; good values update the running statistics."""
+        reason = None if math.isfinite(loss) and math.isfinite(gnorm) else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
+        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
+                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
+        if reason:
+            self.bad = [s for s in self.bad if s > step - self.window] + [step]
+            return reason
+        self.n += 1
+        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        for i, v in enumerate((loss, gnorm)):
+            d = v - self.mean[i]
+            self.mean[i], self.var[i] = self.mean[i] + a * d, (1 - a) * (self.var[i] + a * d * d)
+
+    def rollback_due(self):
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+
+class StopSignal:
+    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
+    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+
+    def __enter__(self):
+        self.received, main = None, threading.current_thread() is threading.main_thread()  # handlers run there only
+        self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        signal.signal(signum, self.old[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+def prepare_default_data(cfg, rank, world_size, command, what):
+    """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
+    if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        return
+    if rank == 0:
+        print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+        if subprocess.run([sys.executable, script, command, f"--data_dir={cfg.data_dir}"]).returncode:
+            die(f"preparing {what} failed (see above)")
+    if world_size > 1:
+        dist.barrier()
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Entry point

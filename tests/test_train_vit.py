@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import faults
 import prepare_data
 import train_vit as tv
 
@@ -183,8 +184,7 @@ def test_resume_is_exact(shapes, tmp_path, optimizer):
     kw = dict(max_steps=8, mixup=0.5, cutmix=1.0, drop_path=0.1, optimizer=optimizer, ema=0.9)
     ra = tv.main(tiny(shapes, a, save_every=4, keep_last=5, **kw))
     b.mkdir()
-    for ext in ("", ".done"):
-        shutil.copy(a / f"ckpt_0000004.pt{ext}", b)
+    shutil.copy(a / "ckpt_0000004.pt", b)
     rb = tv.main(tiny(shapes, b, resume=True, **kw))
     la, lb = records(a, "loss"), records(b, "loss")
     assert sorted(lb) == [5, 6, 7, 8] and all(la[s] == lb[s] for s in lb), (la, lb)
@@ -198,9 +198,11 @@ def test_resume_is_exact(shapes, tmp_path, optimizer):
 
 @pytest.mark.slow
 def test_guards_skip_a_nan_and_sigterm_saves(shapes, tmp_path, capsys):
-    res = tv.main(tiny(shapes, tmp_path / "nan", max_steps=12, inject_fault="nan@6"))
+    with faults.inject(tv, "nan@6"):
+        res = tv.main(tiny(shapes, tmp_path / "nan", max_steps=12))
     assert "update skipped: non-finite" in capsys.readouterr().out and res["steps"] == 12
-    res = tv.main(tiny(shapes, tmp_path / "term", max_steps=12, inject_fault="sigterm@5"))
+    with faults.inject(tv, "sigterm@5"):
+        res = tv.main(tiny(shapes, tmp_path / "term", max_steps=12))
     assert res["preempted"] and res["steps"] == 5 and tv.list_checkpoints(str(tmp_path / "term"))[-1][0] == 5
 
 
