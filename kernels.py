@@ -7,7 +7,10 @@ kernels.py: the Triton kernels shared by the trainsuite scripts, each beside a p
   linear_cross_entropy(x, weight, targets, ...)       x @ weight.T fused with the CE, chunked over rows
 
 Each public function runs Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (read at call time),
-and its `*_ref` otherwise. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
+and PyTorch's own fused ops otherwise (F.scaled_dot_product_attention, F.rms_norm, F.cross_entropy; the linear + CE
+in chunks of plain PyTorch). kernels.use("torch") takes PyTorch's path everywhere, to compare the two in one run, and
+kernels.backend(device) names the path that runs, for log lines. Each `*_ref` is written from the math and only checks
+the others. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
 
   python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory against PyTorch
   python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs, Windows, MPS: every public function falls back to its reference
+except ImportError:  # CPU-only installs, Windows, MPS: every public function runs PyTorch's ops
     triton = None
 
 
@@ -33,13 +36,27 @@ def _interpret():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_backend = "triton"
+
+
+def use(name):
+    """Pick the path: "triton" (Triton where it runs, PyTorch's fused ops elsewhere) or "torch" (PyTorch's always)."""
+    global _backend
+    if name not in ("triton", "torch"):
+        raise ValueError(f"kernels.use: backend must be 'triton' or 'torch', got {name!r}")
+    _backend = name
+
+
+def backend(device):
+    """The path that runs for tensors on device, "triton" or "torch": Triton on CUDA, or on CPU under
+    TRITON_INTERPRET=1, unless use("torch") was called."""
+    kind = torch.device(device).type
+    on = triton is not None and _backend == "triton" and (kind == "cuda" or (kind == "cpu" and _interpret()))
+    return "triton" if on else "torch"
+
+
 def _use_triton(*ts):
-    """Triton for CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; the reference otherwise."""
-    if triton is None:
-        return False
-    if all(t.is_cuda for t in ts):
-        return True
-    return _interpret() and all(t.device.type == "cpu" for t in ts)
+    return all(backend(t.device) == "triton" for t in ts)
 
 
 _interpreted = {}
@@ -180,10 +197,17 @@ def _rms_backward(ctx, dy, drstd):
 _rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
+def _rms_torch(x, weight, eps):
+    """F.rms_norm, which accumulates in fp32. Its fused kernel wants one dtype (an fp32 gain on bf16 activations, as
+    under autocast, takes a slow path and warns), and the output keeps x's dtype under any autocast, as the ref's."""
+    w = weight.to(x.dtype) if weight is not None else None
+    return F.rms_norm(x, (x.shape[-1],), w, eps).to(x.dtype)
+
+
 def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm over the last dim of x (any leading shape), optional elementwise weight."""
     if not _use_triton(x):
-        return rms_norm_ref(x, weight, eps)
+        return _rms_torch(x, weight, eps)
     return _rms_norm_op(x, weight, eps)[0]
 
 
@@ -318,10 +342,26 @@ def _ce_backward(ctx, dloss, dlse):
 _ce_op.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
+def _ce_torch(logits, targets, ignore_index, softcap, z_loss, reduction):
+    """cross_entropy through PyTorch's fused log-softmax and nll in fp32, plus the softcap and z-loss terms."""
+    z = logits.float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    valid = targets != ignore_index
+    if z_loss:  # F.cross_entropy split in two, to reuse its log-softmax: log_softmax(z) = z - lse in every column
+        lp = F.log_softmax(z, -1)
+        ti = torch.where(valid, targets, 0)[:, None]  # the target's column, finite wherever the loss is
+        lse = torch.where(valid, (z.gather(1, ti) - lp.gather(1, ti)).squeeze(1), 0.0)
+        loss = F.nll_loss(lp, targets, ignore_index=ignore_index, reduction="none") + z_loss * lse * lse
+    else:
+        loss = F.cross_entropy(z, targets, ignore_index=ignore_index, reduction="none")  # 0 on ignored rows
+    return _reduce(loss, valid, reduction).to(logits.dtype)
+
+
 def cross_entropy(logits, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
     """Cross-entropy of (N, V) logits against (N,) targets; softcap, z-loss, ignore_index, mean|sum|none."""
     if not _use_triton(logits):
-        return cross_entropy_ref(logits, targets, ignore_index, softcap, z_loss, reduction)
+        return _ce_torch(logits, targets, ignore_index, softcap, z_loss, reduction)
     loss, _ = _ce_op(logits, targets, ignore_index, float(softcap or 0.0), float(z_loss))
     return _reduce(loss, targets != ignore_index, reduction).to(logits.dtype)
 
@@ -336,21 +376,25 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None
 
 
 def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
-    """Per-row loss and dlogits of a chunk in plain PyTorch (the CPU path); mirrors _ce_fwd/_ce_bwd_kernel."""
+    """Per-row loss and dlogits of a chunk in plain PyTorch (the non-Triton path); mirrors _ce_fwd/_ce_bwd_kernel."""
     zf = z.float()
     if softcap:
-        zf = softcap * torch.tanh(zf / softcap)
+        th = torch.tanh(zf / softcap)
+        zf = softcap * th
     lse = torch.logsumexp(zf, -1)
     valid = t != ignore_index
     ti = torch.where(valid, t, 0)
     loss = torch.where(valid, lse - zf.gather(1, ti[:, None]).squeeze(1) + z_loss * lse * lse, 0.0)
     if dloss is None:
         return loss, None
-    g = torch.exp(zf - lse[:, None]) * (1 + 2 * z_loss * lse[:, None])
-    g.scatter_add_(1, ti[:, None], -torch.ones_like(g[:, :1]))
-    if softcap:
-        g = g * (1 - (zf / softcap) ** 2)
-    return loss, (g * torch.where(valid, dloss, 0.0)[:, None]).to(z.dtype)
+    # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t), times the row's grad; in place on one
+    # (chunk, V) buffer, since on CPU each extra temporary of that size costs about as much as the matmul
+    dl = torch.where(valid, dloss, 0.0)
+    g = torch.softmax(zf, -1).mul_(((1 + 2 * z_loss * lse) * dl)[:, None])
+    g.scatter_add_(1, ti[:, None], -dl[:, None])
+    if softcap:  # chain rule through cap*tanh(x/cap): 1 - tanh^2, in place
+        g.mul_(th.square_().neg_().add_(1))
+    return loss, g.to(z.dtype)
 
 
 def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
@@ -372,8 +416,11 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
         else:
             loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g)
         if dz is not None:
-            dx[i:i + chunk] = dz @ w
-            dw += (dz.T @ xc).float()
+            torch.mm(dz, w, out=dx[i:i + chunk])
+            if dz.dtype == dw.dtype:  # fp32: accumulate in place, no (V, d) temporary per chunk
+                dw.addmm_(dz.T, xc)
+            else:
+                dw += (dz.T @ xc).float()
     return loss, dx, dw
 
 
@@ -641,10 +688,20 @@ def _attn_backward(ctx, do, dlse):
 _attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
+def _attn_torch(q, k, v, causal, scale):
+    """F.scaled_dot_product_attention with the reference's conventions: the causal mask aligned bottom-right when
+    there are fewer queries than keys (SDPA's is_causal aligns it top-left), and q's dtype out (SDPA under CPU
+    autocast returns bf16 for fp32 inputs; the reference and the Triton op keep q's)."""
+    T, Tk = q.shape[2], k.shape[2]
+    mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T) if causal and T != Tk else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
+
+
 def attention(q, k, v, causal=True, scale=None):
     """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
-    if not _use_triton(q, k, v) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: the ref
-        return attention_ref(q, k, v, causal, scale)
+    if not _use_triton(q, k, v) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: PyTorch's
+        return _attn_torch(q, k, v, causal, scale)
     return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
 
 

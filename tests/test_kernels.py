@@ -1,6 +1,8 @@
-"""Kernel parity: each *_ref against plain PyTorch, each Triton kernel (TRITON_INTERPRET=1 on CPU) against its ref."""
+"""Kernel parity: each *_ref against plain PyTorch; the PyTorch path (no Triton, or kernels.use("torch")) and each
+Triton kernel (TRITON_INTERPRET=1 on CPU) against its ref."""
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 def interpret(monkeypatch):
     """Route CPU tensors through the Triton kernels (dispatch reads the variable at call time)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def no_interpret(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 def grads(fn, *xs, g=None):
@@ -105,16 +102,135 @@ def test_refs_keep_dtype():
     assert kernels.attention_ref(q, q, q).dtype == torch.float16
 
 
+# ----------------------------------------------------------------------------- PyTorch's ops (the non-Triton path)
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """kernels.use("torch") under TRITON_INTERPRET=1, where only the switch keeps Triton out; a launch fails."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "_launch", lambda *a, **k: pytest.fail("a Triton kernel ran under use('torch')"))
+    kernels.use("torch")
+    yield
+    kernels.use("triton")
+
+
+def run_every_kernel():
+    """Each public function once, forward and backward, on small CPU tensors."""
+    x, W = torch.randn(4, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    q, t = torch.randn(1, 2, 5, 32, requires_grad=True), torch.randint(0, 32, (4,))
+    loss = kernels.attention(q, q, q).sum() + kernels.rms_norm(x).sum() + kernels.cross_entropy(x, t)
+    (loss + kernels.linear_cross_entropy(x, W, t)).backward()
+
+
+def test_use_and_backend(monkeypatch):
+    """backend(device) names the path that runs: Triton on CUDA, or on CPU under TRITON_INTERPRET=1, unless
+    use("torch"); PyTorch's everywhere else."""
+    tri = "triton" if kernels.triton is not None else "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert (kernels.backend("cpu"), kernels.backend(torch.device("cuda", 0))) == ("torch", tri)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert (kernels.backend("cpu"), kernels.backend("cuda"), kernels.backend("meta")) == (tri, tri, "torch")
+    kernels.use("torch")
+    try:
+        assert (kernels.backend("cpu"), kernels.backend("cuda")) == ("torch", "torch")
+        with pytest.raises(ValueError, match="'triton' or 'torch'"):
+            kernels.use("cuda")
+    finally:
+        kernels.use("triton")
+    assert kernels.backend("cpu") == tri
+
+
+def test_use_torch_forces_the_torch_path_under_the_interpreter(torch_path):
+    assert kernels.backend("cpu") == "torch"
+    run_every_kernel()  # the fixture fails the test if any Triton kernel launches
+
+
+@pytest.mark.parametrize("T,Tk,hq,hkv,causal", [(1, 1, 2, 2, True), (17, 17, 4, 2, True), (37, 37, 3, 1, False),
+                                                (5, 23, 4, 2, True), (1, 23, 4, 1, True), (7, 19, 2, 2, False)])
+def test_attention_torch(torch_path, T, Tk, hq, hkv, causal):
+    """SDPA matches the reference, forward and grads: GQA, odd lengths and head dim, and with fewer queries than keys
+    (a KV cache) the causal mask aligned bottom-right as the reference's is, not top-left as SDPA's is_causal."""
+    q, k, v = torch.randn(2, hq, T, 24), torch.randn(2, hkv, Tk, 24), torch.randn(2, hkv, Tk, 24)
+    close(grads(lambda *a: kernels.attention(*a, causal=causal), q, k, v),
+          grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v), 1e-5)
+
+
+def test_attention_torch_scale_non_contiguous(torch_path):
+    q = torch.randn(2, 19, 3, 40).transpose(1, 2)  # (B, H, T, D) views, as the models make them
+    k, v = torch.randn(2, 19, 1, 40).transpose(1, 2), torch.randn(2, 19, 1, 40).transpose(1, 2)
+    close(grads(lambda *a: kernels.attention(*a, scale=0.3), q, k, v),
+          grads(lambda *a: kernels.attention_ref(*a, scale=0.3), q, k, v), 1e-5)
+
+
+def test_rms_norm_torch(torch_path):
+    x, w = torch.randn(3, 5, 123), torch.randn(123)
+    close(grads(kernels.rms_norm, x, w), grads(kernels.rms_norm_ref, x, w), 1e-5)
+    close(grads(lambda x: kernels.rms_norm(x, eps=0.1), x), grads(lambda x: kernels.rms_norm_ref(x, eps=0.1), x), 1e-5)
+    xt = torch.randn(123, 6).T  # non-contiguous rows
+    close(grads(kernels.rms_norm, xt, w), grads(kernels.rms_norm_ref, xt, w), 1e-5)
+
+
+@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (5.0, 0.0), (None, 1e-2), (5.0, 1e-2)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_linear_cross_entropy_chunked_cpu(no_interpret, reduction):
-    """The chunked CPU path (no Triton) matches the materialised reference, forward and grads."""
+def test_cross_entropy_torch(torch_path, softcap, z_loss, reduction):
+    z, t = torch.randn(37, 51) * 4, torch.randint(0, 51, (37,))
+    t[::5] = -100
+    kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
+    close(grads(lambda z: kernels.cross_entropy(z, t, **kw), z),
+          grads(lambda z: kernels.cross_entropy_ref(z, t, **kw), z), 1e-5)
+
+
+def test_cross_entropy_torch_edge_cases(torch_path):
+    """Every row ignored (mean 0, not nan, and zero grads), another ignore_index, and -inf logits (a masked vocab)
+    off the target, also in an ignored row's column 0, where the z-loss reads the target's column."""
+    z, t = torch.randn(6, 40), torch.randint(0, 40, (6,))
+    for kw in (dict(), dict(z_loss=1e-2)):
+        out, dz = grads(lambda z: kernels.cross_entropy(z, torch.full((6,), -100), **kw), z)
+        assert out.item() == 0 and not dz.any()
+        t7 = t.clone()
+        t7[1] = 7
+        close(grads(lambda z: kernels.cross_entropy(z, t7, ignore_index=7, **kw), z),
+              grads(lambda z: kernels.cross_entropy_ref(z, t7, ignore_index=7, **kw), z), 1e-5)
+        zm, tm = z.clone(), t.clone()
+        zm[0, (t[0] + 1) % 40], zm[2, 0], tm[2] = float("-inf"), float("-inf"), -100
+        for reduction in ("mean", "none"):
+            ours = grads(lambda z: kernels.cross_entropy(z, tm, reduction=reduction, **kw), zm)
+            close(ours, grads(lambda z: kernels.cross_entropy_ref(z, tm, reduction=reduction, **kw), zm), 1e-5)
+            assert all(o.isfinite().all() for o in ours)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(softcap=3.0, z_loss=1e-3, reduction="sum"),
+                                dict(softcap=3.0, z_loss=1e-3, reduction="none")])
+def test_linear_cross_entropy_torch(torch_path, kw):
+    """The chunked PyTorch path (many chunks here) matches the materialised reference, forward and grads."""
     x, w, t = torch.randn(70, 16), torch.randn(300, 16), torch.randint(0, 300, (70,))
     t[3] = -100
-    kw = dict(softcap=3.0, z_loss=1e-3, reduction=reduction)
     close(grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, **kw), x, w),
           grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w, t, **kw), x, w), 1e-5)
     with torch.no_grad():  # eval skips the gradients but gives the same loss
         close([kernels.linear_cross_entropy(x, w, t, **kw)], [kernels.linear_cross_entropy_ref(x, w, t, **kw)], 1e-5)
+
+
+def test_torch_path_dtypes_match_the_refs(torch_path):
+    """bf16 activations with an fp32 gain (QK-norm under autocast) take F.rms_norm's fused path without a mixed-dtype
+    warning, and under CPU bf16 autocast every output has the reference's dtype, within bf16 rounding of it."""
+    x, w = torch.randn(2, 4, 9, 32), torch.randn(32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = kernels.rms_norm(x.bfloat16(), w)
+    assert y.dtype == torch.bfloat16
+    close([y], [kernels.rms_norm_ref(x.bfloat16(), w)], 2e-2)
+    z, t = torch.randn(9, 50), torch.randint(0, 50, (9,))
+    cases = [(kernels.attention, kernels.attention_ref, (x, x[:, :2], x[:, :2])),
+             (kernels.rms_norm, kernels.rms_norm_ref, (x, w)),
+             (kernels.cross_entropy, kernels.cross_entropy_ref, (z, t)),
+             (kernels.cross_entropy, kernels.cross_entropy_ref, (z.bfloat16(), t))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for fn, ref, args in cases:
+            ours, want = fn(*args), ref(*args)
+            assert ours.dtype == want.dtype, fn.__name__
+            close([ours], [want], 3e-2)
 
 
 # ----------------------------------------------------------------------------- Triton under the interpreter
@@ -122,20 +238,20 @@ def test_linear_cross_entropy_chunked_cpu(no_interpret, reduction):
 
 @needs_triton
 def test_dispatch_reads_env_at_call_time(monkeypatch):
-    """Under TRITON_INTERPRET=1 no public function touches its reference; without it, each one does."""
+    """Under TRITON_INTERPRET=1 every public function launches Triton and none runs PyTorch's path; without it, each
+    runs PyTorch's path, and no reference runs in either (they are oracles only)."""
     calls = []
-    for name in ("attention_ref", "rms_norm_ref", "cross_entropy_ref", "_ce_rows_torch"):
-        ref = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _ref=ref, _n=name, **k: calls.append(_n) or _ref(*a, **k))
-    x, t, q = torch.randn(4, 32), torch.randint(0, 32, (4,)), torch.randn(1, 2, 5, 32)
-    run = lambda: (kernels.attention(q, q, q), kernels.rms_norm(x), kernels.cross_entropy(x, t),
-                   kernels.linear_cross_entropy(x, torch.randn(32, 32), t))
+    for name in ("_attn_torch", "_rms_torch", "_ce_torch", "_ce_rows_torch", "_launch",
+                 "attention_ref", "rms_norm_ref", "cross_entropy_ref", "linear_cross_entropy_ref"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run()
-    assert calls == []
+    run_every_kernel()
+    assert set(calls) == {"_launch"}
+    calls.clear()
     monkeypatch.delenv("TRITON_INTERPRET")
-    run()
-    assert sorted(calls) == ["_ce_rows_torch", "attention_ref", "cross_entropy_ref", "rms_norm_ref"]
+    run_every_kernel()
+    assert sorted(set(calls)) == ["_attn_torch", "_ce_rows_torch", "_ce_torch", "_rms_torch"]
 
 
 @needs_triton
@@ -219,7 +335,7 @@ def test_fp16_through_the_interpreter(interpret):
 # ----------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("mode", ["ref", "interpret"])
+@pytest.mark.parametrize("mode", ["torch", "interpret"])
 def test_compile_fullgraph(monkeypatch, mode):
     """Every public function traces with fullgraph=True (custom ops, no graph breaks) and matches eager."""
     if mode == "interpret":
