@@ -25,6 +25,7 @@ import math
 import os
 import pickle
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -785,7 +786,7 @@ def train(cfg, stop):
     if ckpt:
         train_loader.load_state(ckpt["data"])
     data_state, (x, y) = train_loader.state(), train_loader.next()  # bad data stops the run before anything is written
-    metrics = Metrics(cfg, rank == 0)
+    run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
           f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
           f"{device} {dtype} | compile {compiled} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}")
@@ -818,12 +819,12 @@ def train(cfg, stop):
         scaler.update()
         run.step += 1
 
-        back = run.skip(metrics, reason, loss, gnorm) if reason else None
+        back = run.skip(reason, loss, gnorm) if reason else None
         if back:  # rolled back to a checkpoint: the data read since then is never trained on
-            skip_data(cfg, metrics, run.step, train_loader.ranges(back["data"], data_state))
+            skip_data(cfg, run, train_loader.ranges(back["data"], data_state))
             continue
         if run.step % cfg.log_every == 0 or run.done():
-            run.log(metrics, loss, gnorm, cfg.lr * mult)
+            run.log(loss, gnorm, cfg.lr * mult)
         if cfg.benchmark:
             continue
         with run.paused():  # evals and saves are not training time
@@ -832,18 +833,18 @@ def train(cfg, stop):
                 if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
                     text = sample(raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)[1]
                     print("-" * 40 + "\n" + text + "\n" + "-" * 40)
-                metrics.log(step=run.step, **rec, **layer_stats(raw, x, ctx))  # grad/weight ratio, activation RMS
+                run.record(step=run.step, **rec, **layer_stats(raw, x, ctx))  # grad/weight ratio, activation RMS
                 run.history.append({"step": run.step, **rec})
             if cfg.sharpness_every and run.step % cfg.sharpness_every == 0 and not run.done():
                 lam = sharpness(lambda: model(x, y, cfg.z_loss), list(raw.parameters()))
-                metrics.log(step=run.step, sharpness=lam)
+                run.record(step=run.step, sharpness=lam)
                 print(f"sharpness {run.step:05d} | top Hessian eigenvalue {lam:.4g}")
             if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
                 run.save(data=data_state, data_info={"vocab_size": vocab_size}, tokenizer=tokenizer)
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results against gzip and xz
     if cfg.benchmark or run.stopped:
-        return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}", result={"params": n_params})
+        return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}", {"params": n_params})
     if rank == 0:
         plot_losses(cfg.out_dir, run.history)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
@@ -851,17 +852,17 @@ def train(cfg, stop):
                    for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
     return run.finish(f"done: {run.step} steps, {run.step * tokens_per_step / 1e6:.1f}M tokens in {run.train_time:.0f} s | "
                       f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint and loss.png in {cfg.out_dir}",
-                      metrics, {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params}, metric)
+                      {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params}, metric)
 
 
-def skip_data(cfg, metrics, step, ranges):
+def skip_data(cfg, run, ranges):
     """After a rollback: append the token ranges read since the checkpoint to out_dir/skipped.tsv, never trained on;
     --skip_data=that file keeps any later run off them too."""
-    if metrics.on:
+    if run.files:
         with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
             f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in ranges)
-    metrics.log(step=step, event="skipped_data", ranges=ranges)
-    print(f"step {step:05d} | {len(ranges)} token ranges appended to {cfg.out_dir}/skipped.tsv")
+    run.record(step=run.step, event="skipped_data", ranges=ranges)
+    print(f"step {run.step:05d} | {len(ranges)} token ranges appended to {cfg.out_dir}/skipped.tsv")
 
 
 def read_skip_file(path):
@@ -889,7 +890,7 @@ def sample_main(cfg):
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
-# wrapping; the run's clock, checkpoints, resume and rollback; metrics; the guards. The recipe above reads without it.
+# wrapping; a run's clock, log, checkpoints, resume and rollback; the guards. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):
@@ -912,25 +913,25 @@ def parse_args(cls, argv):
     import argparse
     module, names, yes = sys.modules[cls.__module__], [f.name for f in dataclasses.fields(cls)], ("1", "true", "yes", "on")
 
-    def to_bool(s):
+    def to_bool(s):  # a bare --flag is true
         if s.lower() not in (*yes, "0", "false", "no", "off"):
             raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
         return s.lower() in yes
 
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], usage="%(prog)s [--key=value ...]",
                                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    p.error = lambda msg: sys.exit(f"{p.prog}: error: {msg} (see -h)")
+    p.error = lambda msg: die(f"{msg} (see -h)")
     for f in dataclasses.fields(cls):
-        typ = to_bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
-        p.add_argument(f"--{f.name}", type=typ, nargs="?" if typ is to_bool else None, const=True if typ is to_bool else None,
+        b = f.type is bool
+        p.add_argument(f"--{f.name}", type=to_bool if b else f.type, nargs="?" if b else None, const=True if b else None,
                        metavar=f.name.upper(), help=f"{field_comments(cls).get(f.name, '')} (default: {f.default!r})")
     args, unknown = p.parse_known_args(argv)
     for u in unknown:
         near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), names, n=1)
-        sys.exit(f"{p.prog}: error: unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+        die(f"unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
     preset = vars(args).get("preset", "")
     if preset and preset not in module.PRESETS:
-        sys.exit(f"{p.prog}: error: unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
+        die(f"unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
     return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
 
 def setup_dist(device_arg="auto"):
@@ -969,31 +970,31 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 + loss scaling without bf16), fp32 elsewhere;
-    the master weights stay fp32."""
+    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing),
+    fp32 elsewhere. The master weights stay fp32."""
     if dtype_arg == "auto":
         dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
     ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16 has a narrow range: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
 
 def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, then wrapped in DDP, or sharded by FSDP2 a block at a time (each block compiled
-    before it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
+    """(model, compiled): raw compiled, then in DDP, or sharded by FSDP2 a block at a time (each block compiled before
+    it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)} if dtype != torch.float32 else {}
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # grads are averaged in fp32
         for block in raw.blocks:
             if compiled:
                 block.compile()
-            fully_shard(block, **mp)
-        return fully_shard(raw, **mp), compiled
+            fully_shard(block, mp_policy=mp)
+        return fully_shard(raw, mp_policy=mp), compiled
     model = torch.compile(raw) if compiled else raw
     if world_size > 1:  # buffers are constants: nothing to broadcast
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1009,37 +1010,27 @@ def grad_sync(model, sync):
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
               "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
 
-def peak_flops(device, dtype):
-    """Peak dense FLOP/s of this GPU, for MFU; None when unknown (CPU, a GPU not listed)."""
-    peak = next((v for k, v in PEAK_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
-    return peak / 2 if peak and dtype == torch.float32 else peak
-
-def peak_memory_gb(device):
-    """Peak GPU memory allocated, or the process's peak resident memory on CPU, in GB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB on Linux
-
 def fmt_rate(x):
     """3.66M, 812k, 95: rates readable at any scale."""
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 class Run:
-    """A run's progress, clock and checkpoints; parts = (raw model, optimizers, scaler, guard, EMA or None) is what a
-    checkpoint holds besides. train_time counts training only (not evals and saves) and is agreed by all ranks."""
+    """A run's progress, clock, log and checkpoints; parts = (raw model, optimizers, scaler, guard, EMA or None) is what
+    a checkpoint holds besides. train_time counts training only (not evals or saves), agreed across ranks."""
 
-    def __init__(self, cfg, rank, world_size, device, dtype, parts, max_steps, time_budget, per_step, unit, flops_per_step):
+    def __init__(self, cfg, rank, world_size, device, dtype, parts, max_steps, time_budget, per_step, unit, flops):
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
         self.cfg, self.master, self.world_size, self.device, self.parts = cfg, rank == 0, world_size, device, parts
         self.max_steps, self.time_budget, self.per_step, self.unit = max_steps, time_budget, per_step, unit
-        self.peak = peak_flops(device, dtype)
-        self.flops, self.step, self.train_time, self.history = flops_per_step / (self.peak or 1), 0, 0.0, []
-        self.stopped, self.signal = False, None
-        self.tries, self.writer, self.error, self.wall0, self.bench0 = {}, None, None, time.perf_counter(), 0.0
+        self.mfu = lambda dt: flops / dt / peak if peak else None  # model FLOPs utilisation, dt seconds per step
+        self.step, self.train_time, self.history, self.stopped, self.signal = 0, 0.0, [], False, None
+        self.tries, self.writer, self.error, self.bench0, self.wall0 = {}, None, None, 0.0, time.perf_counter()
+        self.files, self.wandb = rank == 0 and not cfg.benchmark, None  # rank 0 writes; a benchmark writes nothing
         self.start()
 
     def start(self):
-        """Start the clock, and the averages of the next log line."""
+        """(Re)start the clock, and the averages of the next log line."""
         self.t_last, self.logged = time.perf_counter(), (self.step, self.train_time)
 
     def progress(self):
@@ -1067,22 +1058,46 @@ class Run:
 
     @contextlib.contextmanager
     def paused(self):
-        """Within it, the clock stops: evals and saves are not training time."""
+        """Within it the clock stops: evals and saves are not training time."""
         t = time.perf_counter()
         yield
         self.t_last += time.perf_counter() - t
 
-    def log(self, metrics, loss, gnorm, lr, **extra):
-        """A log line and a metrics record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
+    def begin(self):
+        """Print the config; rank 0 writes it to out_dir/config.json and opens wandb if asked."""
+        print(json.dumps(dataclasses.asdict(self.cfg)))
+        try:
+            if self.files:
+                os.makedirs(self.cfg.out_dir, exist_ok=True)
+                with open(os.path.join(self.cfg.out_dir, "config.json"), "w") as f:
+                    json.dump(dataclasses.asdict(self.cfg), f, indent=2)
+            if self.files and self.cfg.wandb:
+                import wandb
+                self.wandb = wandb.init(project=self.cfg.wandb, config=dataclasses.asdict(self.cfg))
+        except OSError as e:
+            die(f"cannot write to --out_dir={self.cfg.out_dir} ({e.strerror}); pick a writable directory")
+        except ImportError:
+            die("--wandb needs the wandb package: pip install wandb")
+
+    def record(self, **kv):
+        """Append kv to out_dir/metrics.jsonl (one JSON object per line), and to wandb if it is on."""
+        if self.files:
+            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(kv) + "\n")
+            if self.wandb:
+                self.wandb.log(kv, step=kv.get("step"))
+
+    def log(self, loss, gnorm, lr, **extra):
+        """A log line and record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
         dt = (self.train_time - self.logged[1]) / max(self.step - self.logged[0], 1)
         rec = {"step": self.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{self.unit}_s": self.per_step / dt,
-               "mfu": self.flops / dt if self.peak else None, "train_time": self.train_time, **extra}
-        metrics.log(**rec)
+               "mfu": self.mfu(dt), "train_time": self.train_time, **extra}
+        self.record(**rec)
         self.history.append({"step": self.step, "loss": loss})
         self.logged = (self.step, self.train_time)
         total = f"{self.train_time:.0f}/{self.time_budget:.0f}s" if self.time_budget else f"{self.max_steps:05d}"
         print(f"step {self.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if self.peak else "-")
+              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-")
               + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
     def resume(self, layout):
@@ -1129,16 +1144,15 @@ class Run:
             ema.swap()
             ckpt["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
             ema.swap()
-        ckpt.update(ema_t=ema.t if ema else 0, scaler=scaler.state_dict(), step=self.step, train_time=self.train_time,
-                    guard=guard.state(), history=self.history,
-                    config=dataclasses.asdict(self.cfg), world_size=self.world_size, **extra)
+        ckpt.update(ema_t=ema.t if ema else 0, scaler=scaler.state_dict(), guard=guard.state(), step=self.step,
+                    train_time=self.train_time, history=self.history, config=dataclasses.asdict(self.cfg),
+                    world_size=self.world_size, **extra)
         self.wait()  # one write at a time
         if self.master:
-            self.writer = threading.Thread(target=write_checkpoint, args=(
-                self.cfg, copy.deepcopy(ckpt) if self.cfg.async_save else ckpt, self))
+            ckpt = copy.deepcopy(ckpt) if self.cfg.async_save else ckpt
+            self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self))
             self.writer.start()
-            if not self.cfg.async_save:
-                self.wait()
+            self.wait() if not self.cfg.async_save else None
 
     def wait(self):
         """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
@@ -1148,11 +1162,11 @@ class Run:
         if self.error:
             die(self.error)
 
-    def skip(self, metrics, reason, loss, gnorm):
-        """Log an update the guard skipped. After too many, roll back to the newest intact checkpoint from before the
-        first of them and return it (the loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
+    def skip(self, reason, loss, gnorm):
+        """Record an update the guard skipped. After too many, roll back to the newest intact checkpoint from before
+        the first of them and return it (the loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
         guard, out = self.parts[3], self.cfg.out_dir
-        metrics.log(step=self.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
+        self.record(step=self.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
         print(f"step {self.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
         if not guard.rollback_due():
             return None
@@ -1167,57 +1181,60 @@ class Run:
         if self.tries[ckpt["step"]] > 3:
             die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps" +
                 (f", or look at the data ranges in {out}/skipped.tsv" if os.path.exists(f"{out}/skipped.tsv") else ""))
-        if self.master:  # the abandoned timeline: nothing may resume it
-            for s, p in list_checkpoints(out):
-                os.remove(p) if s > ckpt["step"] else None
+        for s, p in list_checkpoints(out) if self.master else []:  # the abandoned timeline: nothing may resume it
+            os.remove(p) if s > ckpt["step"] else None
         print(f"step {self.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-        metrics.log(step=self.step, event="rollback", to_step=ckpt["step"])
+        self.record(step=self.step, event="rollback", to_step=ckpt["step"])
         self.restore(ckpt)
-        guard.bad = []
         return ckpt
 
-    def finish(self, what, metrics=None, result=None, metric=None):
-        """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv and the summary
-        line `what`. Waits for the last checkpoint and leaves the process group."""
+    def finish(self, what, result, metric=None):
+        """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv beside out_dir (the
+        experiment log of every script) and the summary line `what`. Leaves the process group."""
         self.wait()
-        mem, dt = peak_memory_gb(self.device), (self.train_time - self.bench0) / max(self.cfg.bench_steps, 1)
-        if self.cfg.benchmark and self.stopped:
-            die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
+        mem = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else  # else the peak RSS
+               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
+        result = {"steps": self.step, "train_time": self.train_time, "wall_time": time.perf_counter() - self.wall0,
+                  "peak_mem_gb": mem, **result}
         if self.cfg.benchmark:
-            result = {f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.flops / dt if self.peak
-                      else None, "peak_mem_gb": mem, **result}
-            print(f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
-                  f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if self.peak else "-") +
-                  f" | peak mem {mem:.2f} GB")
+            if self.stopped:
+                die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
+            dt = (self.train_time - self.bench0) / self.cfg.bench_steps
+            result.update({f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.mfu(dt)})
+            what = (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
+                    f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if result["mfu"] else "-")
+                    + f" | peak mem {mem:.2f} GB")
         elif self.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
             result = {"preempted": True, "steps": self.step, "train_time": self.train_time}
-            print(f"stopped by {self.signal} at step {self.step}: checkpoint saved in {self.cfg.out_dir}; run the same "
-                  f"command with --resume to continue")
-        else:
-            result.update(steps=self.step, train_time=self.train_time, wall_time=time.perf_counter() - self.wall0,
-                          peak_mem_gb=mem)
-            metrics.result(metric, result[metric], mem, result["wall_time"])
-            print(what)
+            what = (f"stopped by {self.signal} at step {self.step}: checkpoint saved in {self.cfg.out_dir}; run the same "
+                    f"command with --resume to continue")
+        elif self.files:
+            path = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out_dir)), "results.tsv")
+            git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                         text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+            row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
+                   f"{result[metric]:.4f}", f"{mem:.2f}", f"{result['wall_time']:.0f}", self.cfg.description.replace("\t", " ")]
+            head = "" if os.path.exists(path) else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            with open(path, "a") as f:
+                f.write(head + "\t".join(row) + "\n")
+        print(what)
         if dist.is_initialized():
             dist.destroy_process_group()
         return result
 
 def write_checkpoint(cfg, ckpt, run=None):
-    """ckpt_STEP.pt, written to a temp file, fsynced and renamed: complete or absent. Then the older ones are pruned,
-    but for the newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
-    path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}.pt")
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent; then the older ones are
+    pruned but for the newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
+    path, tmp = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}.pt"), os.path.join(cfg.out_dir, "ckpt.tmp")
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
+        with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
         run.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
-        return
+        return os.path.exists(tmp) and os.remove(tmp)
     # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
     # and never count among the keep_last that protect the good ones
     found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
@@ -1226,7 +1243,7 @@ def write_checkpoint(cfg, ckpt, run=None):
         os.remove(p)
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of the checkpoints in out_dir, oldest first (a write in progress has another name)."""
+    """[(step, path)] of the checkpoints in out_dir, oldest first (one being written has another name)."""
     found = [(re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))]
     return sorted((int(m[1]), p) for m, p in found if m)
 
@@ -1244,45 +1261,6 @@ def load_checkpoint(where, before=None):
         except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
             print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
     return None, None
-
-class Metrics:
-    """Rank 0's record: config.json, then every logged value appended to metrics.jsonl (one JSON object per line) and
-    sent to wandb if asked; at the end a row of results.tsv beside out_dir. A benchmark writes nothing."""
-
-    def __init__(self, cfg, master):
-        self.cfg, self.on, self.wandb = cfg, master and not cfg.benchmark, None
-        print(json.dumps(dataclasses.asdict(cfg)))
-        try:
-            if self.on:
-                os.makedirs(cfg.out_dir, exist_ok=True)
-                with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-                    json.dump(dataclasses.asdict(cfg), f, indent=2)
-            if self.on and cfg.wandb:
-                import wandb
-                self.wandb = wandb.init(project=cfg.wandb, config=dataclasses.asdict(cfg))
-        except OSError as e:
-            die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
-        except ImportError:
-            die("--wandb needs the wandb package: pip install wandb")
-
-    def log(self, **kv):
-        if self.on:
-            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(kv) + "\n")
-            if self.wandb:
-                self.wandb.log(kv, step=kv.get("step"))
-
-    def result(self, metric, value, mem, wall):
-        """A row of results.tsv beside out_dir, the experiment log of every script: run, commit, metric, memory, time."""
-        path = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out_dir)), "results.tsv")
-        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric, f"{value:.4f}",
-               f"{mem:.2f}", f"{wall:.0f}", self.cfg.description.replace("\t", " ")]
-        if self.on:
-            head = "" if os.path.exists(path) else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-            with open(path, "a") as f:
-                f.write(head + "\t".join(row) + "\n")
 
 class Guard:
     """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
