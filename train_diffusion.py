@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -142,6 +143,11 @@ def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
+def data_info_of(ckpt):
+    """The data facts of a checkpoint's run_layout (checkpoints before 2026-11-23 kept them in ckpt["data"])."""
+    return ckpt.get("data_info") or ckpt["data"]["info"]
 
 
 def check_config(cfg):
@@ -374,14 +380,16 @@ def load_image_data(data_dir, splits=("train", "val")):
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
             f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-        assert meta["format"] == "trainsuite-image-1", f"format {meta['format']!r} is not an image dataset"
+    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        meta = json.load(f)
+        if meta["format"] != "trainsuite-image-1":
+            raise ValueError(f"format {meta['format']!r} is not an image dataset")
+        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
-    except (OSError, ValueError, KeyError, AssertionError) as e:
-        die(f"{data_dir}: unreadable image data ({e}); re-run prepare_data.py for this data dir")
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
@@ -413,7 +421,7 @@ class ImageLoader:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state(self, s):
-        self.epoch, self.pos, self.order = s["epoch"], s["pos"], None
+        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
 
     def next(self):
         """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
@@ -563,13 +571,14 @@ class Judge:
         ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
         if ckpt is None or "pool" not in ckpt["config"]:  # the ViT's pooling: a train_vit.py checkpoint
             die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
-        m = ckpt["data_meta"]
-        if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
-            die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
-                f"train it with train_vit.py on this --data_dir")
-        known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
-        self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
-        self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
+        with reading(where, "pass a checkpoint written by train_vit.py"):
+            m = ckpt["data_meta"]
+            if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
+                die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
+                    f"train it with train_vit.py on this --data_dir")
+            known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
+            self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
+            self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
         self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])
 
@@ -714,9 +723,7 @@ def train(cfg, stop):
               images_per_step, "img", raw.flops_per_image() * images_per_step)
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    ckpt = run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info))
-    if ckpt:
-        train_loader.load_state(ckpt["data"])
+    run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
@@ -805,12 +812,13 @@ def sample_main(cfg):
         die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
-    meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+    with reading(path, "pass a checkpoint written by train_diffusion.py"):
+        meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
+        model = build_model(trained, H, C, K, device)
+        model.load_state_dict(ckpt["ema"] or ckpt["model"])
     cfg = dataclasses.replace(cfg, objective=trained.objective)
     check_config(cfg)
-    K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
-    model = build_model(trained, H, C, K, device)
-    model.load_state_dict(ckpt["ema"] or ckpt["model"])
     rows = K or cfg.per_class
     n = max(rows * cfg.per_class, cfg.final_samples if cfg.eval_classifier else 0)
     sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
@@ -1043,9 +1051,9 @@ class Run:
               f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-")
               + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
-    def resume(self, layout):
-        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and return it; None
-        for a new run. Never overwrites an earlier run, nor continues one of another run_layout."""
+    def resume(self, layout, loader):
+        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart), the loader's place
+        too, and return it; None for a new run. Never overwrites an earlier run, nor continues one of another layout."""
         cfg, restarts = self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
         if found and not (cfg.resume or restarts):
@@ -1055,12 +1063,14 @@ class Run:
             die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
         if ckpt is None:
             return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
-        self.restore(ckpt)
+        with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+            saved = run_layout(ckpt["config"], ckpt["world_size"], data_info_of(ckpt))
+            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+            if diff:
+                die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
+                    f"a new --out_dir")
+            self.restore(ckpt)
+            loader.load_state(ckpt["data"])
         print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
         return ckpt
 
@@ -1070,11 +1080,13 @@ class Run:
         (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True)
         if ema:  # the EMA weights go through the model, to be sharded as it is, then aside
             set_model_state_dict(raw, ckpt["ema"], options=options)
-            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], int(ckpt["ema_t"])
         set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
         scaler.load_state_dict(ckpt["scaler"])
         guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
-        self.step, self.train_time, self.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        self.step, self.train_time, self.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
+        if not all(isinstance(h, dict) for h in self.history):
+            raise ValueError("its history is not a list of records")
         self.start()
 
     def save(self, **extra):
@@ -1193,17 +1205,35 @@ def list_checkpoints(out_dir):
 def load_checkpoint(where, before=None):
     """(checkpoint, path) of a file, or of the newest intact checkpoint in a directory (falling back past bad ones),
     optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum of
-    the zip file torch.save writes matches, so a truncated or corrupted file (a crash, a bad copy) is never used."""
+    the zip file torch.save writes matches, and it holds only tensors and plain data (weights_only), so a truncated
+    file is never used and a crafted one cannot run code. A file named on its own must load, or the run stops."""
     for _, path in reversed([c for c in ([(0, where)] if os.path.isfile(where) else list_checkpoints(where))
                              if before is None or c[0] < before]):
         try:
             bad = zipfile.ZipFile(path).testzip()
             if bad:
-                raise ValueError(f"checksum of {bad} does not match")
-            return torch.load(path, map_location="cpu", weights_only=False), path
-        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
-            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+                raise ValueError(f"the checksum of {bad} does not match")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= ckpt.keys():
+                raise ValueError("not a checkpoint of these scripts")
+            return ckpt, path
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
+            why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
+                e, pickle.UnpicklingError) else str(e).split("\n")[0] or type(e).__name__
+            if os.path.isfile(where):
+                die(f"{path} is not a usable checkpoint ({why}); pass one written by {os.path.basename(__file__)}")
+            print(f"warning: skipping checkpoint {path}, truncated or corrupt: {why}", file=sys.stderr)
     return None, None
+
+@contextlib.contextmanager
+def reading(path, fix):
+    """Any error while making sense of `path`, a file someone else may have made, stops the run with one line that
+    names it and the fix, never a traceback."""
+    try:
+        yield
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
+            pickle.UnpicklingError) as e:
+        die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
     """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
@@ -1220,7 +1250,8 @@ class Guard:
         return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
 
     def load_state(self, s):
-        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+        self.n, self.bad, (self.mean, self.var) = int(s["n"]), [int(b) for b in s["bad"]], ([float(v) for v in s[k][:2]]
+                                                                                            for k in ("mean", "var"))
 
     def clip(self, max_norm):
         """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""

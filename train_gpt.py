@@ -146,6 +146,11 @@ def run_layout(c, world_size, data_info):
             "world_size": world_size, **data_info}
 
 
+def data_info_of(ckpt):
+    """The data facts of a checkpoint's run_layout (checkpoints before 2026-11-23 kept them as vocab_real)."""
+    return ckpt.get("data_info") or {"vocab_size": ckpt["vocab_real"]}
+
+
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -421,20 +426,22 @@ def load_meta(data_dir):
     if not os.path.isdir(data_dir):
         die(f"data dir {data_dir!r} does not exist; make it with 'python prepare_data.py stdlib --data_dir={data_dir}' "
             f"(or text PATH..., shakespeare, fineweb)")
-    path = os.path.join(data_dir, "meta.json")
+    path, pkl = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
     if os.path.exists(path):
-        try:
-            with open(path) as f:
-                meta = json.load(f)
-            meta["vocab_size"], meta["eot_id"]
-        except (ValueError, KeyError) as e:
-            die(f"{path} is unreadable ({e!r}); re-run prepare_data.py for this data dir")
-    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout
+        with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+            meta = json.load(f)
+            val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
+            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0 and isinstance(meta["eot_id"], (int, type(None)))
+                    and all(isinstance(v, (int, float)) for v in [val.get("tokens", 0), val.get("bytes", 0)] + [
+                        meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]) and os.path.basename(file) == file):
+                raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
+    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout, with an optional char-level meta.pkl
         meta = {"tokenizer": "nanogpt", "vocab_size": 50304, "eot_id": None, "splits": {}}
-        pkl = os.path.join(data_dir, "meta.pkl")
-        if os.path.exists(pkl):
-            with open(pkl, "rb") as f:
-                m = pickle.load(f)
+        with reading(pkl, "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"):
+            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else {"vocab_size": 50304, "itos": None}
+            if not (isinstance(m["vocab_size"], int) and all(isinstance(i, int) and isinstance(c, str) for i, c in (
+                    m.get("itos") or {}).items())):
+                raise ValueError("vocab_size must be an integer and itos a dict of integers to strings")
             meta.update(vocab_size=m["vocab_size"], itos=m.get("itos"))
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; prepare it with 'python prepare_data.py ...'")
@@ -442,6 +449,14 @@ def load_meta(data_dir):
         if not find_shards(data_dir, split):
             die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py for it")
     return meta
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, tuples, strings, numbers, bools and None only: nanoGPT's meta.pkl. A class or function
+    that a crafted pickle asks for, which is how a pickle runs code, is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, and a meta.pkl holds only plain data: refused")
 
 
 class TokenLoader:
@@ -475,9 +490,12 @@ class TokenLoader:
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
-        self.epoch, self.shard = s["epoch"], s["shard"]
+        self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
         starts, self.ends = self.lane_bounds(self.shard)
-        self.pos, self.lane = list(s.get("pos") or starts), s.get("lane", 0)
+        self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
+        if len(self.pos) != len(starts) or not (0 <= self.lane < len(starts) and 0 <= self.shard < len(self.shards) and all(
+                0 <= p <= len(self.shards[self.shard]) for p in self.pos)):
+            raise ValueError(f"the loader position {s} does not fit these shards")
 
     def lane_bounds(self, shard):
         """([start of each lane], [end of each lane]) of a shard; small shards get fewer lanes."""
@@ -566,7 +584,9 @@ def load_tokenizer(tok):
             print(f"warning: cannot load the gpt2 tokenizer ({type(e).__name__}); samples will show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
-        ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in tok["ranks"].splitlines() if line)}
+        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in (line.split(" ") for line in tok["ranks"].splitlines())}
+        if sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks) or not isinstance(tok["pat_str"], str):
+            raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")  # tiktoken would panic
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
     elif name != "gpt2":  # unknown or unloadable tokenizer: show ids
@@ -650,10 +670,10 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     return rec
 
 
-def sample(model, meta, n_tokens, temperature, top_k, seed, prompt=""):
+def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
-    encode, decode = load_tokenizer(meta)
-    eot = meta.get("eot_id")
+    encode, decode = load_tokenizer(tok)
+    eot = tok.get("eot_id")
     ids = ([eot] if eot is not None else []) + encode(prompt)
     if not ids:
         die("empty prompt and no end-of-text token to start from; pass --prompt=TEXT")
@@ -767,7 +787,9 @@ def train(cfg, stop):
                                    lanes=B * world_size * accum, vocab_size=vocab_size, skip=skip)
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
                                  lanes=B * world_size, vocab_size=vocab_size)
-        tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
+        with reading(os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json"), "re-run prepare_data.py"):
+            tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
+            load_tokenizer(tokenizer)  # a bad tokenizer file fails now, not at the first sample
 
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
     raw = build_model(cfg, vocab_size, device)
@@ -782,9 +804,7 @@ def train(cfg, stop):
               tokens_per_step, "tok", raw.flops_per_token() * tokens_per_step)
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    ckpt = run.resume(run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}))
-    if ckpt:
-        train_loader.load_state(ckpt["data"])
+    run.resume(run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}), train_loader)
     data_state, (x, y) = train_loader.state(), train_loader.next()  # bad data stops the run before anything is written
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
@@ -862,7 +882,7 @@ def skip_data(cfg, run, ranges):
         with open(os.path.join(cfg.out_dir, "skipped.tsv"), "a") as f:
             f.writelines(f"{name}\t{a}\t{b}\n" for name, a, b in ranges)
     run.record(step=run.step, event="skipped_data", ranges=ranges)
-    print(f"step {run.step:05d} | {len(ranges)} token ranges appended to {cfg.out_dir}/skipped.tsv")
+    print(f"step {run.step:05d} | the {len(ranges)} token ranges read since are appended to {cfg.out_dir}/skipped.tsv")
 
 
 def read_skip_file(path):
@@ -881,9 +901,11 @@ def sample_main(cfg):
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
-    trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
-    model = build_model(trained, ckpt["data_info"]["vocab_size"], device)
-    model.load_state_dict(ckpt["model"])
+    with reading(path, "pass a checkpoint written by train_gpt.py"):
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        model = build_model(trained, data_info_of(ckpt)["vocab_size"], device)
+        model.load_state_dict(ckpt["model"])
+        load_tokenizer(ckpt["tokenizer"])
     ids, text = sample(model, ckpt["tokenizer"], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {ckpt['step']})\n{text}")
     return {"text": text, "ids": ids}
@@ -1100,9 +1122,9 @@ class Run:
               f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-")
               + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
-    def resume(self, layout):
-        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and return it; None
-        for a new run. Never overwrites an earlier run, nor continues one of another run_layout."""
+    def resume(self, layout, loader):
+        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart), the loader's place
+        too, and return it; None for a new run. Never overwrites an earlier run, nor continues one of another layout."""
         cfg, restarts = self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
         if found and not (cfg.resume or restarts):
@@ -1112,12 +1134,14 @@ class Run:
             die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
         if ckpt is None:
             return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
-        self.restore(ckpt)
+        with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+            saved = run_layout(ckpt["config"], ckpt["world_size"], data_info_of(ckpt))
+            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+            if diff:
+                die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
+                    f"a new --out_dir")
+            self.restore(ckpt)
+            loader.load_state(ckpt["data"])
         print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
         return ckpt
 
@@ -1127,11 +1151,13 @@ class Run:
         (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True)
         if ema:  # the EMA weights go through the model, to be sharded as it is, then aside
             set_model_state_dict(raw, ckpt["ema"], options=options)
-            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], ckpt["ema_t"]
+            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], int(ckpt["ema_t"])
         set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
         scaler.load_state_dict(ckpt["scaler"])
         guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
-        self.step, self.train_time, self.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        self.step, self.train_time, self.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
+        if not all(isinstance(h, dict) for h in self.history):
+            raise ValueError("its history is not a list of records")
         self.start()
 
     def save(self, **extra):
@@ -1250,17 +1276,35 @@ def list_checkpoints(out_dir):
 def load_checkpoint(where, before=None):
     """(checkpoint, path) of a file, or of the newest intact checkpoint in a directory (falling back past bad ones),
     optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum of
-    the zip file torch.save writes matches, so a truncated or corrupted file (a crash, a bad copy) is never used."""
+    the zip file torch.save writes matches, and it holds only tensors and plain data (weights_only), so a truncated
+    file is never used and a crafted one cannot run code. A file named on its own must load, or the run stops."""
     for _, path in reversed([c for c in ([(0, where)] if os.path.isfile(where) else list_checkpoints(where))
                              if before is None or c[0] < before]):
         try:
             bad = zipfile.ZipFile(path).testzip()
             if bad:
-                raise ValueError(f"checksum of {bad} does not match")
-            return torch.load(path, map_location="cpu", weights_only=False), path
-        except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
-            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+                raise ValueError(f"the checksum of {bad} does not match")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= ckpt.keys():
+                raise ValueError("not a checkpoint of these scripts")
+            return ckpt, path
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
+            why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
+                e, pickle.UnpicklingError) else str(e).split("\n")[0] or type(e).__name__
+            if os.path.isfile(where):
+                die(f"{path} is not a usable checkpoint ({why}); pass one written by {os.path.basename(__file__)}")
+            print(f"warning: skipping checkpoint {path}, truncated or corrupt: {why}", file=sys.stderr)
     return None, None
+
+@contextlib.contextmanager
+def reading(path, fix):
+    """Any error while making sense of `path`, a file someone else may have made, stops the run with one line that
+    names it and the fix, never a traceback."""
+    try:
+        yield
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
+            pickle.UnpicklingError) as e:
+        die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
     """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
@@ -1277,7 +1321,8 @@ class Guard:
         return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
 
     def load_state(self, s):
-        self.n, self.mean, self.var, self.bad = s["n"], list(s["mean"]), list(s["var"]), list(s["bad"])
+        self.n, self.bad, (self.mean, self.var) = int(s["n"]), [int(b) for b in s["bad"]], ([float(v) for v in s[k][:2]]
+                                                                                            for k in ("mean", "var"))
 
     def clip(self, max_norm):
         """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""

@@ -166,16 +166,20 @@ def test_loss_falls_and_run_writes_its_files(corpus, tmp_path, optimizer):
 @pytest.mark.parametrize("async_save, old_format", [(False, False), (True, False), (False, True)])
 def test_resume_is_exact(corpus, tmp_path, async_save, old_format):
     """Stop at step 6 (by keeping only that checkpoint), resume: steps 7..12 must equal the uninterrupted run's.
-    old_format: a checkpoint as written before the guards (no guard state) resumes too."""
+    old_format: a checkpoint as written before 2026-11-23 (vocab_real, rng, a .done marker) and before the guards (no
+    guard state, fewer config fields) resumes too, through weights_only loading."""
     a, b = tmp_path / "a", tmp_path / "b"
     ra = tg.main(tiny(corpus, a, max_steps=12, save_every=6, keep_last=5, optimizer="muon", async_save=async_save))
     b.mkdir()
     shutil.copy(a / "ckpt_0000006.pt", b)
     if old_format:
-        ckpt = torch.load(b / "ckpt_0000006.pt", weights_only=False)
+        ckpt = torch.load(b / "ckpt_0000006.pt", weights_only=True)
         del ckpt["guard"]
+        vocab = ckpt.pop("data_info")["vocab_size"]
+        ckpt.update(vocab_real=vocab, vocab_size=64 * math.ceil(vocab / 64), rng={"cpu": torch.get_rng_state()})
         ckpt["config"] = {k: v for k, v in ckpt["config"].items() if k in tg.ARCH_FIELDS + ("batch_size", "grad_accum")}
-        tg.write_checkpoint(tiny(corpus, b), ckpt)  # also without the config fields added since, e.g. total_batch
+        torch.save(ckpt, b / "ckpt_0000006.pt")  # also without the config fields added since, e.g. total_batch
+        (b / "ckpt_0000006.pt.done").write_text('{"size": 0, "sha256": ""}')
     rb = tg.main(tiny(corpus, b, max_steps=12, resume=True, optimizer="muon"))
     la, lb = losses(a), losses(b)
     assert sorted(lb) == list(range(7, 13))
