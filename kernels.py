@@ -8,15 +8,16 @@ kernels.py: the Triton kernels shared by the trainsuite scripts, each beside a p
 
 Each public function runs Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (read at call time),
 and PyTorch's own fused ops otherwise (F.scaled_dot_product_attention, F.rms_norm, F.cross_entropy; the linear + CE
-in chunks of plain PyTorch). kernels.use("torch") takes PyTorch's path everywhere, to compare the two in one run, and
-kernels.backend(device) names the path that runs, for log lines. Each `*_ref` is written from the math and only checks
-the others. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
+in chunks of plain PyTorch). kernels.use() picks per op: "auto" (the default) the path measured faster end to end on
+an H100, "triton" Triton wherever it runs, "torch" PyTorch's always, to compare the two in one run; backend(device)
+names the choice in force, for log lines. Each `*_ref` is written from the math and only checks the others. The
+Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
 
   python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory against PyTorch
   python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
 
 Under the interpreter, tiles are fixed and small and tl.dot is exact only for fp32/fp16 (numpy has no bf16 matmul);
-on GPU the attention tiles are autotuned per (T, head dim, causal, heads).
+on GPU the attention tiles are autotuned per (T, head dim, causal, T % 128 == 0).
 """
 import math
 import os
@@ -36,27 +37,30 @@ def _interpret():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_backend = "triton"
+_backend = "auto"
 
 
 def use(name):
-    """Pick the path: "triton" (Triton where it runs, PyTorch's fused ops elsewhere) or "torch" (PyTorch's always)."""
+    """Pick the path: "auto" (the faster of the two per op, as measured on an H100: Triton for the losses, PyTorch's
+    SDPA for attention, and for RMSNorm Triton in eager but PyTorch's op under torch.compile, where Inductor fuses it
+    with its neighbours), "triton" (Triton wherever it runs) or "torch" (PyTorch's ops always). Triton runs on CUDA,
+    or on the CPU under TRITON_INTERPRET=1; PyTorch's ops everywhere else, whatever the choice."""
     global _backend
-    if name not in ("triton", "torch"):
-        raise ValueError(f"kernels.use: backend must be 'triton' or 'torch', got {name!r}")
+    if name not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels.use: backend must be 'auto', 'triton' or 'torch', got {name!r}")
     _backend = name
 
 
 def backend(device):
-    """The path that runs for tensors on device, "triton" or "torch": Triton on CUDA, or on CPU under
-    TRITON_INTERPRET=1, unless use("torch") was called."""
+    """The choice in force for tensors on device, for log lines: "torch" where Triton cannot run, else use()'s."""
     kind = torch.device(device).type
-    on = triton is not None and _backend == "triton" and (kind == "cuda" or (kind == "cpu" and _interpret()))
-    return "triton" if on else "torch"
+    on = triton is not None and (kind == "cuda" or (kind == "cpu" and _interpret()))
+    return _backend if on else "torch"
 
 
-def _use_triton(*ts):
-    return all(backend(t.device) == "triton" for t in ts)
+def _use_triton(*ts, auto=True):
+    """Whether Triton runs for these tensors; auto is the op's choice under use("auto")."""
+    return all(backend(t.device) in ("triton", "auto" if auto else "") for t in ts)
 
 
 _interpreted = {}
@@ -83,10 +87,10 @@ def _launch(kernel, grid, *args, **meta):
         JITFunction.__call__ = call
 
 
-def _num_programs(device, n):
-    """Persistent-style program count: one per SM on GPU, a few under the interpreter."""
+def _num_programs(device, n, per_sm=1):
+    """Persistent-style program count: per_sm per SM on GPU, a few under the interpreter."""
     if device.type == "cuda":
-        return min(n, torch.cuda.get_device_properties(device).multi_processor_count)
+        return min(n, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
     return min(n, 4)
 
 
@@ -105,39 +109,48 @@ def rms_norm_ref(x, weight=None, eps=1e-6):
 
 if triton is not None:
     @triton.jit
-    def _rms_fwd_kernel(X, W, Y, RSTD, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _rms_fwd_kernel(X, W, Y, RSTD, M, N, eps, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # a tile of ROWS rows per program: narrow rows (QK-norm's head dim of 64) still give each program enough bytes
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        y = x * rstd
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(X + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        y = x * rstd[:, None]
         if HAS_W:
-            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + row, rstd)
+            y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rows < M)
 
     @triton.jit
-    def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW, M, N, rows_per_prog, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-        # each program owns a contiguous slab of rows and keeps its dweight partial in registers: (n_prog, N) in DW
-        pid = tl.program_id(0)
+    def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW, M, N, rows_per_prog, HAS_W: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        # each program owns a slab of rows, walked a tile of ROWS at a time, and keeps its dweight partial in
+        # registers: (n_prog, N) partials in DW, summed after
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+        cmask = cols < N
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_W else 1.0
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        start = pid.to(tl.int64) * rows_per_prog  # int64 row offsets: M * N may pass 2^31
-        end = tl.minimum(start + rows_per_prog, M)
-        for row in range(start, end):
-            x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
+        start = tl.program_id(0).to(tl.int64) * rows_per_prog  # int64 offsets: M * N may pass 2^31
+        for r in range(0, rows_per_prog, ROWS):
+            rows = start + r + tl.arange(0, ROWS)
+            mask = (rows[:, None] < M) & cmask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)[:, None]
             xhat = x * rstd
             g = dy * w
-            # d/dx of x*rstd: rstd * (g - xhat * mean(g * xhat))
-            dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
-            tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-        tl.store(DW + pid * N + cols, dw, mask=mask)
+            dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])  # d/dx of x*rstd, row by row
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, axis=0)
+        tl.store(DW + tl.program_id(0) * N + cols, dw, mask=cmask)
+
+
+def _rms_tile(N):
+    """(BLOCK, ROWS, num_warps): the row padded to a power of two, and rows per tile for about 4096 elements."""
+    block = triton.next_power_of_2(N)
+    return block, max(1, 4096 // block), 4 if block <= 4096 else 8 if block <= 8192 else 16
 
 
 @torch.library.custom_op("trainsuite::rms_norm", mutates_args=())
@@ -149,8 +162,9 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tu
     if M == 0:
         return y.view(x.shape), rstd
     w = weight.contiguous() if weight is not None else x2
-    _launch(_rms_fwd_kernel, (M,), x2, w, y, rstd, N, eps, HAS_W=weight is not None,
-            BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+    block, rows, warps = _rms_tile(N)
+    _launch(_rms_fwd_kernel, (triton.cdiv(M, rows),), x2, w, y, rstd, M, N, eps, HAS_W=weight is not None,
+            ROWS=rows, BLOCK=block, num_warps=warps)
     return y.view(x.shape), rstd
 
 
@@ -168,12 +182,15 @@ def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | N
     dy2 = dy.contiguous().view(-1, x.shape[-1])
     M, N = x2.shape
     dx = torch.empty_like(x2)
-    n_prog = max(1, _num_programs(x.device, M))
-    rows_per_prog = triton.cdiv(M, n_prog)
-    dw_part = torch.empty(n_prog, N, device=x.device, dtype=torch.float32)
+    block, rows, warps = _rms_tile(N)
+    tiles = triton.cdiv(M, rows)
+    n_prog = max(1, _num_programs(x.device, tiles, 4))
+    rows_per_prog = rows * triton.cdiv(tiles, n_prog)
+    n_prog = triton.cdiv(M, rows_per_prog) if M else 1
+    dw_part = torch.zeros(n_prog, N, device=x.device, dtype=torch.float32)
     w = weight.contiguous() if weight is not None else x2
     _launch(_rms_bwd_kernel, (n_prog,), dy2, x2, w, rstd, dx, dw_part, M, N, rows_per_prog,
-            HAS_W=weight is not None, BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+            HAS_W=weight is not None, ROWS=rows, BLOCK=block, num_warps=warps)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
     return dx.view(x.shape), dw
 
@@ -206,7 +223,7 @@ def _rms_torch(x, weight, eps):
 
 def rms_norm(x, weight=None, eps=1e-6):
     """RMSNorm over the last dim of x (any leading shape), optional elementwise weight."""
-    if not _use_triton(x):
+    if not _use_triton(x, auto=not torch.compiler.is_compiling()):
         return _rms_torch(x, weight, eps)
     return _rms_norm_op(x, weight, eps)[0]
 
@@ -296,10 +313,11 @@ def _ce_fwd(z, t, ignore_index, softcap, z_loss):
     return loss, lse
 
 
-def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss):
-    """dlogits (like z) for per-row upstream grads dloss (N,) fp32."""
+def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss, out=None):
+    """dlogits (like z) for per-row upstream grads dloss (N,) fp32; out=z overwrites the logits (each program reads
+    its row's logits before it writes their grads)."""
     N, V = z.shape
-    dz = torch.empty_like(z)
+    dz = torch.empty_like(z) if out is None else out
     _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, ignore_index, softcap, z_loss,
             SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
     return dz
@@ -397,30 +415,31 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
     return loss, g.to(z.dtype)
 
 
+CHUNK_LOGITS = 1 << 27  # logits per chunk of rows (256 MB in bf16): matmuls large enough to run at full speed
+
+
 def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
-    """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and fp32 dweight of sum(row_grad * loss)."""
+    """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and dweight (w's dtype) of sum(row_grad * loss).
+    Each chunk's logits become their own grads in place; dweight accumulates in place (addmm_, as Liger's kernel)."""
     N, d = x.shape
     V = w.shape[0]
-    chunk = 1 << (max(1, -(-N // -(-V // d))) - 1).bit_length()  # pow2 rows, ~N*d logits per chunk (as Liger)
+    chunk = 1 << max(0, (CHUNK_LOGITS // V).bit_length() - 1)  # a power of two of rows
     use_triton = _use_triton(x)
     loss = torch.empty(N, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if row_grad is not None else None
-    dw = torch.zeros(V, d, device=x.device, dtype=torch.float32) if row_grad is not None else None
+    dw = torch.zeros_like(w) if row_grad is not None else None
     for i in range(0, N, chunk):
         xc, tc = x[i:i + chunk], t[i:i + chunk]
         z = xc @ w.T  # (chunk, V)
         g = row_grad[i:i + chunk] if row_grad is not None else None
         if use_triton:
             loss[i:i + chunk], lse = _ce_fwd(z, tc, ignore_index, softcap, z_loss)
-            dz = _ce_bwd(z, tc, lse, g.float().contiguous(), ignore_index, softcap, z_loss) if g is not None else None
+            dz = _ce_bwd(z, tc, lse, g.contiguous(), ignore_index, softcap, z_loss, out=z) if g is not None else None
         else:
             loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g)
         if dz is not None:
             torch.mm(dz, w, out=dx[i:i + chunk])
-            if dz.dtype == dw.dtype:  # fp32: accumulate in place, no (V, d) temporary per chunk
-                dw.addmm_(dz.T, xc)
-            else:
-                dw += (dz.T @ xc).float()
+            dw.addmm_(dz.T, xc)
     return loss, dx, dw
 
 
@@ -428,23 +447,23 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float,
             z_loss: float, reduction: str, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, weight, targets = x.contiguous(), weight.contiguous(), targets.contiguous()
-    valid = targets != ignore_index
-    scale = 1.0 / max(int(valid.sum()), 1) if reduction == "mean" else 1.0
+    # the mean's divisor stays on the device: reading it on the host would stall the GPU at every step
+    count = (targets != ignore_index).sum().clamp(min=1) if reduction == "mean" else targets.new_ones(())
+    count = count.float()
     if reduction == "none" or not need_grad:  # "none": dweight needs each row's upstream grad, so backward makes it
         loss, _, _ = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, None)
-        loss = loss if reduction == "none" else loss.sum() * scale
-        return loss.to(x.dtype), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    row_grad = torch.full_like(targets, scale, dtype=torch.float32)
-    loss, dx, dw = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, row_grad)
-    return (loss.sum() * scale).to(x.dtype), dx, dw
+        loss = loss if reduction == "none" else loss.sum() / count
+        return loss.to(x.dtype), x.new_empty(0), weight.new_empty(0)
+    loss, dx, dw = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, count.reciprocal().expand(len(x)))
+    return (loss.sum() / count).to(x.dtype), dx, dw
 
 
 @_lce_op.register_fake
 def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad):
     loss = x.new_empty(x.shape[0] if reduction == "none" else ())
     if reduction == "none" or not need_grad:
-        return loss, x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    return loss, x.new_empty(x.shape), weight.new_empty(weight.shape, dtype=torch.float32)
+        return loss, x.new_empty(0), weight.new_empty(0)
+    return loss, x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 @torch.library.custom_op("trainsuite::linear_cross_entropy_bwd", mutates_args=())
@@ -452,7 +471,7 @@ def _lce_bwd_op(dloss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, targ
                 ignore_index: int, softcap: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
     _, dx, dw = _lce_chunks(x.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, softcap,
                             z_loss, dloss.float().contiguous())
-    return dx, dw.to(weight.dtype)
+    return dx, dw
 
 
 @_lce_bwd_op.register_fake
@@ -474,14 +493,19 @@ def _lce_backward(ctx, dloss, ddx, ddw):
         dx, dw = _lce_bwd_op(dloss.contiguous(), x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss)
         return dx, dw, None, None, None, None, None, None
     dx, dw, weight = ctx.saved_tensors
-    return dx * dloss.to(dx.dtype), (dw * dloss.float()).to(weight.dtype), None, None, None, None, None, None
+    return dx * dloss.to(dx.dtype), dw * dloss.to(dw.dtype), None, None, None, None, None, None
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
+SMALL_LOGITS = 1 << 24  # below this many logits, PyTorch's path makes them whole: the chunks would only cost time
+
+
 def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
     """cross_entropy(x @ weight.T, targets, ...) without materialising the (N, V) logits; grads made in forward."""
+    if not _use_triton(x) and x.shape[0] * weight.shape[0] <= SMALL_LOGITS:
+        return _ce_torch(x @ weight.T, targets, ignore_index, softcap, z_loss, reduction)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # eval: loss only
     return _lce_op(x, weight, targets, ignore_index, float(softcap or 0.0), float(z_loss), reduction, need_grad)[0]
 
@@ -501,131 +525,194 @@ def attention_ref(q, k, v, causal=True, scale=None):
     return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
 
 
-def _attn_autotune(fn):
-    """A few tile shapes on GPU (the interpreter bypasses the autotuner and takes _attn_meta's blocks)."""
-    cfgs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
-            for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 2)]]
-    return triton.autotune(cfgs, key=["T", "BLOCK_D", "CAUSAL", "Hq", "G"])(triton.jit(fn))
+def _attn_autotune(configs):
+    """Tile shapes to try on GPU, (BLOCK_M, BLOCK_N, warps, stages); the interpreter bypasses the autotuner and takes
+    _attn_meta's blocks. Every block divides 128, so EVEN_T (T % 128 == 0) means no tile crosses the end."""
+    cfgs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s) for m, n, w, s in configs]
+    return lambda fn: triton.autotune(cfgs, key=["T", "BLOCK_D", "CAUSAL", "EVEN_T"])(triton.jit(fn))
 
+
+# forward and dq walk keys for a block of queries (BLOCK_M a multiple of BLOCK_N); dk/dv walk queries for a block of
+# keys (BLOCK_N a multiple of BLOCK_M), so each diagonal tile starts where a block starts
+_ROWS_CFGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)]
+_COLS_CFGS = [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)]
 
 if triton is not None:
-    @_attn_autotune
-    def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        # one program per (block of BLOCK_M queries, batch * q head); q head h reads kv head h // G
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
-        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)  # head dim padded to a power of two, masked past D
-        dmask = offs_d[None, :] < D
-        qmask = (offs_m[:, None] < T) & dmask
-        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-        Kb, Vb = K + bkv * T * D, V + bkv * T * D
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        hi = tl.minimum((start_m + 1) * BLOCK_M, T) if CAUSAL else T  # causal: skip blocks above the diagonal
-        for start_n in range(0, hi, BLOCK_N):
-            cols = start_n + offs_n
-            kvmask = (cols[:, None] < T) & dmask
-            k = tl.load(Kb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(Vb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+    @triton.jit
+    def _attn_tile(base, rows, offs_d, T, D, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+        """The (rows, BLOCK_D) tile of a (T, D) matrix: masked past T only if MASK, past D only if not EVEN_D."""
+        ptrs = base + rows[:, None] * D + offs_d[None, :]
+        if MASK:
+            x = tl.load(ptrs, mask=(rows[:, None] < T) & (offs_d[None, :] < D), other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+        return x
+
+    @triton.jit
+    def _attn_keep(rows, cols, T, CAUSAL: tl.constexpr):
+        """Which scores count: keys inside T and (causal) none after its query. Rows past T load zeros and are never
+        stored, so they need no mask."""
+        keep = cols[None, :] < T
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None])
+        return keep
+
+    @triton.jit
+    def _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, lo, hi, qk_scale, T, D, CAUSAL: tl.constexpr,
+                        MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        # the online softmax over key blocks lo..hi; only tiles that touch the diagonal or the end need MASK
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _attn_tile(Kb, cols, offs_d, T, D, MASK, EVEN_D)
+            v = _attn_tile(Vb, cols, offs_d, T, D, MASK, EVEN_D)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-            keep = cols[None, :] < T
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
+            if MASK:
+                s = tl.where(_attn_keep(offs_m, cols, T, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: column 0 is in the first block of every row
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        return acc, l_i, m_i
+
+    @_attn_autotune(_ROWS_CFGS)
+    def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, D, Hq, G, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                         EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program per (block of BLOCK_M queries, batch * q head); q head h reads kv head h // G
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)  # head dim padded to a power of two, masked past D
+        q = _attn_tile(Q + bh * T * D, offs_m, offs_d, T, D, True, EVEN_D)
+        Kb, Vb = K + bkv * T * D, V + bkv * T * D
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        if CAUSAL:  # key blocks wholly before this query block need no mask; the diagonal ones do; later ones are skipped
+            diag = start_m * BLOCK_M
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, 0, diag, qk_scale, T, D,
+                                            CAUSAL, False, EVEN_D, BLOCK_N)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, diag,
+                                            tl.minimum(diag + BLOCK_M, T), qk_scale, T, D, CAUSAL, True, EVEN_D, BLOCK_N)
+        else:
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, 0, T, qk_scale, T, D,
+                                            CAUSAL, not EVEN_T, EVEN_D, BLOCK_N)
         acc = acc / l_i[:, None]
         rmask = offs_m < T
         tl.store(O + bh * T * D + offs_m[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty),
-                 mask=rmask[:, None] & dmask)
+                 mask=rmask[:, None] & (offs_d[None, :] < D))
         tl.store(LSE + bh * T + offs_m, m_i + tl.log2(l_i), mask=rmask)  # base-2 logsumexp of the scaled scores
 
-    @_attn_autotune
+    @triton.jit
+    def _attn_dkdv_inner(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, offs_n, offs_d, lo, hi, qk_scale, T, D,
+                         CAUSAL: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        for start_m in range(lo, hi, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q = _attn_tile(Qb, rows, offs_d, T, D, MASK, EVEN_D)
+            do = _attn_tile(DOb, rows, offs_d, T, D, MASK, EVEN_D)
+            if MASK:
+                lse = tl.load(LSEb + rows, mask=rows < T, other=0.0)
+                delta = tl.load(DELTAb + rows, mask=rows < T, other=0.0)
+            else:
+                lse = tl.load(LSEb + rows)
+                delta = tl.load(DELTAb + rows)
+            sT = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): scores transposed
+            if MASK:  # _attn_keep's mask, transposed
+                keep = offs_n[:, None] < T
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= rows[None, :])
+                sT = tl.where(keep, sT, float("-inf"))
+            pT = tl.exp2(sT - lse[None, :])
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])  # softmax backward: p * (dp - rowsum(p * dp))
+            dk += tl.dot(dsT.to(q.dtype), q)
+        return dk, dv
+
+    @_attn_autotune(_COLS_CFGS)
     def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        # one program per (block of BLOCK_N keys, batch * q head): dk, dv of this q head, summed over the group later
+                              EVEN_T: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+        # one program per (block of BLOCK_N keys, batch * kv head): dk, dv summed over the G q heads that share it
         start_n = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
+        bkv = tl.program_id(1).to(tl.int64)
+        Hkv = Hq // G
         offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d[None, :] < D
-        kvmask = (offs_n[:, None] < T) & dmask
-        k = tl.load(K + bkv * T * D + offs_n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(V + bkv * T * D + offs_n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+        k = _attn_tile(K + bkv * T * D, offs_n, offs_d, T, D, True, EVEN_D)
+        v = _attn_tile(V + bkv * T * D, offs_n, offs_d, T, D, True, EVEN_D)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-        Qb, DOb = Q + bh * T * D, DO + bh * T * D
-        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries never see this block
-        for start_m in range(lo, T, BLOCK_M):
-            rows = start_m + offs_m
-            qmask = (rows[:, None] < T) & dmask
-            q = tl.load(Qb + rows[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-            do = tl.load(DOb + rows[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-            lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-            delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
-            sT = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M)
-            keep = (rows[None, :] < T) & (offs_n[:, None] < T)
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= rows[None, :])
-            pT = tl.exp2(tl.where(keep, sT, float("-inf")) - lse[None, :])
-            dv += tl.dot(pT.to(do.dtype), do)
-            dpT = tl.dot(v, tl.trans(do))
-            dsT = pT * (dpT - delta[None, :])  # softmax backward: p * (dp - rowsum(p * dp))
-            dk += tl.dot(dsT.to(q.dtype), q)
-        out = bh * T * D + offs_n[:, None] * D + offs_d[None, :]
-        tl.store(DK + out, dk * sm_scale, mask=kvmask)
-        tl.store(DV + out, dv, mask=kvmask)
+        for g in range(G):
+            bh = (bkv // Hkv) * Hq + (bkv % Hkv) * G + g
+            Qb, DOb, LSEb, DELTAb = Q + bh * T * D, DO + bh * T * D, LSE + bh * T, DELTA + bh * T
+            if CAUSAL:  # queries before this key block never see it; the diagonal tiles need the mask
+                diag = start_n * BLOCK_N
+                dk, dv = _attn_dkdv_inner(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, offs_n, offs_d, diag,
+                                          tl.minimum(diag + BLOCK_N, T), qk_scale, T, D, CAUSAL, True, EVEN_D, BLOCK_M)
+                dk, dv = _attn_dkdv_inner(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, offs_n, offs_d, diag + BLOCK_N, T,
+                                          qk_scale, T, D, CAUSAL, not EVEN_T, EVEN_D, BLOCK_M)
+            else:
+                dk, dv = _attn_dkdv_inner(dk, dv, k, v, Qb, DOb, LSEb, DELTAb, offs_n, offs_d, 0, T, qk_scale, T, D,
+                                          CAUSAL, not EVEN_T, EVEN_D, BLOCK_M)
+        out = bkv * T * D + offs_n[:, None] * D + offs_d[None, :]
+        omask = (offs_n[:, None] < T) & (offs_d[None, :] < D)
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=omask)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=omask)
 
-    @_attn_autotune
+    @triton.jit
+    def _attn_dq_inner(dq, q, do, lse, delta, Kb, Vb, offs_m, offs_d, lo, hi, qk_scale, T, D, CAUSAL: tl.constexpr,
+                       MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            k = _attn_tile(Kb, cols, offs_d, T, D, MASK, EVEN_D)
+            v = _attn_tile(Vb, cols, offs_d, T, D, MASK, EVEN_D)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            if MASK:
+                s = tl.where(_attn_keep(offs_m, cols, T, CAUSAL), s, float("-inf"))
+            p = tl.exp2(s - lse[:, None])
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        return dq
+
+    @_attn_autotune(_ROWS_CFGS)
     def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, T, D, Hq, G, CAUSAL: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                            EVEN_T: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
         # one program per (block of BLOCK_M queries, batch * q head), recomputing p from the saved logsumexp
         start_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         bkv = (bh // Hq) * (Hq // G) + (bh % Hq) // G
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d[None, :] < D
-        qmask = (offs_m[:, None] < T) & dmask
-        q = tl.load(Q + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + bh * T * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+        q = _attn_tile(Q + bh * T * D, offs_m, offs_d, T, D, True, EVEN_D)
+        do = _attn_tile(DO + bh * T * D, offs_m, offs_d, T, D, True, EVEN_D)
         lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
         delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
         Kb, Vb = K + bkv * T * D, V + bkv * T * D
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        hi = tl.minimum((start_m + 1) * BLOCK_M, T) if CAUSAL else T
-        for start_n in range(0, hi, BLOCK_N):
-            cols = start_n + offs_n
-            kvmask = (cols[:, None] < T) & dmask
-            k = tl.load(Kb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(Vb + cols[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            keep = (cols[None, :] < T) & (offs_m[:, None] < T)
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None])
-            p = tl.exp2(tl.where(keep, s, float("-inf")) - lse[:, None])
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], dq * sm_scale, mask=qmask)
+        if CAUSAL:
+            diag = start_m * BLOCK_M
+            dq = _attn_dq_inner(dq, q, do, lse, delta, Kb, Vb, offs_m, offs_d, 0, diag, qk_scale, T, D, CAUSAL,
+                                False, EVEN_D, BLOCK_N)
+            dq = _attn_dq_inner(dq, q, do, lse, delta, Kb, Vb, offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, T),
+                                qk_scale, T, D, CAUSAL, True, EVEN_D, BLOCK_N)
+        else:
+            dq = _attn_dq_inner(dq, q, do, lse, delta, Kb, Vb, offs_m, offs_d, 0, T, qk_scale, T, D, CAUSAL,
+                                not EVEN_T, EVEN_D, BLOCK_N)
+        tl.store(DQ + bh * T * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < T) & (offs_d[None, :] < D))
 
 
-def _attn_meta(D):
-    """Head dim padded to a power of two; tile sizes come from the autotuner, except under the interpreter."""
+def _attn_meta(T, D):
+    """Head dim padded to a power of two and the evenness flags; tile sizes come from the autotuner, except under
+    the interpreter."""
     bd = max(16, triton.next_power_of_2(D))
-    return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=bd) if _interpret() else dict(BLOCK_D=bd)
+    meta = dict(BLOCK_D=bd, EVEN_T=T % 128 == 0, EVEN_D=bd == D)
+    return dict(meta, BLOCK_M=16, BLOCK_N=16) if _interpret() else meta
 
 
 @torch.library.custom_op("trainsuite::attention", mutates_args=())
@@ -635,10 +722,9 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     B, Hq, T, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)  # base 2
-    meta = _attn_meta(D)
     grid = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq)
     _launch(_attn_fwd_kernel, grid, q, k, v, o, lse, scale * 1.4426950408889634, T, D, Hq, Hq // k.shape[1],
-            CAUSAL=causal, **meta)
+            CAUSAL=causal, **_attn_meta(T, D))
     return o, lse
 
 
@@ -654,19 +740,15 @@ def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     delta = (o.float() * do.float()).sum(-1).contiguous()  # (B, Hq, T): rowsum(p * dp) = rowsum(o * do)
-    dq = torch.empty(B, Hq, T, D, device=q.device, dtype=torch.float32)
-    dk = torch.empty_like(dq)  # per q head; GQA sums each group below
-    dv = torch.empty_like(dq)
-    meta = _attn_meta(D)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # in the inputs' dtype
+    meta = _attn_meta(T, D)
     args = (q, k, v, do, lse, delta)
     consts = (scale * 1.4426950408889634, scale, T, D, Hq, Hq // Hkv)
-    _launch(_attn_bwd_dkdv_kernel, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * Hq), *args, dk, dv, *consts,
+    _launch(_attn_bwd_dkdv_kernel, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * Hkv), *args, dk, dv, *consts,
             CAUSAL=causal, **meta)
     _launch(_attn_bwd_dq_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq), *args, dq, *consts,
             CAUSAL=causal, **meta)
-    dk = dk.view(B, Hkv, Hq // Hkv, T, D).sum(2)
-    dv = dv.view(B, Hkv, Hq // Hkv, T, D).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 @_attn_bwd_op.register_fake
@@ -700,7 +782,7 @@ def _attn_torch(q, k, v, causal, scale):
 
 def attention(q, k, v, causal=True, scale=None):
     """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
-    if not _use_triton(q, k, v) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: PyTorch's
+    if not _use_triton(q, k, v, auto=False) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: PyTorch's
         return _attn_torch(q, k, v, causal, scale)
     return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
 
@@ -743,7 +825,7 @@ def bench():
     print("attention           B  H     T    D causal |  ours fwd  sdpa fwd | ours f+b  sdpa f+b  (TFLOP/s)")
     sdpa = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
     for D in (64, 128):
-        for T in (1024, 2048, 4096, 8192, 16384):
+        for T in (1024, 4096, 16384):
             B, H = max(1, 16384 // T), 2048 // D
             q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
             for causal in (False, True):
@@ -753,28 +835,33 @@ def bench():
                 print(f"{'':18}{B:3d}{H:3d}{T:6d}{D:5d} {causal!s:>6} | "
                       f"{r[0]:8.0f}  {r[1]:8.0f} | {r[2]:8.0f}  {r[3]:8.0f}")
     peak = _peak_bw(name)
-    print("rms_norm         rows  width |  ours  eager  compiled  (GB/s, % of peak)")
-    compiled = torch.compile(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6))
-    for N in (768, 2048, 4096, 8192):
-        x, w = torch.randn(16384, N, device=dev, dtype=dt), torch.randn(N, device=dev, dtype=dt)
-        fns = (lambda: rms_norm(x, w), lambda: F.rms_norm(x, (N,), w, 1e-6), lambda: compiled(x, w))
-        gbs = [2 * x.numel() * x.element_size() / timed(f)[0] / 1e6 for f in fns]
+    print("rms_norm fwd+bwd   rows  width |  ours  eager  compiled  (GB/s: x, y, dy, dx once each; % of peak)")
+    ref = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    compiled = torch.compile(ref)
+    for M, N in ((393216, 64), (16384, 768), (16384, 2048), (16384, 4096), (16384, 8192)):  # QK-norm, then widths
+        x = torch.randn(M, N, device=dev, dtype=dt, requires_grad=True)
+        w, dy = torch.randn(N, device=dev, dtype=dt, requires_grad=True), torch.randn(M, N, device=dev, dtype=dt)
+        gbs = [4 * x.numel() * x.element_size() / timed(lambda: f(x, w).backward(dy))[0] / 1e6
+               for f in (rms_norm, ref, compiled)]
         pct = [f"{g:6.0f} ({100 * g * 1e9 / peak:3.0f}%)" if peak else f"{g:6.0f}" for g in gbs]
-        print(f"{'':14}{16384:6d}{N:7d} | " + "  ".join(pct))
-    print("losses, fwd+bwd    N       V |  ours ms   GiB | eager ms   GiB | compiled ms  GiB")
+        print(f"{'':14}{M:8d}{N:7d} | " + "  ".join(pct))
+        x.grad = w.grad = None
+    print("losses, fwd+bwd     N     d       V |  ours ms   GiB | eager ms   GiB | compiled ms  GiB"
+          + (" | F.linear_cross_entropy" if hasattr(F, "linear_cross_entropy") else ""))
     ce_c = torch.compile(F.cross_entropy)
     lce_eager = lambda x, W, t: F.cross_entropy(x @ W.T, t)
     lce_c = torch.compile(lce_eager)
-    for V in (50304, 128256):
-        N, d = 8192, 2048
+    for N, d, V in ((8192, 2048, 50304), (8192, 2048, 128256), (32768, 768, 50304)):  # the last: GPT-2 124M's step
         z = torch.randn(N, V, device=dev, dtype=dt, requires_grad=True)
         t = torch.randint(0, V, (N,), device=dev)
         x = torch.randn(N, d, device=dev, dtype=dt, requires_grad=True)
         W = (torch.randn(V, d, device=dev, dtype=dt) / 40).requires_grad_()
+        lce_fns = (linear_cross_entropy, lce_eager, lce_c) + ((F.linear_cross_entropy,) if hasattr(
+            F, "linear_cross_entropy") else ())
         for label, fns, args in (("cross_entropy", (cross_entropy, F.cross_entropy, ce_c), (z, t)),
-                                 ("linear_ce", (linear_cross_entropy, lce_eager, lce_c), (x, W, t))):
+                                 ("linear_ce", lce_fns, (x, W, t))):
             r = [timed(lambda: fwd_bwd(f, *args)) for f in fns]
-            print(f"{label:14}{N:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
+            print(f"{label:14}{N:6d}{d:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
             z.grad = x.grad = W.grad = None
         del z
     return 0

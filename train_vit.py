@@ -118,6 +118,8 @@ class Config:
     seed: int = 1337                   # init, data order, augmentation
     benchmark: bool = False            # time steps on synthetic images and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
+    profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
+    kernels: str = "auto"              # auto|triton|torch: per op the faster (kernels.use), Triton, or PyTorch's
     # prediction
     predict: str = ""                  # an image file or a folder of them: print class probabilities and exit
     ckpt: str = ""                     # checkpoint file or directory for --predict; empty = out_dir
@@ -621,7 +623,7 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = cfg.bench_steps + 5 if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, ema), max_steps, time_budget,
               images_per_step, "img", raw.flops_per_image() * images_per_step)
@@ -632,7 +634,7 @@ def train(cfg, stop):
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes | "
           f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
           f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
-          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | {cfg.optimizer} "
+          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} "
           f"lr {cfg.lr:g}")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
@@ -843,6 +845,7 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     """(model, compiled): raw compiled, then in DDP, or sharded by FSDP2 a block at a time (each block compiled before
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
@@ -884,6 +887,7 @@ class Run:
         self.mfu = lambda dt: flops / dt / peak if peak else None  # model FLOPs utilisation, dt seconds per step
         self.step, self.train_time, self.history, self.stopped, self.signal = 0, 0.0, [], False, None
         self.tries, self.writer, self.error, self.bench0, self.wall0 = {}, None, None, 0.0, time.perf_counter()
+        self.bench1, self.profiler = None, None
         self.files, self.wandb = rank == 0 and not cfg.benchmark, None  # rank 0 writes; a benchmark writes nothing
         self.start()
 
@@ -912,6 +916,10 @@ class Run:
         if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
             self.bench0 = self.train_time
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
+        if self.cfg.profile and self.step == 4 + self.cfg.bench_steps:  # timed steps done: profile 3 more
+            self.bench1, self.profiler = self.train_time, torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (self.device.type == "cuda"))
+            self.profiler.start()
         return loss, gnorm
 
     @contextlib.contextmanager
@@ -1061,7 +1069,9 @@ class Run:
         if self.cfg.benchmark:
             if self.stopped:
                 die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
-            dt = (self.train_time - self.bench0) / self.cfg.bench_steps
+            dt = ((self.bench1 or self.train_time) - self.bench0) / self.cfg.bench_steps
+            if self.profiler:
+                self.profile()
             result.update({f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.mfu(dt)})
             what = (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
                     f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if result["mfu"] else "-")
@@ -1083,6 +1093,16 @@ class Run:
         if dist.is_initialized():
             dist.destroy_process_group()
         return result
+
+    def profile(self):
+        """--profile: stop the profiler, write its Chrome trace (chrome://tracing, ui.perfetto.dev) and print the top ops."""
+        self.profiler.stop()
+        if self.master:
+            os.makedirs(self.cfg.out_dir, exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(self.cfg.out_dir, "trace.json"))
+            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+            print(f"profile of 3 steps: {self.cfg.out_dir}/trace.json")
 
 def write_checkpoint(cfg, ckpt, run=None):
     """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent; then the older ones are

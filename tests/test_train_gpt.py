@@ -209,6 +209,16 @@ def test_benchmark_needs_no_data(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_benchmark_profile(tmp_path, capsys):
+    """--profile: 3 more steps under torch.profiler, a Chrome trace in out_dir and the top ops printed; the timed
+    steps stay the same."""
+    r = tg.main(tg.Config(**{**TINY, "benchmark": True, "bench_steps": 2, "profile": True, "out_dir": str(tmp_path)}))
+    assert r["steps"] == 2 + 5 + 3 and r["ms_per_step"] > 0
+    with open(tmp_path / "trace.json") as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
+    assert "Self CPU time total" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_compile_on_cpu(corpus, tmp_path):
     r = tg.main(tiny(corpus, tmp_path / "c", max_steps=2, compile="true"))
