@@ -781,10 +781,11 @@ def parse_args(cls, argv):
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], usage="%(prog)s [--key=value ...]",
                                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
+    comments = field_comments(cls)  # once: it parses the file (0.1 s), which per field made each start take seconds
     for f in dataclasses.fields(cls):
         b = f.type is bool
         p.add_argument(f"--{f.name}", type=to_bool if b else f.type, nargs="?" if b else None, const=True if b else None,
-                       metavar=f.name.upper(), help=f"{field_comments(cls).get(f.name, '')} (default: {f.default!r})")
+                       metavar=f.name.upper(), help=f"{comments.get(f.name, '')} (default: {f.default!r})")
     args, unknown = p.parse_known_args(argv)
     for u in unknown:
         near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), names, n=1)
