@@ -6,7 +6,7 @@ scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compu
   python scaling.py plan --flops=1e14           # compute-optimal N, D, loss and batch size for a budget
   python scaling.py coord_check                 # muP: activation size against width, flat under muP (a plot)
   python scaling.py lr_transfer                 # loss against LR at several widths, standard vs muP (a plot)
-  python scaling.py sweep --flops=1e12,1e13 --sizes=7 --optimizer=muon   # any train_gpt.py flag passes through
+  python scaling.py sweep --flops=1e12,1e13 --sizes=7 --optimizer=adamw  # any train_gpt.py flag passes through
 
 `sweep` runs train_gpt.py in this process, once per (N, D), each in its own out_dir, and appends a row to a TSV as
 each run ends; run the same command again and it goes on where it stopped. N counts the parameters that do a matmul

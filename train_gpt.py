@@ -1,9 +1,9 @@
 """
 train_gpt.py: a modern GPT, trained from scratch, in one file you can read top to bottom.
 
-A decoder-only transformer (RoPE, RMSNorm pre-norm, QK-norm, SwiGLU, GQA, zero-init output projections) trained
-on token shards from prepare_data.py with AdamW or Muon, warmup + cosine/WSD, bf16/fp16 mixed precision,
-torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
+A decoder-only transformer (RoPE, LayerNorm pre-norm, QK-norm, SwiGLU, GQA, zero-init output projections) trained
+on token shards from prepare_data.py with Muon + AdamW (or AdamW alone), warmup + cosine/WSD, bf16/fp16 mixed
+precision, torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
 
   python train_gpt.py                                  # CPU demo: prepares the stdlib corpus, trains for ~4 min
   python train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
@@ -61,8 +61,8 @@ class Config:
     seq_len: int = 128                 # context length in tokens
     vocab_size: int = 0                # tokens in the vocabulary; 0 = the data's (meta.json)
     mlp: str = "swiglu"                # swiglu|relu2|gelu
-    norm: str = "rmsnorm"              # rmsnorm|layernorm (pre-norm either way)
-    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    norm: str = "layernorm"            # layernorm|rmsnorm, pre-norm (as good as RMSNorm, and faster on CPU)
+    qk_norm: bool = True               # --norm on queries and keys, bounds the attention logits
     tie_embeddings: bool = False       # share the input embedding with the output head
     logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
     rope_base: float = 10000.0         # RoPE theta
@@ -77,8 +77,9 @@ class Config:
     grad_accum: int = 1                # micro-steps per optimizer step
     total_batch: int = 0               # tokens per optimizer step over all ranks; sets grad_accum; 0 = use grad_accum
     # optimizer and schedule
-    optimizer: str = "adamw"           # adamw|muon (Muon on 2-D hidden matrices, AdamW on the rest)
+    optimizer: str = "muon"            # muon|adamw (Muon on 2-D hidden matrices, AdamW on the rest)
     lr: float = 4e-3                   # peak LR; Muon's update RMS is matched to AdamW's, so one LR serves both
+    embed_lr: float = 0.0              # AdamW LR of the input embedding; 0 = lr (4e-2 wins on BPE data, loses on bytes)
     weight_decay: float = 0.1          # decoupled, on 2-D hidden matrices only
     beta1: float = 0.9                 # AdamW
     beta2: float = 0.95                # AdamW
@@ -131,10 +132,12 @@ PRESETS = {
     "cpu_demo": {},  # the defaults: 0.9M parameters, 240 s of training on a 2-core CPU
     "gpt2_124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, batch_size=32, total_batch=1 << 19,
                       data_dir="data/fineweb10B", out_dir="out/gpt2_124m", time_budget=0.0, tokens="auto",
-                      lr=6e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
+                      lr=6e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
+                      optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
     "gpt2_350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024, batch_size=16, total_batch=1 << 19,
                       data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
-                      lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000),
+                      lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
+                      optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm",
                "tie_embeddings", "logit_softcap", "rope_base", "mup", "base_width")
@@ -167,8 +170,9 @@ def check_config(cfg):
     for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
         if getattr(cfg, k) < 1:
             die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
-        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
+            or not 0 < cfg.cooldown_frac <= 1):
+        die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch, cfg.sharpness_every) < 0:
         die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after, --total_batch and --sharpness_every must be >= 0")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
@@ -184,7 +188,7 @@ def check_config(cfg):
 
 
 class Norm(nn.Module):
-    """RMSNorm (default) or bias-free LayerNorm over the last dim, with a learnable gain."""
+    """Bias-free LayerNorm (default) or RMSNorm over the last dim, with a learnable gain."""
 
     def __init__(self, dim, kind="rmsnorm", eps=1e-6):
         super().__init__()
@@ -238,8 +242,8 @@ class Attention(nn.Module):
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
         self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)
         self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=False)
-        self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
-        self.k_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+        self.q_norm = Norm(self.hd, cfg.norm) if cfg.qk_norm else nn.Identity()
+        self.k_norm = Norm(self.hd, cfg.norm) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
@@ -609,24 +613,57 @@ def tokenizer_info(data_dir, meta):
 # Optimizer and schedule
 
 
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
+    iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw" (the same state), except that the iterations run in
+    ns_dtype: bf16 on GPUs, fp32 on a CPU, where bf16 matmuls are slow."""
+
+    def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                x = p.grad.lerp(buf, group["momentum"]).to(self.ns_dtype)  # Nesterov
+                tall = p.size(0) > p.size(1)
+                x = x.T if tall else x  # the Gram matrix x x^T is the smaller square
+                x = x / x.norm().clamp(min=1e-7)  # spectral norm <= Frobenius norm <= 1
+                for _ in range(5):  # a quintic tuned to push singular values near 1 fast, not to converge exactly
+                    gram = x @ x.T
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
+                x = x.T if tall else x
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(x.to(p.dtype), alpha=-group["lr"] * 0.2 * math.sqrt(max(p.shape)))
+
+
 def build_optimizers(cfg, raw, device):
-    """AdamW (betas 0.9/0.95, no decay on embeddings, head and gains); with --optimizer=muon, Muon on hidden matrices."""
-    hidden = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in raw.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
+    embedding at --embed_lr; weight decay on the hidden matrices only."""
+    named = dict(raw.named_parameters())
+    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
+    # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
+    # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
+    own = cfg.embed_lr > 0 and not cfg.tie_embeddings
+    rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
+    embed = [dict(params=[named["wte.weight"]], lr=cfg.embed_lr, weight_decay=0.0)] if own else []
     fused = device.type == "cuda"
     if cfg.optimizer == "muon":
-        # Newton-Schulz orthogonalised momentum (Jordan et al. 2024); "match_rms_adamw" scales each update to
-        # AdamW's RMS, 0.2 * sqrt(max(fan_in, fan_out)), so the LR grows with width and one LR serves both (Moonlight)
         # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
-        muon = torch.optim.Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
-                                adjust_lr_fn="match_rms_adamw")
-        adam = torch.optim.AdamW(rest, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0, fused=fused)
+        muon = Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
+                    ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        adam = torch.optim.AdamW([dict(params=rest), *embed], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 weight_decay=0.0, fused=fused)
         opts = [muon, adam]
     else:
         # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
         # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
         groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
-                  dict(params=rest, weight_decay=0.0)]
+                  dict(params=rest, weight_decay=0.0), *embed]
         opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
     for opt in opts:
         for g in opt.param_groups:

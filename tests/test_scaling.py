@@ -120,7 +120,7 @@ def test_mup_at_base_width_is_the_standard_model():
     x = torch.randint(0, 257, (2, 17))
     losses = []
     for mup in (False, True):
-        cfg = tg.Config(**kw, mup=mup, base_width=64)
+        cfg = tg.Config(**kw, mup=mup, base_width=64, optimizer="adamw")
         model = tg.build_model(cfg, 320, torch.device("cpu"))
         opt, = tg.build_optimizers(cfg, model, torch.device("cpu"))
         for _ in range(3):
@@ -166,8 +166,9 @@ def test_coord_check_flat_under_mup_drifts_under_standard(tmp_path):
 
 def test_sweep_fit_plan_end_to_end_with_resume(corpus, tmp_path, capsys):
     out = str(tmp_path / "sc")
+    # the recipe the fit's residual bound was set on: with Muon + LayerNorm these 6 tiny runs fit to 0.095
     flags = ["sweep", "--models=1x16,1x32,2x32", "--tokens=8e3,2.4e4", f"--out_dir={out}", f"--data_dir={corpus}",
-             "--batch_size=4", "--seq_len=32", "--warmup_steps=5"]
+             "--batch_size=4", "--seq_len=32", "--warmup_steps=5", "--optimizer=adamw", "--norm=rmsnorm"]
     with faults.inject(sc.tg, "sigterm@10"):  # a signal in the first run: it saves and the sweep stops
         sc.main(flags)
     assert "stopped at step 10" in capsys.readouterr().out
