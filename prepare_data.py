@@ -22,7 +22,8 @@ Images, for train_vit.py:
 
 An image data dir holds train_images.npy and val_images.npy, uint8 (N, H, W, C), train_labels.npy and
 val_labels.npy, int64 (N,), and meta.json, written last: format "trainsuite-image-1", classes, num_classes,
-image_size [H, W], channels, mean and std per channel (of the train pixels in [0, 1]), splits.
+image_size [H, W], channels, mean and std per channel (of the train pixels in [0, 1]), splits, and flip_ok (is a
+mirror image still a sample of its class: the trainers flip only then; --flip_ok says so for imagefolder).
 """
 import argparse
 import base64
@@ -607,9 +608,10 @@ def source_imagefolder(args):
     return splits, classes
 
 
-def write_images(data_dir, splits, classes, source):
+def write_images(data_dir, splits, classes, source, flip_ok=True):
     """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
-    (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict."""
+    (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict.
+    flip_ok: whether a mirror image is still a sample of its class; the trainers flip only then."""
     data_dir = Path(data_dir)
     shapes = {x.shape[1:] for x, _ in splits.values()}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
@@ -624,7 +626,7 @@ def write_images(data_dir, splits, classes, source):
     meta = dict(format="trainsuite-image-1", source=source, classes=list(classes), num_classes=len(classes),
                 image_size=list(train.shape[1:3]), channels=int(train.shape[3]),
                 mean=pix.mean(0).round(4).tolist(), std=pix.std(0).round(4).tolist(),
-                splits={s: {"images": len(x)} for s, (x, _) in splits.items()})
+                splits={s: {"images": len(x)} for s, (x, _) in splits.items()}, flip_ok=bool(flip_ok))
     data_dir.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
     try:
@@ -640,14 +642,24 @@ def write_images(data_dir, splits, classes, source):
     return meta
 
 
+# Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is
+# not a 2); your own folders: no unless --flip_ok, since letters, text and anything with a handedness are common there
+FLIP_OK = {"shapes": True, "cifar10": True, "cifar100": True, "fashion_mnist": True, "mnist": False}
+
+
 def prepare_images(args):
     """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
     t0 = time.time()
     splits, classes = args.source(args)
-    meta = write_images(args.data_dir, splits, classes, args.command)
+    flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False))
+    meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
     h, w = meta["image_size"]
     counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
     print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, in {time.time() - t0:.1f} s")
+    print(f"flip_ok {str(flip_ok).lower()} in meta.json: the trainers' --flip=auto will " + ("flip the training images" if
+          flip_ok else "not flip them (a mirror image is not taken for its class)") + (
+          "; pass --flip_ok if a mirror image is still its class (photos, most objects)" if args.command == "imagefolder"
+          and not flip_ok else ""))
 
 
 # -----------------------------------------------------------------------------
@@ -703,6 +715,8 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
     p.add_argument("--image_size", type=int, default=32,
                    help="the shorter side is resized to this, then the centre square of this size cropped")
+    p.add_argument("--flip_ok", action="store_true",
+                   help="a mirror image is still a sample of its class, so the trainers may flip (not for digits or text)")
     p.set_defaults(run=prepare_images, source=source_imagefolder)
     args = parser.parse_args(argv)
     args.run(args)

@@ -55,7 +55,7 @@ class Config:
     out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
-    flip: bool = True                  # random horizontal flip of the training images
+    flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     # model
     image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
     patch_size: int = 4                # pixels per side of a patch: (image_size / patch_size)^2 tokens
@@ -390,6 +390,8 @@ def load_image_data(data_dir, splits=("train", "val")):
         if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
                 len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
@@ -401,6 +403,16 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f" re-run prepare_data.py for this data dir")
     return meta, arrays
 
+
+
+def flips(cfg, meta):
+    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
+    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+    return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
     """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
@@ -690,7 +702,8 @@ def train(cfg, stop):
     # data: both splits held whole on the device as uint8; random images for --benchmark
     if cfg.benchmark:
         size = cfg.image_size or 32
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3}
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
+                "flip_ok": True}
         g = torch.Generator().manual_seed(0)
         arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
                             torch.randint(0, 10, (4 * B,), generator=g).numpy())}
@@ -698,6 +711,7 @@ def train(cfg, stop):
         prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
         meta, arrays = load_image_data(cfg.data_dir)
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
+    flip, why = flips(cfg, meta)
     if cfg.image_size and cfg.image_size != H:
         die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
             f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
@@ -731,7 +745,8 @@ def train(cfg, stop):
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
           f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (
               f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g}")
+          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g} | "
+          f"flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     run.start()
@@ -752,7 +767,7 @@ def train(cfg, stop):
             noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
             t = sample_t(B * world_size, cfg, gen)[mine]
             u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
-            if cfg.flip:
+            if flip:
                 x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
             y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None  # label K: none
             x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)

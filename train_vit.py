@@ -88,7 +88,7 @@ class Config:
     ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
     # augmentation, on the device
     translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
-    flip: bool = True                  # random horizontal flip (turn off for digits and text)
+    flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
     cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, one of the two per batch
     label_smoothing: float = 0.1       # target mass spread evenly over all classes
@@ -343,6 +343,8 @@ def load_image_data(data_dir, splits=("train", "val")):
         if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
                 len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
@@ -354,6 +356,16 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f" re-run prepare_data.py for this data dir")
     return meta, arrays
 
+
+
+def flips(cfg, meta):
+    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
+    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+    return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
     """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
@@ -391,9 +403,9 @@ class ImageLoader:
         return self.x[idx], self.y[idx]
 
 
-def augment(x, cfg):
-    """Random translation by up to cfg.translate pixels (reflect padding) and horizontal flip, per image, on the
-    device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, which the loop seeds per step."""
+def augment(x, cfg, flip):
+    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image, on
+    the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, which the loop seeds per step."""
     B, H, W, _ = x.shape
     if cfg.translate:
         t = cfg.translate
@@ -401,7 +413,7 @@ def augment(x, cfg):
         dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=x.device)
         rows, cols = dy + torch.arange(H, device=x.device), dx + torch.arange(W, device=x.device)  # (B, H), (B, W)
         x = xp[torch.arange(B, device=x.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-    if cfg.flip:
+    if flip:
         x = torch.where(torch.rand(B, 1, 1, 1, device=x.device) < 0.5, x.flip(2), x)
     return x
 
@@ -597,7 +609,7 @@ def train(cfg, stop):
     if cfg.benchmark:
         size = cfg.image_size or 32
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "mean": [0.5] * 3, "std": [0.25] * 3}
+                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
         g = torch.Generator().manual_seed(0)
         arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
                             torch.randint(0, 10, (4 * B,), generator=g).numpy())}
@@ -605,6 +617,7 @@ def train(cfg, stop):
         prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
         meta, arrays = load_image_data(cfg.data_dir)
     (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+    flip, why = flips(cfg, meta)
     if cfg.image_size and cfg.image_size != H:
         die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
             f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
@@ -635,7 +648,7 @@ def train(cfg, stop):
           f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
           f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
           f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} "
-          f"lr {cfg.lr:g}")
+          f"lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     run.start()
@@ -651,7 +664,7 @@ def train(cfg, stop):
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             x, y = train_loader.next()
-            x, ya, yb, lam = mix(augment(x.float() / 255, cfg), y, cfg)
+            x, ya, yb, lam = mix(augment(x.float() / 255, cfg, flip), y, cfg)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()

@@ -105,6 +105,7 @@ def test_cifar10_from_a_file_url(tmp_path, monkeypatch):
     assert np.array_equal(xv, reference_hwc(batches["test_batch"]["data"]))
     assert y.tolist() == sum((b["labels"] for b in train), []) and yv.tolist() == batches["test_batch"]["labels"]
     assert info["classes"] == meta["label_names"] and info["num_classes"] == 10 and info["source"] == "cifar10"
+    assert info["flip_ok"] is True
     assert info["image_size"] == [32, 32] and info["channels"] == 3 and info["splits"] == {"train": {"images": 10}, "val": {"images": 3}}
 
 
@@ -197,6 +198,7 @@ def test_mnist_from_file_urls(tmp_path, monkeypatch, command):
         x, y = splits[split]
         assert x.shape == (len(images), 28, 28, 1) and np.array_equal(x[..., 0], images) and y.tolist() == labels.tolist()
     assert info["channels"] == 1 and info["num_classes"] == 10 and info["source"] == command
+    assert info["flip_ok"] is (command == "fashion_mnist")  # a mirrored digit is not a digit; a mirrored shoe is a shoe
     assert info["classes"] == ([str(d) for d in range(10)] if command == "mnist" else list(pd.FASHION_CLASSES))
     assert info["classes"][0] in ("0", "T-shirt/top") and sorted(p.name for p in out.glob("*.gz")) == sorted(
         n for pair in pd.IDX_FILES.values() for n in pair)
@@ -247,7 +249,7 @@ def test_shapes_command_any_size(tmp_path, size):
     assert splits["train"][0].shape == (30, size, size, 3) and splits["val"][0].shape == (10, size, size, 3)
     assert np.array_equal(splits["train"][0], pd.make_shapes(30, size, 5)[0])  # val is seed + 1: not train again
     assert np.array_equal(splits["val"][0], pd.make_shapes(10, size, 6)[0])
-    assert info["classes"] == list(pd.SHAPES) and info["image_size"] == [size, size]
+    assert info["classes"] == list(pd.SHAPES) and info["image_size"] == [size, size] and info["flip_ok"] is True
 
 
 def test_shapes_are_hard_for_a_linear_classifier():
@@ -296,6 +298,9 @@ def test_imagefolder_val_fraction(tmp_path):
         runs.append(load(tmp_path / name))
     (info, splits), (_, again) = runs
     assert info["classes"] == ["ant", "bee", "cat"] and info["channels"] == 3 and info["image_size"] == [16, 16]
+    assert info["flip_ok"] is False  # your own images: letters, text, digits are common; --flip_ok says otherwise
+    pd.main(["imagefolder", str(tmp_path / "imgs"), f"--data_dir={tmp_path / 'ok'}", "--image_size=8", "--val_fraction=0.5", "--flip_ok"])
+    assert load(tmp_path / "ok")[0]["flip_ok"] is True
     (x, y), (xv, yv) = splits["train"], splits["val"]
     assert x.shape[1:] == xv.shape[1:] == (16, 16, 3) and len(x) + len(xv) == 9 and len(xv) > 0
     assert sorted(np.bincount(np.concatenate([y, yv]), minlength=3).tolist()) == [2, 3, 4]

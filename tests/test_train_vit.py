@@ -11,6 +11,7 @@ import torch
 
 import faults
 import prepare_data
+import train_diffusion as td
 import train_vit as tv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,15 +87,26 @@ def test_patches_follow_the_image_layout():
     assert torch.equal(seen[0][0, 1 * 4 + 2], x[0, 4:8, 8:12].reshape(-1))
 
 
+@pytest.mark.parametrize("script", [tv, td])
+def test_flips_follow_the_data_unless_asked(script, capsys):
+    """--flip=auto takes meta.json's flip_ok (a mirrored digit is not a digit); an explicit --flip wins; data prepared
+    before the field existed keeps flipping, as it did, and the startup line says why."""
+    cases = [("auto", {"flip_ok": False}, False), ("auto", {"flip_ok": True}, True), ("true", {"flip_ok": False}, True),
+             ("false", {"flip_ok": True}, False), ("auto", {}, True)]
+    for flag, meta, want in cases:
+        flip, why = script.flips(script.Config(flip=flag), meta)
+        assert flip is want and (("predates" in why) == (meta == {}))
+
+
 def test_augment_translates_and_flips_and_mix_keeps_labels():
-    cfg = tv.Config(translate=2, flip=False)
+    cfg = tv.Config(translate=2)
     x = torch.rand(64, 8, 8, 3)
     torch.manual_seed(0)
-    out = tv.augment(x, cfg)
+    out = tv.augment(x, cfg, flip=False)
     # each image is its reflect-padded self, shifted by at most 2 pixels: its centre 4x4 appears somewhere
     for a, b in zip(x, out):
         assert any(torch.equal(b[2:6, 2:6], a[2 + dy:6 + dy, 2 + dx:6 + dx]) for dy in range(-2, 3) for dx in range(-2, 3))
-    flipped = tv.augment(x, tv.Config(translate=0, flip=True))
+    flipped = tv.augment(x, tv.Config(translate=0), flip=True)
     same, mirrored = [torch.equal(a, b) for a, b in zip(x, flipped)], [torch.equal(a.flip(1), b) for a, b in zip(x, flipped)]
     assert all(s or m for s, m in zip(same, mirrored)) and 10 < sum(mirrored) < 54
     y = torch.arange(64)
