@@ -870,11 +870,13 @@ def field_comments(cls):
     return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
 def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them."""
+    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark."""
     for name, comment in field_comments(type(cfg)).items():
         m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
         if m and str(getattr(cfg, name)) not in m[0].split("|"):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+    if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
+        die("--profile profiles --benchmark's steps; add --benchmark")
 
 def parse_args(cls, argv):
     """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""

@@ -246,6 +246,8 @@ def test_benchmark_profile(tmp_path, capsys):
     with open(tmp_path / "trace.json") as f:
         assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
     assert "Self CPU time total" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="add --benchmark"):
+        tg.main(tg.Config(**{**TINY, "profile": True, "max_steps": 1, "out_dir": str(tmp_path / "train")}))
 
 
 @pytest.mark.slow
