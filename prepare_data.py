@@ -57,6 +57,7 @@ import tiktoken
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
+GPT2_URL = "https://huggingface.co/openai-community/"  # + MODEL/resolve/main/FILE
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # + the IDX file names; the mirror torchvision uses
@@ -395,6 +396,16 @@ def prepare_fineweb(args):
 SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
 
 
+def prepare_gpt2(args):
+    """GPT-2's weights from the Hugging Face hub (config.json and model.safetensors), for train_gpt.py --init_from."""
+    out = Path(args.data_dir or f"models/{args.model}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name,
+                 instead="--init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
+    print(f"{args.model} is in {out}: python train_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
+
+
 def shape_mask(k, u, v):
     """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
     r, th = np.hypot(u, v), np.arctan2(v, u)
@@ -694,6 +705,11 @@ def main(argv=None):
     p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
     p.add_argument("--data_dir", default="data/fineweb10B")
     p.set_defaults(run=prepare_fineweb)
+    p = commands.add_parser("gpt2", help="GPT-2's weights, for train_gpt.py --init_from (downloads 0.5-6 GB)",
+                            allow_abbrev=False)
+    p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
+    p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")
+    p.set_defaults(run=prepare_gpt2)
     p = commands.add_parser("shapes", help="procedural images of 10 shapes (no network)", allow_abbrev=False)
     p.add_argument("--data_dir", default="data/shapes")
     p.add_argument("--image_size", type=int, default=32, help="height and width in pixels")

@@ -52,7 +52,8 @@ class Config:
     # data and output
     data_dir: str = "data/stdlib"      # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
     out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json, loss.png; results.tsv goes beside it
-    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m (explicit flags still win)
+    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m|finetune (explicit flags still win)
+    init_from: str = ""                # start from weights: gpt2|gpt2-medium|gpt2-large|gpt2-xl, a HF GPT-2 folder, a checkpoint
     # model
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # query heads
@@ -66,6 +67,9 @@ class Config:
     tie_embeddings: bool = False       # share the input embedding with the output head
     logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
     rope_base: float = 10000.0         # RoPE theta
+    pos_emb: str = "rope"              # rope|learned (absolute positions, as GPT-2)
+    bias: bool = False                 # biases in the linear layers and LayerNorms, as GPT-2
+    norm_eps: float = 1e-6             # epsilon of the norms (GPT-2: 1e-5)
     init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
     mup: bool = False                  # maximal update parametrisation: the best LR transfers across width (see GPT)
     base_width: int = 128              # muP: the n_embd at which muP equals the standard parametrisation; tune LR here
@@ -138,9 +142,13 @@ PRESETS = {
                       data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
                       lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
                       optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
+    # GPT-2 124M on your text (--data_dir of GPT-2 tokens): AdamW at a small LR keeps what it knows; Muon's fixed-size
+    # updates at 4e-3 would overwrite it. Short rows and evals, so a CPU takes a step every few seconds
+    "finetune": dict(init_from="gpt2", optimizer="adamw", lr=3e-5, weight_decay=0.0, warmup_steps=10, seq_len=256,
+                     batch_size=4, eval_every=50, eval_tokens=8192, sample_tokens=100, out_dir="out/finetune"),
 }
-ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm",
-               "tie_embeddings", "logit_softcap", "rope_base", "mup", "base_width")
+ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
+               "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
 
 
 def run_layout(c, world_size, data_info):
@@ -188,17 +196,18 @@ def check_config(cfg):
 
 
 class Norm(nn.Module):
-    """Bias-free LayerNorm (default) or RMSNorm over the last dim, with a learnable gain."""
+    """LayerNorm (default; a bias only with --bias) or RMSNorm over the last dim, with a learnable gain."""
 
-    def __init__(self, dim, kind="rmsnorm", eps=1e-6):
+    def __init__(self, dim, cfg):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias and cfg.norm == "layernorm" else None
 
     def forward(self, x):
         if self.kind == "rmsnorm":
             return kernels.rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
+        return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
 
 
 def rope_tables(seq_len, head_dim, base, device):
@@ -240,10 +249,10 @@ class Attention(nn.Module):
         # muP: logits q.k / d, not / sqrt(d), since trained q and k become correlated and q.k grows like d; written
         # as 1 / sqrt(d * m) it equals the usual 1 / sqrt(d) at the base width (head dim grows with width)
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)
-        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=False)
-        self.q_norm = Norm(self.hd, cfg.norm) if cfg.qk_norm else nn.Identity()
-        self.k_norm = Norm(self.hd, cfg.norm) if cfg.qk_norm else nn.Identity()
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=cfg.bias)
+        self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
+        self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
@@ -251,7 +260,9 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:  # RoPE; GPT-2's learned positions were added to the input instead
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
             k, v = cache.update(self.layer, k, v)
         # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
@@ -265,8 +276,8 @@ class MLP(nn.Module):
         self.kind = cfg.mlp
         # SwiGLU has three matrices, so its hidden width is 2/3 of 4d to keep the parameter count (Shazeer 2020)
         hidden = 64 * math.ceil(8 * cfg.n_embd / 3 / 64) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
         h = self.fc(x)
@@ -283,8 +294,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg, layer)
-        self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
+        self.norm1, self.attn = Norm(cfg.n_embd, cfg), Attention(cfg, layer)
+        self.norm2, self.mlp = Norm(cfg.n_embd, cfg), MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
@@ -307,8 +318,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size, rows = cfg, vocab_size, 64 * math.ceil(vocab_size / 64)
         self.wte = nn.Embedding(rows, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm = Norm(cfg.n_embd, cfg.norm)
+        self.norm = Norm(cfg.n_embd, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, rows, bias=False)
         cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base, None)
         self.register_buffer("cos", cos, persistent=False)
@@ -319,7 +331,7 @@ class GPT(nn.Module):
         """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
         for name, p in self.named_parameters():
             if p.ndim < 2:
-                nn.init.ones_(p)  # norm gains
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)  # norm gains
             elif name.endswith("proj.weight") or name == "head.weight":
                 nn.init.zeros_(p)  # each block starts as the identity and the first loss is ln(vocab)
             elif name.startswith("blocks."):  # hidden matrices: fan_in grows with width
@@ -336,6 +348,8 @@ class GPT(nn.Module):
         pos = cache.pos if cache is not None else 0
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
+        if self.wpe is not None:  # learned absolute positions (GPT-2) instead of RoPE
+            x, cos, sin = x + self.wpe(torch.arange(pos, pos + T, device=idx.device)), None, None
         for block in self.blocks:
             x = block(x, cos, sin, cache)
         x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m (exactly 1 otherwise)
@@ -352,9 +366,21 @@ class GPT(nn.Module):
         logits = F.linear(x, w).float()  # (B, T, V), the softmax in fp32 even under autocast
         return cap * torch.tanh(logits / cap) if cap else logits
 
+    @classmethod
+    def from_pretrained(cls, name_or_path, device="cpu"):
+        """GPT-2 (gpt2|gpt2-medium|gpt2-large|gpt2-xl, fetched by prepare_data.py, or a Hugging Face GPT-2 folder) in
+        eval mode; its first 50257 logits are those of Hugging Face's GPT2LMHeadModel with the same weights."""
+        folder = gpt2_folder(name_or_path)
+        cfg, vocab_size = gpt2_config(Config(seq_len=1 << 62), folder)  # every position GPT-2 has
+        model = build_model(cfg, vocab_size, torch.device(device))
+        with reading(folder, "pass a Hugging Face GPT-2 folder"):
+            model.load_state_dict(gpt2_state_dict(folder, cfg, vocab_size))
+        return model.eval()
+
     def flops_per_token(self):
         """Training FLOPs per token: 6 per weight that does a matmul, plus attention (PaLM appendix B)."""
         n = sum(p.numel() for p in self.parameters()) - (self.wte.weight.numel() if self.head is not None else 0)
+        n -= self.wpe.weight.numel() if self.wpe is not None else 0  # a lookup, not a matmul
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
@@ -399,6 +425,69 @@ def build_model(cfg, vocab_size, device):
     model.init_weights()
     return model
 
+
+GPT2_NAMES, GPT2_TOKENIZER = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), {"tokenizer": "gpt2", "eot_id": 50256}
+
+
+def is_gpt2(name):
+    """Whether --init_from names GPT-2: one of GPT2_NAMES, or a Hugging Face folder (its weights file tells)."""
+    return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in ("model.safetensors", "pytorch_model.bin"))
+
+
+def gpt2_folder(name):
+    """The folder of GPT-2 weights: models/NAME for a name (prepare_data.py fetches it the first time), else name."""
+    if name not in GPT2_NAMES:
+        return name
+    folder = os.path.join("models", name)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+    if not os.path.exists(os.path.join(folder, "model.safetensors")) and subprocess.run(
+            [sys.executable, script, "gpt2", f"--model={name}", f"--data_dir={folder}"]).returncode:
+        die(f"fetching {name} failed (see above); or pass --init_from=FOLDER, a Hugging Face GPT-2 folder")
+    return folder
+
+
+def gpt2_config(cfg, folder):
+    """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size): learned positions, biases,
+    LayerNorm, tanh GELU, a tied head, no QK-norm, attention scaled by 1/sqrt(head dim). seq_len is capped at GPT-2's."""
+    path = os.path.join(folder, "config.json")
+    with reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
+        hf = json.load(f)
+        if hf.get("model_type") != "gpt2":
+            raise ValueError(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
+        return dataclasses.replace(
+            cfg, n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=0, n_embd=hf["n_embd"], mlp="gelu", bias=True,
+            seq_len=min(cfg.seq_len, hf["n_positions"]), norm="layernorm", norm_eps=hf["layer_norm_epsilon"],
+            pos_emb="learned", qk_norm=False, tie_embeddings=True, logit_softcap=0.0, mup=False), hf["vocab_size"]
+
+
+def read_safetensors(path):
+    """{name: tensor} of a .safetensors file: an 8-byte little-endian header size, a JSON header (each tensor's dtype,
+    shape and byte offsets), then the raw little-endian data. Plain data: nothing in it can run code."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    data, dtypes = np.memmap(path, np.uint8, "r", offset=8 + n), {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    return {k: torch.from_numpy(np.array(data[v["data_offsets"][0]:v["data_offsets"][1]])).view(dtypes[v["dtype"]]).reshape(v["shape"])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def gpt2_state_dict(folder, cfg, vocab_size):
+    """Our state dict of the Hugging Face GPT-2 weights in folder (model.safetensors or pytorch_model.bin): its
+    Conv1D weights are (in, out), nn.Linear's (out, in); the vocab is padded with zero rows, positions cut to seq_len."""
+    path = os.path.join(folder, "model.safetensors")
+    path = path if os.path.exists(path) else os.path.join(folder, "pytorch_model.bin")
+    with reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"):
+        hf = read_safetensors(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
+        hf = {k.removeprefix("transformer."): v.float() for k, v in hf.items()}
+        sd = {"wte.weight": F.pad(hf["wte.weight"], (0, 0, 0, 64 * math.ceil(vocab_size / 64) - vocab_size)),
+              "wpe.weight": hf["wpe.weight"][:cfg.seq_len], "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
+        for i in range(cfg.n_layer):
+            for theirs, ours in (("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                                 ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
+                w = hf[f"h.{i}.{theirs}.weight"]
+                sd[f"blocks.{i}.{ours}.weight"], sd[f"blocks.{i}.{ours}.bias"] = w if w.ndim == 1 else w.T, hf[f"h.{i}.{theirs}.bias"]
+    return sd
+
 # -----------------------------------------------------------------------------
 # Data
 
@@ -441,14 +530,16 @@ def load_meta(data_dir):
                     and all(isinstance(v, (int, float)) for v in [val.get("tokens", 0), val.get("bytes", 0)] + [
                         meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]) and os.path.basename(file) == file):
                 raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
-    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout, with an optional char-level meta.pkl
-        meta = {"tokenizer": "nanogpt", "vocab_size": 50304, "eot_id": None, "splits": {}}
+    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout: GPT-2 tokens, or a char-level meta.pkl
+        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}
         with reading(pkl, "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"):
-            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else {"vocab_size": 50304, "itos": None}
+            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else {"vocab_size": 50257, "itos": None}
             if not (isinstance(m["vocab_size"], int) and all(isinstance(i, int) and isinstance(c, str) for i, c in (
                     m.get("itos") or {}).items())):
                 raise ValueError("vocab_size must be an integer and itos a dict of integers to strings")
-            meta.update(vocab_size=m["vocab_size"], itos=m.get("itos"))
+            if m.get("itos"):  # characters, not GPT-2 tokens
+                meta.update(tokenizer="nanogpt", eot_id=None, itos=m["itos"])
+            meta["vocab_size"] = m["vocab_size"]
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; prepare it with 'python prepare_data.py ...'")
     for split in ("train", "val"):
@@ -816,9 +907,11 @@ def train(cfg, stop):
     if not cfg.benchmark:
         prepare_default_data(cfg, rank, world_size, "stdlib", "the Python stdlib corpus")
     meta = {"vocab_size": cfg.vocab_size or 50257, "eot_id": None} if cfg.benchmark else load_meta(cfg.data_dir)
-    if meta["vocab_size"] > (cfg.vocab_size or meta["vocab_size"]):
-        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 (from data)")
-    vocab_size = cfg.vocab_size or meta["vocab_size"]
+    cfg, init = load_init(cfg, rank, world_size) if cfg.init_from else (cfg, {})  # the architecture of the weights
+    vocab_size = init.get("vocab_size") or cfg.vocab_size or meta["vocab_size"]
+    if meta["vocab_size"] > vocab_size:
+        die(f"the data has {meta['vocab_size']} tokens but " + (f"--init_from={cfg.init_from} has {vocab_size}; prepare "
+            f"the data with its tokenizer" if init else f"--vocab_size={cfg.vocab_size}; raise it or use 0 (from data)"))
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_size, device)
     else:  # a lane per row of a step; val in lanes too, so a short eval samples the whole split as the final one does
@@ -829,9 +922,14 @@ def train(cfg, stop):
         with reading(os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json"), "re-run prepare_data.py"):
             tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
             load_tokenizer(tokenizer)  # a bad tokenizer file fails now, not at the first sample
+        if init and any(init["tokenizer"].get(k) != tokenizer.get(k) for k in ("tokenizer", "ranks", "itos")):
+            die(f"--init_from={cfg.init_from} reads {init['tokenizer']['tokenizer']} tokens but {cfg.data_dir} holds "
+                f"{tokenizer['tokenizer']} tokens; prepare the data with --tokenizer={init['tokenizer']['tokenizer']}")
 
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
     raw = build_model(cfg, vocab_size, device)
+    if init:  # weights only: the optimizer, schedule and step start afresh
+        raw.load_state_dict(init["model"])
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
@@ -914,6 +1012,33 @@ def train(cfg, stop):
                       {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params}, metric)
 
 
+def load_init(cfg, rank, world_size):
+    """--init_from: (cfg with the architecture of those weights, {model: state dict, vocab_size, tokenizer}), from
+    GPT-2 (a name or a Hugging Face folder) or from a checkpoint of this script, whose optimizer state is left behind."""
+    if is_gpt2(cfg.init_from):
+        if rank == 0:
+            gpt2_folder(cfg.init_from)  # a named GPT-2 is fetched once, while the other ranks wait
+        dist.barrier() if world_size > 1 else None
+        cfg, vocab_size = gpt2_config(cfg, gpt2_folder(cfg.init_from))
+        init = {"model": gpt2_state_dict(gpt2_folder(cfg.init_from), cfg, vocab_size), "vocab_size": vocab_size,
+                "tokenizer": GPT2_TOKENIZER}
+        print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.seq_len}")
+        return cfg, init
+    ckpt, path = load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
+    if ckpt is None:
+        die(f"--init_from={cfg.init_from}: no checkpoint there, nor a Hugging Face GPT-2 folder (config.json and "
+            f"model.safetensors); "
+            f"give a checkpoint of train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
+    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
+        die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume to continue that run)")
+    with reading(path, "pass a checkpoint written by train_gpt.py"):
+        arch = {k: ckpt["config"][k] for k in ARCH_FIELDS if k in ckpt["config"]}
+        cfg = dataclasses.replace(cfg, **arch)
+        init = {"model": ckpt["model"], "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
+    print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule")
+    return cfg, init
+
+
 def skip_data(cfg, run, ranges):
     """After a rollback: append the token ranges read since the checkpoint to out_dir/skipped.tsv, never trained on;
     --skip_data=that file keeps any later run off them too."""
@@ -935,15 +1060,19 @@ def read_skip_file(path):
 
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
-    where = cfg.ckpt or cfg.out_dir
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    where, (_, _, device) = cfg.ckpt or cfg.init_from or cfg.out_dir, setup_dist(cfg.device)
+    if is_gpt2(where):  # GPT-2 itself: --sample --init_from=gpt2
+        ckpt, path = {"step": "pretrained", "tokenizer": GPT2_TOKENIZER}, where
+        model = GPT.from_pretrained(where, device)
+    else:
+        ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    _, _, device = setup_dist(cfg.device)
     with reading(path, "pass a checkpoint written by train_gpt.py"):
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
-        model = build_model(trained, data_info_of(ckpt)["vocab_size"], device)
-        model.load_state_dict(ckpt["model"])
+        if "model" in ckpt:
+            trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+            model = build_model(trained, data_info_of(ckpt)["vocab_size"], device)
+            model.load_state_dict(ckpt["model"])
         load_tokenizer(ckpt["tokenizer"])
     ids, text = sample(model, ckpt["tokenizer"], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {ckpt['step']})\n{text}")

@@ -380,6 +380,9 @@ def test_offline_download_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr(pd, "FINEWEB_URL", (tmp_path / "nowhere").as_uri() + "/")
     assert "cannot download file://" in error_of(["fineweb", "--shards=1", f"--data_dir={tmp_path / 'fw'}"])
     assert not (tmp_path / "data" / "meta.json").exists() and not (tmp_path / "fw" / "meta.json").exists()
+    monkeypatch.setattr(pd, "GPT2_URL", (tmp_path / "nowhere").as_uri() + "/")
+    assert error_of(["gpt2", f"--data_dir={tmp_path / 'gpt2'}"]).endswith(
+        "offline? use --init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors) instead")
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""train_gpt.py --init_from: GPT-2's weights in (logits against the published equations and, where installed,
+Hugging Face's own model), fine-tuning from GPT-2 or from a checkpoint, and the bad input around them."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt as tg
+from test_train_gpt import losses, tiny
+
+GPT2 = dict(vocab_size=320, n_positions=40, n_embd=48, n_layer=2, n_head=4, layer_norm_epsilon=1e-5)
+
+
+def write_safetensors(path, tensors):
+    """The safetensors layout, written by hand: header size (8 bytes, little-endian), JSON header, raw fp32 data."""
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        blobs.append(t.contiguous().numpy().tobytes())
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(blobs[-1])]}
+        offset += len(blobs[-1])
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def gpt2_folder(path, bin_file=False, seed=0):
+    """A tiny random GPT-2 in Hugging Face's layout (Conv1D weights are (in, out)); returns its tensors."""
+    g, d, (V, T, L) = torch.Generator().manual_seed(seed), GPT2["n_embd"], (GPT2[k] for k in ("vocab_size", "n_positions", "n_layer"))
+    r = lambda *shape, s=0.2: torch.randn(*shape, generator=g) * s  # noqa: E731
+    w = {"wte.weight": r(V, d), "wpe.weight": r(T, d, s=0.05), "ln_f.weight": 1 + r(d, s=0.1), "ln_f.bias": r(d, s=0.1)}
+    for i in range(L):
+        for name, (n_in, n_out) in {"attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "mlp.c_fc": (d, 4 * d),
+                                    "mlp.c_proj": (4 * d, d)}.items():
+            w[f"h.{i}.{name}.weight"], w[f"h.{i}.{name}.bias"] = r(n_in, n_out), r(n_out, s=0.05)
+        for ln in ("ln_1", "ln_2"):
+            w[f"h.{i}.{ln}.weight"], w[f"h.{i}.{ln}.bias"] = 1 + r(d, s=0.1), r(d, s=0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **GPT2}))
+    if bin_file:  # the older pickle layout, with transformer. prefixes and the attention-mask buffers
+        torch.save({**{f"transformer.{k}": v for k, v in w.items()}, "transformer.h.0.attn.bias": torch.ones(1)},
+                   path / "pytorch_model.bin")
+    else:
+        write_safetensors(path / "model.safetensors", w)
+    return w
+
+
+def gpt2_reference(w, idx):
+    """GPT-2's forward written from its equations on Hugging Face's tensor names: (B, T, vocab) logits."""
+    (B, T), d, H = idx.shape, GPT2["n_embd"], GPT2["n_head"]
+    ln = lambda x, p: F.layer_norm(x, (d,), w[p + ".weight"], w[p + ".bias"], GPT2["layer_norm_epsilon"])  # noqa: E731
+    heads = lambda t: t.view(B, T, H, d // H).transpose(1, 2)  # noqa: E731
+    x = w["wte.weight"][idx] + w["wpe.weight"][:T]
+    for i in range(GPT2["n_layer"]):
+        h = f"h.{i}."
+        q, k, v = (ln(x, h + "ln_1") @ w[h + "attn.c_attn.weight"] + w[h + "attn.c_attn.bias"]).split(d, dim=-1)
+        att = heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(d // H)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf).softmax(-1)
+        y = (att @ heads(v)).transpose(1, 2).reshape(B, T, d)
+        x = x + y @ w[h + "attn.c_proj.weight"] + w[h + "attn.c_proj.bias"]
+        m = F.gelu(ln(x, h + "ln_2") @ w[h + "mlp.c_fc.weight"] + w[h + "mlp.c_fc.bias"], approximate="tanh")
+        x = x + m @ w[h + "mlp.c_proj.weight"] + w[h + "mlp.c_proj.bias"]
+    return ln(x, "ln_f") @ w["wte.weight"].T
+
+
+@pytest.mark.parametrize("bin_file", [False, True])
+def test_gpt2_logits_match_the_reference(tmp_path, bin_file):
+    w = gpt2_folder(tmp_path / "gpt2", bin_file)
+    model = tg.GPT.from_pretrained(str(tmp_path / "gpt2"))
+    assert not model.training and model.cfg.seq_len == GPT2["n_positions"]
+    idx = torch.randint(0, GPT2["vocab_size"], (2, GPT2["n_positions"]), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, ref = model(idx), gpt2_reference(w, idx)
+    assert logits.shape == (2, GPT2["n_positions"], 320)  # the vocab padded to a multiple of 64: here it is one
+    assert (logits - ref).abs().max() < 1e-4
+    with torch.no_grad():  # the KV-cache sampler with learned positions: greedy continuation equals the full forward
+        out = model.generate(idx[:1, :5], 6, temperature=0)
+        assert torch.equal(out[0, 5:], torch.stack([model(out[:, :5 + j])[0, -1].argmax() for j in range(6)]))
+
+
+def test_prepare_data_fetches_gpt2_from_the_hub(tmp_path, monkeypatch):
+    import prepare_data
+    w = gpt2_folder(tmp_path / "hub" / "gpt2" / "resolve" / "main")  # the hub's URL layout, as file:// URLs
+    monkeypatch.setattr(prepare_data, "GPT2_URL", (tmp_path / "hub").as_uri() + "/")
+    prepare_data.main(["gpt2", f"--data_dir={tmp_path / 'models' / 'gpt2'}"])
+    assert tg.GPT.from_pretrained(str(tmp_path / "models" / "gpt2")).wte.weight[:320].equal(w["wte.weight"])
+
+
+def test_gpt2_logits_match_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only oracle, not installed here")
+    gpt2_folder(tmp_path / "gpt2")
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "gpt2")).eval()
+    idx = torch.randint(0, GPT2["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(idx)[..., :GPT2["vocab_size"]] - theirs(idx).logits)
+    assert diff.abs().max() < 1e-4
+
+
+@pytest.fixture
+def gpt2_corpus(corpus, tmp_path, monkeypatch):
+    """The byte corpus relabelled as GPT-2 tokens (every id < 320 is a GPT-2 token id too). tiktoken's GPT-2 files are
+    not fetched: the trainer takes its offline path (samples show token ids)."""
+    import tiktoken
+
+    def offline(name):
+        raise OSError("offline")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    data = shutil.copytree(corpus, tmp_path / "gpt2_data")
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2"}))
+    return data
+
+
+def test_init_from_gpt2_starts_from_its_loss(gpt2_corpus, tmp_path):
+    gpt2_folder(tmp_path / "gpt2")
+    cfg = tg.parse_args(tg.Config, ["--preset=finetune", f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={gpt2_corpus}",
+                                    f"--out_dir={tmp_path / 'out'}", "--max_steps=2", "--batch_size=2", "--seq_len=32",
+                                    "--log_every=1", "--sample_tokens=0", "--device=cpu", "--compile=false"])
+    assert (cfg.optimizer, cfg.lr) == ("adamw", 3e-5)  # the preset: a small AdamW step keeps what GPT-2 knows
+    r = tg.main(cfg)
+    positions_cut = (GPT2["n_positions"] - cfg.seq_len) * GPT2["n_embd"]  # --seq_len 32 of GPT-2's 40 positions
+    assert r["params"] == sum(p.numel() for p in tg.GPT.from_pretrained(str(tmp_path / "gpt2")).parameters()) - positions_cut
+    loader = tg.TokenLoader(tg.find_shards(str(gpt2_corpus), "train"), 2, cfg.seq_len, 0, 1, torch.device("cpu"), 256,
+                            lanes=2)
+    with torch.no_grad():  # the first step's loss is GPT-2's own loss on the first batch
+        first = tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(*loader.next()).item()
+    assert losses(tmp_path / "out")[1] == pytest.approx(first, abs=1e-4)
+
+
+def test_init_from_checkpoint_starts_where_it_ended(corpus, tmp_path):
+    tg.main(tiny(corpus, tmp_path / "a", max_steps=30, lr=1e-2, optimizer="adamw"))
+    a = losses(tmp_path / "a")
+    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=3, init_from=str(tmp_path / "a"), n_layer=1, n_embd=32))
+    b = losses(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3] and r["steps"] == 3  # a fresh schedule: step 1 again
+    assert b[1] < a[1] - 0.6 * (a[1] - a[30])  # the weights, not the flags: n_layer and n_embd came from the checkpoint
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not_gpt2", "model_type is 'llama', not 'gpt2'"),
+    ("missing", "no checkpoint there, nor a Hugging Face GPT-2 folder"),
+    ("same_out_dir", "starts a new run from"),
+    ("tokenizer", "reads gpt2 tokens but"),
+    ("vocab", "prepare the data with its tokenizer"),
+])
+def test_bad_init_from_gives_one_line_errors(corpus, gpt2_corpus, tmp_path, case, message):
+    data, init = gpt2_corpus, tmp_path / "gpt2"
+    gpt2_folder(init)
+    if case == "not_gpt2":
+        (init / "config.json").write_text(json.dumps({**GPT2, "model_type": "llama"}))
+    elif case == "missing":
+        init = tmp_path / "nothing"
+    elif case == "same_out_dir":
+        tg.main(tiny(corpus, tmp_path / "a", max_steps=2))
+        data, init = corpus, tmp_path / "a"
+    elif case == "tokenizer":
+        data = corpus
+    elif case == "vocab":
+        meta = json.loads((data / "meta.json").read_text())
+        (data / "meta.json").write_text(json.dumps({**meta, "vocab_size": 50257}))
+    with pytest.raises(SystemExit) as e:
+        tg.main(tiny(data, tmp_path / "a", max_steps=2, init_from=str(init)))
+    assert message in str(e.value) and "\n" not in str(e.value)
