@@ -73,6 +73,9 @@ class Config:
     init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
     mup: bool = False                  # maximal update parametrisation: the best LR transfers across width (see GPT)
     base_width: int = 128              # muP: the n_embd at which muP equals the standard parametrisation; tune LR here
+    lora_rank: int = 0                 # LoRA adapters of this rank on --lora_targets, the rest frozen; 0 = off
+    lora_alpha: float = 16.0           # LoRA: the adapters' output is scaled by alpha / rank
+    lora_targets: str = "attn,mlp"     # LoRA: attn (qkv and out projections) and/or mlp (both matrices), comma-separated
     # budget: max_steps, else tokens, else time_budget
     max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
     tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
@@ -125,7 +128,8 @@ class Config:
     kernels: str = "auto"              # auto|triton|torch: per op the faster (kernels.use), Triton, or PyTorch's
     # sampling
     sample: bool = False               # sample from a checkpoint instead of training
-    ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
+    ckpt: str = ""                     # checkpoint file or directory to sample from (or merge); empty = out_dir
+    merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
     temperature: float = 0.8           # 0 = greedy
@@ -149,13 +153,14 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and batch layout."""
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS}, "batch_size": B, "grad_accum": accum,
+    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS + LORA_FIELDS}, "batch_size": B, "grad_accum": accum,
             "world_size": world_size, **data_info}
 
 
@@ -183,6 +188,9 @@ def check_config(cfg):
         die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch, cfg.sharpness_every) < 0:
         die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after, --total_batch and --sharpness_every must be >= 0")
+    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
+        die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
+            f"adapt, and targets among attn,mlp")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens and cfg.tokens != "auto":
@@ -424,6 +432,39 @@ def build_model(cfg, vocab_size, device):
     torch.manual_seed(cfg.seed)
     model.init_weights()
     return model
+
+
+class LoRA(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (Hu et al. 2021): base(x) + alpha / r * x A^T B^T. B starts
+    at zero, so training starts from the base model exactly."""
+
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        self.base, self.scale = base.requires_grad_(False), alpha / r
+        self.a = nn.Parameter(torch.randn(r, base.in_features, device=base.weight.device) / math.sqrt(base.in_features))
+        self.b = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.a), self.b) * self.scale
+
+
+def add_lora(model, cfg):
+    """Freeze the model and wrap the --lora_targets projections of every block in LoRA adapters of --lora_rank."""
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for part in cfg.lora_targets.split(","):
+            for name in ("qkv", "proj") if part == "attn" else ("fc", "proj"):
+                setattr(getattr(block, part), name, LoRA(getattr(getattr(block, part), name), cfg.lora_rank, cfg.lora_alpha))
+    return model
+
+
+def merge_lora(sd, c):
+    """A plain state dict from one with LoRA adapters (c: its config dict): W + alpha / r * B A for each adapted W."""
+    out = {k.replace(".base.", "."): v for k, v in sd.items() if not k.endswith((".a", ".b"))}
+    for k in (k for k in sd if k.endswith(".base.weight")):
+        p = k[:-len("base.weight")]
+        out[p + "weight"] = sd[k] + c["lora_alpha"] / c["lora_rank"] * (sd[p + "b"].float() @ sd[p + "a"].float()).to(sd[k].dtype)
+    return out
 
 
 GPT2_NAMES, GPT2_TOKENIZER = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), {"tokenizer": "gpt2", "eot_id": 50256}
@@ -735,11 +776,11 @@ class Muon(torch.optim.Optimizer):
 def build_optimizers(cfg, raw, device):
     """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
     embedding at --embed_lr; weight decay on the hidden matrices only."""
-    named = dict(raw.named_parameters())
+    named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters alone
     hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
     # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
     # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
-    own = cfg.embed_lr > 0 and not cfg.tie_embeddings
+    own = cfg.embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
     rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
     embed = [dict(params=[named["wte.weight"]], lr=cfg.embed_lr, weight_decay=0.0)] if own else []
     fused = device.type == "cuda"
@@ -747,15 +788,15 @@ def build_optimizers(cfg, raw, device):
         # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
         muon = Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
                     ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        adam = torch.optim.AdamW([dict(params=rest), *embed], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                 weight_decay=0.0, fused=fused)
-        opts = [muon, adam]
+        groups = [g for g in [dict(params=rest), *embed] if g["params"]]  # LoRA leaves none: no AdamW then
+        opts = [muon] + ([torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
+                                            fused=fused)] if groups else [])
     else:
         # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
         # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
         groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
                   dict(params=rest, weight_decay=0.0), *embed]
-        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+        opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
@@ -884,6 +925,8 @@ def main(cfg):
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
+    if cfg.merge_lora:
+        return merge_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
 
@@ -930,10 +973,12 @@ def train(cfg, stop):
     raw = build_model(cfg, vocab_size, device)
     if init:  # weights only: the optimizer, schedule and step start afresh
         raw.load_state_dict(init["model"])
+    if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
+        add_lora(raw, cfg)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
-    n_params = sum(p.numel() for p in raw.parameters())
+    n_params, n_trained = (sum(p.numel() for p in raw.parameters() if p.requires_grad or not only) for only in (0, 1))
     n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # auto: Chinchilla's 20 per parameter
     max_steps = cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.tokens else cfg.time_budget
@@ -946,7 +991,9 @@ def train(cfg, stop):
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
           f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
-          f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}")
+          f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}"
+          + (f" | LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {n_trained / 1e6:.3f}M parameters train" if cfg.lora_rank
+             else ""))
 
     # the loop: an optimizer step (micro-steps, clip, check, update), then log, eval and save
     run.start()
@@ -993,7 +1040,7 @@ def train(cfg, stop):
                 run.record(step=run.step, **rec, **layer_stats(raw, x, ctx))  # grad/weight ratio, activation RMS
                 run.history.append({"step": run.step, **rec})
             if cfg.sharpness_every and run.step % cfg.sharpness_every == 0 and not run.done():
-                lam = sharpness(lambda: model(x, y, cfg.z_loss), list(raw.parameters()))
+                lam = sharpness(lambda: model(x, y, cfg.z_loss), [p for p in raw.parameters() if p.requires_grad])
                 run.record(step=run.step, sharpness=lam)
                 print(f"sharpness {run.step:05d} | top Hessian eigenvalue {lam:.4g}")
             if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
@@ -1001,7 +1048,8 @@ def train(cfg, stop):
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results against gzip and xz
     if cfg.benchmark or run.stopped:
-        return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}", {"params": n_params})
+        return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}",
+                          {"params": n_params, "trained_params": n_trained})
     if rank == 0:
         plot_losses(cfg.out_dir, run.history)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
@@ -1009,7 +1057,8 @@ def train(cfg, stop):
                    for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
     return run.finish(f"done: {run.step} steps, {run.step * tokens_per_step / 1e6:.1f}M tokens in {run.train_time:.0f} s | "
                       f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint and loss.png in {cfg.out_dir}",
-                      {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params}, metric)
+                      {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params,
+                       "trained_params": n_trained}, metric)
 
 
 def load_init(cfg, rank, world_size):
@@ -1034,7 +1083,8 @@ def load_init(cfg, rank, world_size):
     with reading(path, "pass a checkpoint written by train_gpt.py"):
         arch = {k: ckpt["config"][k] for k in ARCH_FIELDS if k in ckpt["config"]}
         cfg = dataclasses.replace(cfg, **arch)
-        init = {"model": ckpt["model"], "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
+        weights = merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"]
+        init = {"model": weights, "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
     print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule")
     return cfg, init
 
@@ -1072,11 +1122,27 @@ def sample_main(cfg):
         if "model" in ckpt:
             trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
             model = build_model(trained, data_info_of(ckpt)["vocab_size"], device)
+            model = add_lora(model, trained) if trained.lora_rank else model
             model.load_state_dict(ckpt["model"])
         load_tokenizer(ckpt["tokenizer"])
     ids, text = sample(model, ckpt["tokenizer"], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {ckpt['step']})\n{text}")
     return {"text": text, "ids": ids}
+
+def merge_main(cfg):
+    """--merge_lora: the LoRA checkpoint at --ckpt with its adapters merged into the weights, written to --out_dir as a
+    plain model (for --sample, --init_from or anything that reads a state dict)."""
+    ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
+    if ckpt is None or not ckpt["config"].get("lora_rank"):
+        die(f"--merge_lora needs --ckpt=PATH, a checkpoint of a LoRA run (--lora_rank); {cfg.ckpt or 'none'} is not one")
+    if list_checkpoints(cfg.out_dir):
+        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the merged model")
+    with reading(path, "pass a checkpoint written by train_gpt.py with --lora_rank"):
+        ckpt.update(model=merge_lora(ckpt["model"], ckpt["config"]), optim=None,
+                    config={**ckpt["config"], "lora_rank": 0, "out_dir": cfg.out_dir})
+    write_checkpoint(cfg, ckpt)
+    print(f"merged the LoRA adapters of {path} (step {ckpt['step']}) into a plain model in {cfg.out_dir}")
+    return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

@@ -2,6 +2,7 @@
 Hugging Face's own model), fine-tuning from GPT-2 or from a checkpoint, and the bad input around them."""
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -161,4 +162,55 @@ def test_bad_init_from_gives_one_line_errors(corpus, gpt2_corpus, tmp_path, case
         (data / "meta.json").write_text(json.dumps({**meta, "vocab_size": 50257}))
     with pytest.raises(SystemExit) as e:
         tg.main(tiny(data, tmp_path / "a", max_steps=2, init_from=str(init)))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_trains_only_the_adapters_and_merges_exactly(gpt2_corpus, tmp_path):
+    gpt2_folder(tmp_path / "gpt2")
+    base = tg.GPT.from_pretrained(str(tmp_path / "gpt2")).state_dict()
+    out = tmp_path / "lora"
+    r = tg.main(tiny(gpt2_corpus, out, init_from=str(tmp_path / "gpt2"), lora_rank=4, lora_targets="attn,mlp",
+                     max_steps=6, lr=1e-2, optimizer="adamw", batch_size=2))
+    d, L = GPT2["n_embd"], GPT2["n_layer"]
+    assert r["trained_params"] == L * 4 * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # r x (in + out) each
+    ckpt, _ = tg.load_checkpoint(str(out))
+    sd = ckpt["model"]
+    for k, v in sd.items():  # only the adapters moved: the base weights are GPT-2's
+        if k.endswith((".a", ".b")):
+            assert not k.endswith(".b") or v.abs().max() > 0  # B starts at zero: it trained
+        else:
+            theirs = base[k.replace(".base.", ".")]
+            assert torch.equal(v, theirs[:v.size(0)] if k == "wpe.weight" else theirs), k
+    merged = tg.main(tg.Config(merge_lora=True, ckpt=str(out), out_dir=str(tmp_path / "merged")))
+    plain = tg.load_checkpoint(merged["path"])[0]
+    assert plain["config"]["lora_rank"] == 0 and not any(k.endswith((".a", ".b")) for k in plain["model"])
+    cfg = tg.Config(**{k: v for k, v in ckpt["config"].items() if k in tg.Config.__dataclass_fields__})
+    adapted = tg.add_lora(tg.build_model(cfg, 320, torch.device("cpu")), cfg)
+    adapted.load_state_dict(sd)
+    flat = tg.build_model(tg.Config(**{**ckpt["config"], "lora_rank": 0}), 320, torch.device("cpu"))
+    flat.load_state_dict(plain["model"])
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (adapted(idx) - flat(idx)).abs().max() < 1e-5
+        assert (adapted(idx) - tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+
+
+def test_lora_resume_is_exact(gpt2_corpus, tmp_path):
+    gpt2_folder(tmp_path / "gpt2")
+    kw = dict(init_from=str(tmp_path / "gpt2"), lora_rank=2, lora_targets="attn", lr=1e-2, batch_size=2, keep_last=5)
+    ra = tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, **kw))
+    for _, p in tg.list_checkpoints(str(tmp_path / "a"))[-1:]:
+        os.remove(p)  # back to step 4, then on to 8 again
+    rb = tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, resume=True, **kw))
+    assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(lora_rank=4), "LoRA needs a rank >= 0, --init_from=WEIGHTS"),
+    (dict(lora_rank=4, init_from="x", lora_targets="attn,conv"), "targets among attn,mlp"),
+    (dict(merge_lora=True, ckpt="nowhere"), "--merge_lora needs --ckpt=PATH, a checkpoint of a LoRA run"),
+])
+def test_bad_lora_flags_give_one_line_errors(corpus, tmp_path, kw, message):
+    with pytest.raises(SystemExit) as e:
+        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, **kw))
     assert message in str(e.value) and "\n" not in str(e.value)
