@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on CUDA; PyTorch elsewhere
 
@@ -76,6 +77,9 @@ class Config:
     lora_rank: int = 0                 # LoRA adapters of this rank on --lora_targets, the rest frozen; 0 = off
     lora_alpha: float = 16.0           # LoRA: the adapters' output is scaled by alpha / rank
     lora_targets: str = "attn,mlp"     # LoRA: attn (qkv and out projections) and/or mlp (both matrices), comma-separated
+    teacher: str = ""                  # distil from this model (a checkpoint, a GPT-2 name or folder); empty = off
+    distill_weight: float = 0.5        # the loss is (1 - w) CE + w T^2 KL(teacher || student)
+    distill_temp: float = 2.0          # T: both softmaxes at this temperature
     # budget: max_steps, else tokens, else time_budget
     max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
     tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
@@ -191,6 +195,8 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
         die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
             f"adapt, and targets among attn,mlp")
+    if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
+        die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens and cfg.tokens != "auto":
@@ -350,8 +356,34 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets."""
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None, teacher=None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets;
+        teacher = (model, weight W, temperature): (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015)."""
+        x, w = self.hidden(idx, cache)
+        cap = self.cfg.logit_softcap or None
+        if targets is not None:  # head and loss fused in chunks: the (B*T, V) logits never exist at once;
+            if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
+                dt = torch.get_autocast_dtype(x.device.type)
+                x, w = x.to(dt), w.to(dt)
+            # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
+            loss = kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss)
+            if teacher is None:
+                return loss
+            model, weight, temp = teacher
+            with torch.no_grad():
+                xt, wt = model.hidden(idx)
+            return (1 - weight) * loss + weight * temp ** 2 * distill_kl(self, x, w, model, xt, wt, temp)
+        if cache is not None:
+            cache.pos += idx.size(1)
+        return self.logits(x, w)
+
+    def logits(self, x, w):
+        """(..., V) logits of final hidden states x under head weight w: fp32 for the softmax even under autocast."""
+        logits, cap = F.linear(x, w).float(), self.cfg.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def hidden(self, idx, cache=None):
+        """(final hidden states (B, T, d) of idx (B, T), head weight): everything but the head."""
         B, T = idx.shape
         pos = cache.pos if cache is not None else 0
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
@@ -361,18 +393,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, cache)
         x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m (exactly 1 otherwise)
-        w = self.wte.weight if self.head is None else self.head.weight
-        cap = self.cfg.logit_softcap or None
-        if targets is not None:  # head and loss fused in chunks: the (B*T, V) logits never exist at once;
-            if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
-                dt = torch.get_autocast_dtype(x.device.type)
-                x, w = x.to(dt), w.to(dt)
-            # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
-            return kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss)
-        if cache is not None:
-            cache.pos += T
-        logits = F.linear(x, w).float()  # (B, T, V), the softmax in fp32 even under autocast
-        return cap * torch.tanh(logits / cap) if cap else logits
+        return x, self.wte.weight if self.head is None else self.head.weight
 
     @classmethod
     def from_pretrained(cls, name_or_path, device="cpu"):
@@ -422,6 +443,19 @@ class GPT(nn.Module):
             if i + 1 < max_new_tokens and cache.pos < T:
                 logits = self(nxt, cache=cache)
         return out
+
+
+def distill_kl(student, x, w, teacher, xt, wt, temp):
+    """KL(teacher || student) of the softmaxes at temperature temp over the real vocab, summed over it and averaged
+    over positions. In chunks of rows, each recomputed in the backward pass: the (B*T, V) logits never exist at once."""
+    x, xt, V = x.flatten(0, 1), xt.flatten(0, 1), student.vocab_size
+    rows = max(1, kernels.SMALL_LOGITS // w.size(0))
+
+    def chunk(xs, xts):
+        s, t = student.logits(xs, w)[:, :V] / temp, teacher.logits(xts, wt)[:, :V] / temp
+        return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum")
+    return sum(torch.utils.checkpoint.checkpoint(chunk, x[i:i + rows], xt[i:i + rows], use_reentrant=False)
+               for i in range(0, len(x), rows)) / len(x)
 
 
 def build_model(cfg, vocab_size, device):
@@ -975,6 +1009,8 @@ def train(cfg, stop):
         raw.load_state_dict(init["model"])
     if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
         add_lora(raw, cfg)
+    teacher = (load_teacher(cfg, device, vocab_size, None if cfg.benchmark else tokenizer), cfg.distill_weight,
+               cfg.distill_temp) if cfg.teacher else None
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
@@ -1007,7 +1043,7 @@ def train(cfg, stop):
         for micro in range(accum):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
-                    loss = model(x, y, cfg.z_loss) / accum  # the mean over micro-steps: grads equal one big batch's
+                    loss = model(x, y, cfg.z_loss, teacher=teacher) / accum  # the mean of micro-steps: one big batch
                 data_state, (x, y) = train_loader.state(), train_loader.next()  # read ahead while the GPU computes
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -1089,6 +1125,17 @@ def load_init(cfg, rank, world_size):
     return cfg, init
 
 
+def load_teacher(cfg, device, vocab_size, tokenizer):
+    """--teacher: the model to distil from, frozen in eval mode; it must read the student's tokens (None: any)."""
+    teacher, tok, _, path = load_model(cfg.teacher, device)
+    if teacher.vocab_size != vocab_size or any(tok.get(k) != (tokenizer or tok).get(k) for k in ("tokenizer", "ranks", "itos")):
+        die(f"--teacher={cfg.teacher} reads {tok['tokenizer']} tokens ({teacher.vocab_size}) but the student reads "
+            f"{(tokenizer or tok)['tokenizer']} tokens ({vocab_size}); distillation needs the one tokenizer")
+    print(f"--teacher={path}: {sum(p.numel() for p in teacher.parameters()) / 1e6:.2f}M parameters | loss "
+          f"(1 - {cfg.distill_weight:g}) CE + {cfg.distill_weight:g} x {cfg.distill_temp:g}^2 KL(teacher || student)")
+    return teacher.requires_grad_(False)
+
+
 def skip_data(cfg, run, ranges):
     """After a rollback: append the token ranges read since the checkpoint to out_dir/skipped.tsv, never trained on;
     --skip_data=that file keeps any later run off them too."""
@@ -1110,24 +1157,28 @@ def read_skip_file(path):
 
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
-    where, (_, _, device) = cfg.ckpt or cfg.init_from or cfg.out_dir, setup_dist(cfg.device)
-    if is_gpt2(where):  # GPT-2 itself: --sample --init_from=gpt2
-        ckpt, path = {"step": "pretrained", "tokenizer": GPT2_TOKENIZER}, where
-        model = GPT.from_pretrained(where, device)
-    else:
-        ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    with reading(path, "pass a checkpoint written by train_gpt.py"):
-        if "model" in ckpt:
-            trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
-            model = build_model(trained, data_info_of(ckpt)["vocab_size"], device)
-            model = add_lora(model, trained) if trained.lora_rank else model
-            model.load_state_dict(ckpt["model"])
-        load_tokenizer(ckpt["tokenizer"])
-    ids, text = sample(model, ckpt["tokenizer"], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
-    print(f"# {path} (step {ckpt['step']})\n{text}")
+    _, _, device = setup_dist(cfg.device)
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.init_from or cfg.out_dir, device)
+    ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
+    print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
+
+
+def load_model(where, device):
+    """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or a Hugging Face folder) or of a checkpoint of this
+    script (a LoRA run's adapters merged in): what --sample and --teacher read."""
+    if is_gpt2(where):
+        return GPT.from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
+    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None:
+        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH (a checkpoint or GPT-2)")
+    with reading(path, "pass a checkpoint written by train_gpt.py"):
+        c = ckpt["config"]
+        model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__ and k != "lora_rank"}),
+                            data_info_of(ckpt)["vocab_size"], device)
+        model.load_state_dict(merge_lora(ckpt["model"], c) if c.get("lora_rank") else ckpt["model"])
+        load_tokenizer(ckpt["tokenizer"])
+    return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
 def merge_main(cfg):
     """--merge_lora: the LoRA checkpoint at --ckpt with its adapters merged into the weights, written to --out_dir as a

@@ -214,3 +214,40 @@ def test_bad_lora_flags_give_one_line_errors(corpus, tmp_path, kw, message):
     with pytest.raises(SystemExit) as e:
         tg.main(tiny(corpus, tmp_path / "out", max_steps=2, **kw))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_distill_kl_in_chunks_equals_the_whole(monkeypatch):
+    cfg = tg.Config(**{**dict(n_layer=1, n_head=2, n_embd=32, seq_len=16), "logit_softcap": 5.0})
+    student, teacher = (tg.build_model(tg.Config(**{**vars(cfg), "seed": s}), 100, torch.device("cpu")) for s in (0, 1))
+    for m in (student, teacher):  # zero-init heads would make every logit 0
+        torch.nn.init.normal_(m.head.weight, std=0.5)
+    idx = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(0))
+    x, w = student.hidden(idx)
+    xt, wt = teacher.hidden(idx)
+    s, t = student.logits(x, w)[..., :100] / 2.0, teacher.logits(xt, wt)[..., :100] / 2.0
+    whole = (t.softmax(-1) * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1).mean()  # KL(teacher || student)
+    gw, = torch.autograd.grad(whole, w, retain_graph=True)
+    monkeypatch.setattr(tg.kernels, "SMALL_LOGITS", 7 * 128)  # chunks of 7 rows of 48 (the vocab pads to 128)
+    chunked = tg.distill_kl(student, x, w, teacher, xt.detach(), wt.detach(), 2.0)
+    gc, = torch.autograd.grad(chunked, w)
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5) and whole.item() > 0.01
+    assert torch.allclose(gc, gw, atol=1e-6)
+    assert tg.distill_kl(student, x, w, student, x, w, 2.0).abs().item() < 1e-6  # a teacher equal to the student
+
+
+def test_distillation_weight_zero_is_plain_training_and_a_copy_teaches_nothing(corpus, tmp_path):
+    tg.main(tiny(corpus, tmp_path / "teacher", max_steps=6, n_layer=1))
+    plain = tg.main(tiny(corpus, tmp_path / "plain", max_steps=4))
+    w0 = tg.main(tiny(corpus, tmp_path / "w0", max_steps=4, teacher=str(tmp_path / "teacher"), distill_weight=0.0))
+    assert losses(tmp_path / "w0") == losses(tmp_path / "plain") and w0["val_loss"] == plain["val_loss"]
+    same = tiny(corpus, tmp_path / "same", max_steps=1, init_from=str(tmp_path / "teacher"), teacher=str(tmp_path / "teacher"),
+                distill_weight=1.0)
+    tg.main(same)
+    assert abs(losses(tmp_path / "same")[1]) < 1e-5  # all KL, and the KL of a model to itself is 0
+
+
+def test_teacher_with_another_tokenizer_is_a_one_line_error(corpus, tmp_path):
+    gpt2_folder(tmp_path / "gpt2")
+    with pytest.raises(SystemExit) as e:
+        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, teacher=str(tmp_path / "gpt2")))
+    assert "reads gpt2 tokens (320) but the student reads byte tokens (257)" in str(e.value) and "\n" not in str(e.value)
