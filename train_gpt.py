@@ -134,6 +134,9 @@ class Config:
     sample: bool = False               # sample from a checkpoint instead of training
     ckpt: str = ""                     # checkpoint file or directory to sample from (or merge); empty = out_dir
     merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
+    export: str = ""                   # int8: write --ckpt with int8 hidden weights to --out_dir, val loss before/after
+    qat: int = 0                       # quantization-aware training: hidden weights fake-quantized to this many bits
+                                       # in the forward pass (8 matches --export=int8); 0 = off
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
     temperature: float = 0.8           # 0 = greedy
@@ -157,14 +160,14 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # a resume shares these too; --init_from does not
 
 
 def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and batch layout."""
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS + LORA_FIELDS}, "batch_size": B, "grad_accum": accum,
+    return {**{k: c.get(k, getattr(Config, k)) for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size": B, "grad_accum": accum,
             "world_size": world_size, **data_info}
 
 
@@ -195,6 +198,8 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
         die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
             f"adapt, and targets among attn,mlp")
+    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
+        die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
         die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
@@ -255,6 +260,29 @@ class KVCache:
         return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
 
 
+def quantize(w, bits=8):
+    """(integers in [-(2^(bits-1) - 1), 2^(bits-1) - 1], scales (out, 1)): w (out, in) on a symmetric grid per output
+    channel, the scale set by the row's largest |w|."""
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / (2 ** (bits - 1) - 1)
+    return (w / scale).round(), scale
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight is fake-quantized in the forward pass when bits > 0 (QAT): rounded to quantize()'s
+    grid, which --export=int8 uses, while the gradient passes straight through to the float weight (STE)."""
+
+    def __init__(self, n_in, n_out, bias=False, bits=0):
+        super().__init__(n_in, n_out, bias=bias)
+        self.bits = bits
+
+    def forward(self, x):
+        if not self.bits:
+            return super().forward(x)
+        with torch.no_grad():
+            q, scale = quantize(self.weight, self.bits)
+        return F.linear(x, self.weight + (q * scale - self.weight).detach(), self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -263,8 +291,8 @@ class Attention(nn.Module):
         # muP: logits q.k / d, not / sqrt(d), since trained q and k become correlated and q.k grows like d; written
         # as 1 / sqrt(d * m) it equals the usual 1 / sqrt(d) at the base width (head dim grows with width)
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
-        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=cfg.bias)
+        self.qkv = Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, cfg.bias, cfg.qat)
+        self.proj = Linear(self.n_head * self.hd, cfg.n_embd, cfg.bias, cfg.qat)
         self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
 
@@ -290,8 +318,8 @@ class MLP(nn.Module):
         self.kind = cfg.mlp
         # SwiGLU has three matrices, so its hidden width is 2/3 of 4d to keep the parameter count (Shazeer 2020)
         hidden = 64 * math.ceil(8 * cfg.n_embd / 3 / 64) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.fc = Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, cfg.bias, cfg.qat)
+        self.proj = Linear(hidden, cfg.n_embd, cfg.bias, cfg.qat)
 
     def forward(self, x):
         h = self.fc(x)
@@ -961,6 +989,8 @@ def main(cfg):
         return sample_main(cfg)
     if cfg.merge_lora:
         return merge_main(cfg)
+    if cfg.export:
+        return export_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
 
@@ -1119,7 +1149,7 @@ def load_init(cfg, rank, world_size):
     with reading(path, "pass a checkpoint written by train_gpt.py"):
         arch = {k: ckpt["config"][k] for k in ARCH_FIELDS if k in ckpt["config"]}
         cfg = dataclasses.replace(cfg, **arch)
-        weights = merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"]
+        weights = dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
         init = {"model": weights, "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
     print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule")
     return cfg, init
@@ -1176,9 +1206,51 @@ def load_model(where, device):
         c = ckpt["config"]
         model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__ and k != "lora_rank"}),
                             data_info_of(ckpt)["vocab_size"], device)
-        model.load_state_dict(merge_lora(ckpt["model"], c) if c.get("lora_rank") else ckpt["model"])
+        model.load_state_dict(dequantize(merge_lora(ckpt["model"], c) if c.get("lora_rank") else ckpt["model"]))
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
+
+def dequantize(sd):
+    """A float state dict from an --export=int8 one: each int8 weight times its per-row scale."""
+    return {k: v.float() * sd[k + "_scale"] if v.dtype == torch.int8 else v for k, v in sd.items()
+            if not k.endswith("_scale")}
+
+
+def export_main(cfg):
+    """--export=int8: --ckpt with the hidden matrices as int8 and an fp32 scale per output channel (the embeddings, head
+    and norms keep their precision), written to --out_dir; then both models' val loss on --data_dir, if it is there."""
+    ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
+    if ckpt is None:
+        die(f"--export needs --ckpt=PATH, a checkpoint of train_gpt.py; {cfg.ckpt or 'none was given'} is not one")
+    if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
+        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the exported model")
+    with reading(path, "pass a checkpoint written by train_gpt.py"):
+        sd = dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
+        out = {}
+        for k, v in sd.items():
+            if k.startswith("blocks.") and v.ndim == 2:  # the hidden matrices: most of the bytes, and robust to it
+                q, out[k + "_scale"] = quantize(v.float())
+                out[k] = q.to(torch.int8)
+            else:
+                out[k] = v
+        ckpt.update(model=out, optim=None, config={**ckpt["config"], "lora_rank": 0, "qat": 0, "out_dir": cfg.out_dir})
+    write_checkpoint(cfg, ckpt)
+    size = [sum(v.numel() * v.element_size() for v in d.values()) / 1e6 for d in (sd, out)]
+    result = {"path": list_checkpoints(cfg.out_dir)[-1][1], "float_mb": size[0], "int8_mb": size[1]}
+    if os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on the full val split
+        meta, (_, _, device) = load_meta(cfg.data_dir), setup_dist(cfg.device)
+        for name, where in (("float", path), ("int8", result["path"])):
+            model, _, step, _ = load_model(where, device)
+            c = model.cfg
+            loader = TokenLoader(find_shards(cfg.data_dir, "val"), c.batch_size, c.seq_len, 0, 1, device, meta["eot_id"],
+                                 lanes=c.batch_size, vocab_size=model.vocab_size)
+            rec = evaluate(c, model, loader, contextlib.nullcontext(), 1, meta, step, final=True)
+            result.update({f"{name}_{k}": v for k, v in rec.items()})
+    print(f"exported {path} to {result['path']}: weights {size[0]:.2f} MB -> {size[1]:.2f} MB" + "".join(
+        f" | {k.replace('_', ' ')} {result['float_' + k]:.4f} -> {result['int8_' + k]:.4f}" for k in ("val_loss", "val_bpb")
+        if "int8_" + k in result))
+    return result
+
 
 def merge_main(cfg):
     """--merge_lora: the LoRA checkpoint at --ckpt with its adapters merged into the weights, written to --out_dir as a

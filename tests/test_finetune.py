@@ -251,3 +251,42 @@ def test_teacher_with_another_tokenizer_is_a_one_line_error(corpus, tmp_path):
     with pytest.raises(SystemExit) as e:
         tg.main(tiny(corpus, tmp_path / "out", max_steps=2, teacher=str(tmp_path / "gpt2")))
     assert "reads gpt2 tokens (320) but the student reads byte tokens (257)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 0, 64)[:, None]
+    w[3, 7] = 40.0  # an outlier widens its own row's step only
+    q, scale = tg.quantize(w)
+    back = tg.dequantize({"x.weight": q.to(torch.int8), "x.weight_scale": scale})["x.weight"]
+    assert q.abs().max() == 127 and ((back - w).abs() <= scale / 2 * (1 + 1e-5)).all()
+    assert (back - w)[torch.arange(64) != 3].abs().max() < 0.01 * w.abs().max()
+
+
+def test_export_int8_keeps_the_loss_and_samples(corpus, tmp_path):
+    tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2, optimizer="adamw"))
+    r = tg.main(tg.Config(export="int8", ckpt=str(tmp_path / "a"), out_dir=str(tmp_path / "q"), data_dir=str(corpus),
+                          device="cpu"))
+    assert r["float_val_loss"] < 3.0 and abs(r["int8_val_loss"] - r["float_val_loss"]) < 0.01  # measured: 1e-4
+    assert r["int8_mb"] < 0.5 * r["float_mb"]  # the hidden matrices at a quarter; embedding and head as they were
+    ckpt, _ = tg.load_checkpoint(r["path"])
+    assert ckpt["model"]["blocks.0.attn.qkv.weight"].dtype == torch.int8 and ckpt["model"]["wte.weight"].dtype == torch.float32
+    out = tg.main(tg.Config(sample=True, ckpt=r["path"], max_new_tokens=20, device="cpu"))
+    assert len(out["ids"]) == 1 + 20
+
+
+def test_qat_at_16_bits_trains_as_plain(corpus, tmp_path):
+    tg.main(tiny(corpus, tmp_path / "plain", max_steps=8))
+    tg.main(tiny(corpus, tmp_path / "qat", max_steps=8, qat=16))  # 16-bit grid steps are far below the updates
+    plain, qat = losses(tmp_path / "plain"), losses(tmp_path / "qat")
+    assert all(qat[s] == pytest.approx(plain[s], abs=1e-4) for s in plain) and plain[8] < plain[1] - 0.5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(export="int8", ckpt="nowhere"), "--export needs --ckpt=PATH, a checkpoint of train_gpt.py; nowhere is not one"),
+    (dict(export="int4"), "--export only int8"),
+    (dict(qat=1), "--qat takes 0 (off) or 2 bits and up"),
+])
+def test_bad_export_flags_give_one_line_errors(corpus, tmp_path, kw, message):
+    with pytest.raises(SystemExit) as e:
+        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, **kw))
+    assert message in str(e.value) and "\n" not in str(e.value)
