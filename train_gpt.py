@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import gc
 import glob
 import inspect
 import json
@@ -68,6 +69,8 @@ class Config:
     tie_embeddings: bool = False       # share the input embedding with the output head
     logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
     rope_base: float = 10000.0         # RoPE theta
+    window: int = 0                    # sliding-window attention: a query sees the last W positions; 0 = all before it
+    window_pattern: int = 0            # with --window, every k-th layer stays global (local and global, as Gemma 2)
     pos_emb: str = "rope"              # rope|learned (absolute positions, as GPT-2)
     bias: bool = False                 # biases in the linear layers and LayerNorms, as GPT-2
     norm_eps: float = 1e-6             # epsilon of the norms (GPT-2: 1e-5)
@@ -121,10 +124,12 @@ class Config:
     skip_data: str = ""                # TSV of token ranges (shard, start, end) never read, e.g. a rollback's skipped.tsv
     sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
     # system
+    activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
     seed: int = 1337                   # init and sampling
     benchmark: bool = False            # time steps on synthetic tokens and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
@@ -160,7 +165,7 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # a resume shares these too; --init_from does not
+ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat", "window", "window_pattern")  # a resume shares these too; --init_from does not
 
 
 def run_layout(c, world_size, data_info):
@@ -198,6 +203,8 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
         die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
             f"adapt, and targets among attn,mlp")
+    if min(cfg.window, cfg.window_pattern) < 0:
+        die("--window and --window_pattern must be >= 0")
     if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
         die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
@@ -293,6 +300,8 @@ class Attention(nn.Module):
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
         self.qkv = Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, cfg.bias, cfg.qat)
         self.proj = Linear(self.n_head * self.hd, cfg.n_embd, cfg.bias, cfg.qat)
+        local = cfg.window and not (cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0)
+        self.window = cfg.window if local else None  # e.g. pattern 3: layers 0, 1 local, 2 global, 3, 4 local, ...
         self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
 
@@ -308,7 +317,7 @@ class Attention(nn.Module):
         if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
             k, v = cache.update(self.layer, k, v)
         # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
-        y = kernels.attention(q, k, v, causal=True, scale=self.scale)
+        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -338,9 +347,17 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.attn = Norm(cfg.n_embd, cfg), Attention(cfg, layer)
         self.norm2, self.mlp = Norm(cfg.n_embd, cfg), MLP(cfg)
+        self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, cos, sin, cache=None):
+        if self.checkpointing == "blocks" and torch.is_grad_enabled():  # keep the input, recompute the rest in backward
+            return torch.utils.checkpoint.checkpoint(self.sublayers, x, cos, sin, cache, use_reentrant=False)
+        return self.sublayers(x, cos, sin, cache)
+
+    def sublayers(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
+        if self.checkpointing == "selective" and torch.is_grad_enabled():  # keep attention's output, recompute the MLP
+            return x + torch.utils.checkpoint.checkpoint(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
 
@@ -1281,13 +1298,16 @@ def field_comments(cls):
     return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
 def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark."""
+    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark, --offload
+    FSDP."""
     for name, comment in field_comments(type(cfg)).items():
         m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
         if m and str(getattr(cfg, name)) not in m[0].split("|"):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
+    if cfg.offload != "none" and cfg.parallel != "fsdp":
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
     """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
@@ -1323,6 +1343,8 @@ def setup_dist(device_arg="auto"):
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
     rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -1368,16 +1390,20 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
+    if cfg.offload != "none" and world_size == 1:
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # grads are averaged in fp32
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # grads averaged in fp32
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else
+                  OffloadPolicy())  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(raw, mp_policy=mp), compiled
+            fully_shard(block, **kw)
+        return fully_shard(raw, **kw), compiled
     model = torch.compile(raw) if compiled else raw
     if world_size > 1:  # buffers are constants: nothing to broadcast
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1434,6 +1460,8 @@ class Run:
         local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
                              loss_sum.new_tensor(self.train_time + now - self.t_last)])
         loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
+        if not gc.get_freeze_count():  # after the first step, what lives to the end exists (the model, compiled code):
+            gc.freeze()  # the collector need not walk it again in every collection
         self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
         if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
             self.bench0 = self.train_time
