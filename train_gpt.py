@@ -99,6 +99,8 @@ class Config:
     beta2: float = 0.95                # AdamW
     grad_clip: float = 1.0             # max global grad norm; 0 = off
     z_loss: float = 0.0                # weight of logsumexp(logits)^2 (PaLM uses 1e-4); 0 = off
+    seq_len_warmup: int = 0            # steps over which the training length grows from seq_len_start to seq_len; 0 = off
+    seq_len_start: int = 64            # the first length of --seq_len_warmup (more rows of it: the tokens per step stay)
     schedule: str = "cosine"           # cosine|wsd|constant, after linear warmup
     warmup_steps: int = 20             # linear warmup, in optimizer steps
     cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
@@ -165,7 +167,8 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat", "window", "window_pattern")  # a resume shares these too; --init_from does not
+ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat", "window", "window_pattern", "seq_len_warmup",
+                "seq_len_start")  # a resume shares these too; --init_from does not
 
 
 def run_layout(c, world_size, data_info):
@@ -203,8 +206,11 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
         die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
             f"adapt, and targets among attn,mlp")
-    if min(cfg.window, cfg.window_pattern) < 0:
-        die("--window and --window_pattern must be >= 0")
+    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
+        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
+    if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
+        die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
+            f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
     if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
         die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
@@ -720,8 +726,8 @@ class TokenLoader:
         k = max(1, min(self.lanes, n // (self.T + 1)))
         return [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
 
-    def _next_row(self):
-        T, lane = self.T, self.lane
+    def _next_row(self, T):
+        lane = self.lane
         while True:
             start, end = self.pos[lane], self.ends[lane]
             if start + T + 1 > end:  # this lane is used up: all lanes move on to the next shard
@@ -756,11 +762,14 @@ class TokenLoader:
             i = (i + 1) % len(self.files)
         return out + [(name(i), s, q) for s, q in zip(self.lane_bounds(i)[0], b["pos"]) if q > s]
 
-    def next(self):
-        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped."""
-        rows = [self._next_row() for _ in range(self.B * self.world_size)]
-        mine = rows[self.rank * self.B:(self.rank + 1) * self.B]
-        buf = np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine])
+    def next(self, T=None):
+        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped. A
+        shorter T gives more rows, B * loader's T / T of them: the same tokens per batch (--seq_len_warmup)."""
+        T = T or self.T
+        B = self.B * self.T // T
+        rows = [self._next_row(T) for _ in range(B * self.world_size)]
+        mine = rows[self.rank * B:(self.rank + 1) * B]
+        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
         if buf.max() >= self.vocab_size:  # would index past the embedding: a crash on CPU, a device assert on CUDA
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; the shards and "
                 f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
@@ -781,7 +790,7 @@ class SyntheticLoader:
     def state(self):
         return {}
 
-    def next(self):
+    def next(self, T=None):
         return self.x[:, :-1], self.x[:, 1:]
 
 
@@ -880,6 +889,15 @@ def build_optimizers(cfg, raw, device):
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
     return opts
+
+
+def seq_len_at(cfg, step):
+    """--seq_len_warmup: the training length at step, growing linearly from --seq_len_start to --seq_len in multiples
+    of 64 that divide batch_size x seq_len, so every step keeps its tokens (Li et al. 2022, sequence length warmup)."""
+    if step >= cfg.seq_len_warmup:
+        return cfg.seq_len
+    t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
+    return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
 
 
 def lr_mult(cfg, step, progress):
@@ -1070,7 +1088,7 @@ def train(cfg, stop):
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
     run.resume(run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}), train_loader)
-    data_state, (x, y) = train_loader.state(), train_loader.next()  # bad data stops the run before anything is written
+    data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, run.step))  # bad data stops it now
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
           f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
@@ -1091,7 +1109,8 @@ def train(cfg, stop):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     loss = model(x, y, cfg.z_loss, teacher=teacher) / accum  # the mean of micro-steps: one big batch
-                data_state, (x, y) = train_loader.state(), train_loader.next()  # read ahead while the GPU computes
+                # read ahead while the GPU computes: the next micro-step's batch, maybe of the next step's length
+                data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, run.step + (micro == accum - 1)))
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:

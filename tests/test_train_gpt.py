@@ -269,7 +269,8 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
     (["--skip_data=/nonexistent.tsv", "--max_steps=1"], "--skip_data=/nonexistent.tsv"),
     (["--offload=params", "--max_steps=1"], "--offload needs --parallel=fsdp under torchrun"),
-    (["--window=-1", "--max_steps=1"], "--window and --window_pattern must be >= 0"),
+    (["--window=-1", "--max_steps=1"], "--window, --window_pattern and --seq_len_warmup must be >= 0"),
+    (["--seq_len_warmup=10", "--seq_len=100", "--max_steps=1"], "needs --seq_len a multiple of 64 (got 100)"),
     (["--activation_checkpointing=all", "--max_steps=1"], "not one of none|blocks|selective"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
@@ -578,3 +579,17 @@ def test_window_layers_and_the_kv_cache(monkeypatch):
     windowed = model(idx, idx)
     model.blocks[0].attn.window = model.blocks[1].attn.window = None
     assert abs(model(idx, idx).item() - windowed.item()) > 1e-4  # the window changes what the model computes
+
+
+def test_seq_len_warmup_keeps_tokens_per_step_and_resumes_exactly(corpus, tmp_path):
+    cfg = tiny(corpus, tmp_path, seq_len=256, batch_size=3, seq_len_warmup=6, seq_len_start=64)
+    assert [tg.seq_len_at(cfg, s) for s in range(8)] == [64, 64, 128, 128, 192, 192, 256, 256]
+    loader = tg.TokenLoader(tg.find_shards(str(corpus), "train"), 3, 256, 0, 1, torch.device("cpu"), 256, lanes=3)
+    for T in (64, 128, 192, 256):  # more, shorter rows: the same tokens
+        x, y = loader.next(T)
+        assert x.shape == (3 * 256 // T, T) and torch.equal(x[:, 1:], y[:, :-1])
+    kw = dict(seq_len=128, seq_len_warmup=4, max_steps=6, save_every=3, keep_last=5, grad_accum=2)
+    ra = tg.main(tiny(corpus, tmp_path / "a", **kw))
+    os.remove(tg.list_checkpoints(str(tmp_path / "a"))[-1][1])  # back to step 3, mid-warmup: 64 then 128 tokens long
+    rb = tg.main(tiny(corpus, tmp_path / "a", resume=True, **kw))
+    assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
