@@ -514,14 +514,17 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_
 # Attention
 
 
-def attention_ref(q, k, v, causal=True, scale=None):
-    """softmax(q k^T * scale) v in fp32; q (B, Hq, T, D), k and v (B, Hkv, T, D), a kv head per Hq/Hkv q heads."""
+def attention_ref(q, k, v, causal=True, scale=None, window=None):
+    """softmax(q k^T * scale) v in fp32; q (B, Hq, T, D), k and v (B, Hkv, T, D), a kv head per Hq/Hkv q heads. With a
+    window W, query i sees key j if and only if i - W < j <= i (sliding-window attention, Beltagy et al. 2020)."""
     B, Hq, T, D = q.shape
     Tk, G = k.shape[2], Hq // k.shape[1]
     qf, kf, vf = q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
     s = (qf @ kf.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(D))  # (B, Hq, T, Tk)
     if causal:  # aligned bottom-right when T < Tk (queries are the last T positions, as with a KV cache)
         s = s.masked_fill(torch.ones(T, Tk, dtype=torch.bool, device=q.device).triu(Tk - T + 1), float("-inf"))
+    if window:  # query i is key position Tk - T + i: keys at or before that minus W are out of its window
+        s = s.masked_fill(torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T - window), float("-inf"))
     return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
 
 
@@ -770,20 +773,27 @@ def _attn_backward(ctx, do, dlse):
 _attn_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
-def _attn_torch(q, k, v, causal, scale):
+def _attn_torch(q, k, v, causal, scale, window=None):
     """F.scaled_dot_product_attention with the reference's conventions: the causal mask aligned bottom-right when
     there are fewer queries than keys (SDPA's is_causal aligns it top-left), and q's dtype out (SDPA under CPU
-    autocast returns bf16 for fp32 inputs; the reference and the Triton op keep q's)."""
+    autocast returns bf16 for fp32 inputs; the reference and the Triton op keep q's). A window is a boolean mask."""
     T, Tk = q.shape[2], k.shape[2]
-    mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T) if causal and T != Tk else None
+    mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T) if causal and (T != Tk or window) else None
+    if window:
+        mask &= ~torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T - window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
-def attention(q, k, v, causal=True, scale=None):
-    """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D)."""
-    if not _use_triton(q, k, v, auto=False) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:  # decode steps: PyTorch's
-        return _attn_torch(q, k, v, causal, scale)
+def attention(q, k, v, causal=True, scale=None, window=None):
+    """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D). With a
+    window W (causal only), query i sees key j if and only if i - W < j <= i."""
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(f"kernels.attention: a window must be >= 1 and causal, got window={window}, causal={causal}")
+    # decode steps and windows: PyTorch's path (a Triton kernel that skips the tiles outside a window waits for a GPU
+    # to time it; PyTorch masks them, so a window costs as much as full attention there)
+    if window or not _use_triton(q, k, v, auto=False) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:
+        return _attn_torch(q, k, v, causal, scale, window)
     return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
 
 

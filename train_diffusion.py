@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import gc
 import glob
 import inspect
 import json
@@ -119,6 +120,7 @@ class Config:
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
     seed: int = 1337                   # init, data order, noise and timesteps
     benchmark: bool = False            # time steps on synthetic images and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
@@ -870,13 +872,16 @@ def field_comments(cls):
     return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
 def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark."""
+    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark, --offload
+    FSDP."""
     for name, comment in field_comments(type(cfg)).items():
         m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
         if m and str(getattr(cfg, name)) not in m[0].split("|"):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
+    if cfg.offload != "none" and cfg.parallel != "fsdp":
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
     """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
@@ -912,6 +917,8 @@ def setup_dist(device_arg="auto"):
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
     rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -957,16 +964,20 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
+    if cfg.offload != "none" and world_size == 1:
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # grads are averaged in fp32
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # grads averaged in fp32
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else
+                  OffloadPolicy())  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(raw, mp_policy=mp), compiled
+            fully_shard(block, **kw)
+        return fully_shard(raw, **kw), compiled
     model = torch.compile(raw) if compiled else raw
     if world_size > 1:  # buffers are constants: nothing to broadcast
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1023,6 +1034,8 @@ class Run:
         local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
                              loss_sum.new_tensor(self.train_time + now - self.t_last)])
         loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
+        if not gc.get_freeze_count():  # after the first step, what lives to the end exists (the model, compiled code):
+            gc.freeze()  # the collector need not walk it again in every collection
         self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
         if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
             self.bench0 = self.train_time

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import gc
 import glob
 import inspect
 import json
@@ -68,6 +69,8 @@ class Config:
     tie_embeddings: bool = False       # share the input embedding with the output head
     logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
     rope_base: float = 10000.0         # RoPE theta
+    window: int = 0                    # sliding-window attention: a query sees the last W positions; 0 = all before it
+    window_pattern: int = 0            # with --window, every k-th layer stays global (local and global, as Gemma 2)
     pos_emb: str = "rope"              # rope|learned (absolute positions, as GPT-2)
     bias: bool = False                 # biases in the linear layers and LayerNorms, as GPT-2
     norm_eps: float = 1e-6             # epsilon of the norms (GPT-2: 1e-5)
@@ -96,6 +99,8 @@ class Config:
     beta2: float = 0.95                # AdamW
     grad_clip: float = 1.0             # max global grad norm; 0 = off
     z_loss: float = 0.0                # weight of logsumexp(logits)^2 (PaLM uses 1e-4); 0 = off
+    seq_len_warmup: int = 0            # steps over which the training length grows from seq_len_start to seq_len; 0 = off
+    seq_len_start: int = 64            # the first length of --seq_len_warmup (more rows of it: the tokens per step stay)
     schedule: str = "cosine"           # cosine|wsd|constant, after linear warmup
     warmup_steps: int = 20             # linear warmup, in optimizer steps
     cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
@@ -121,10 +126,12 @@ class Config:
     skip_data: str = ""                # TSV of token ranges (shard, start, end) never read, e.g. a rollback's skipped.tsv
     sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
     # system
+    activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
     dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
+    offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
     seed: int = 1337                   # init and sampling
     benchmark: bool = False            # time steps on synthetic tokens and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
@@ -160,7 +167,8 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # a resume shares these too; --init_from does not
+ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat", "window", "window_pattern", "seq_len_warmup",
+                "seq_len_start")  # a resume shares these too; --init_from does not
 
 
 def run_layout(c, world_size, data_info):
@@ -198,6 +206,11 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
         die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
             f"adapt, and targets among attn,mlp")
+    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
+        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
+    if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
+        die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
+            f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
     if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
         die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
@@ -293,6 +306,8 @@ class Attention(nn.Module):
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
         self.qkv = Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, cfg.bias, cfg.qat)
         self.proj = Linear(self.n_head * self.hd, cfg.n_embd, cfg.bias, cfg.qat)
+        local = cfg.window and not (cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0)
+        self.window = cfg.window if local else None  # e.g. pattern 3: layers 0, 1 local, 2 global, 3, 4 local, ...
         self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
 
@@ -308,7 +323,7 @@ class Attention(nn.Module):
         if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
             k, v = cache.update(self.layer, k, v)
         # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
-        y = kernels.attention(q, k, v, causal=True, scale=self.scale)
+        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -338,9 +353,17 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.attn = Norm(cfg.n_embd, cfg), Attention(cfg, layer)
         self.norm2, self.mlp = Norm(cfg.n_embd, cfg), MLP(cfg)
+        self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, cos, sin, cache=None):
+        if self.checkpointing == "blocks" and torch.is_grad_enabled():  # keep the input, recompute the rest in backward
+            return torch.utils.checkpoint.checkpoint(self.sublayers, x, cos, sin, cache, use_reentrant=False)
+        return self.sublayers(x, cos, sin, cache)
+
+    def sublayers(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
+        if self.checkpointing == "selective" and torch.is_grad_enabled():  # keep attention's output, recompute the MLP
+            return x + torch.utils.checkpoint.checkpoint(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
 
@@ -703,8 +726,8 @@ class TokenLoader:
         k = max(1, min(self.lanes, n // (self.T + 1)))
         return [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
 
-    def _next_row(self):
-        T, lane = self.T, self.lane
+    def _next_row(self, T):
+        lane = self.lane
         while True:
             start, end = self.pos[lane], self.ends[lane]
             if start + T + 1 > end:  # this lane is used up: all lanes move on to the next shard
@@ -739,11 +762,14 @@ class TokenLoader:
             i = (i + 1) % len(self.files)
         return out + [(name(i), s, q) for s, q in zip(self.lane_bounds(i)[0], b["pos"]) if q > s]
 
-    def next(self):
-        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped."""
-        rows = [self._next_row() for _ in range(self.B * self.world_size)]
-        mine = rows[self.rank * self.B:(self.rank + 1) * self.B]
-        buf = np.stack([self.shards[s][p:p + self.T + 1] for s, p in mine])
+    def next(self, T=None):
+        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped. A
+        shorter T gives more rows, B * loader's T / T of them: the same tokens per batch (--seq_len_warmup)."""
+        T = T or self.T
+        B = self.B * self.T // T
+        rows = [self._next_row(T) for _ in range(B * self.world_size)]
+        mine = rows[self.rank * B:(self.rank + 1) * B]
+        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
         if buf.max() >= self.vocab_size:  # would index past the embedding: a crash on CPU, a device assert on CUDA
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; the shards and "
                 f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
@@ -764,7 +790,7 @@ class SyntheticLoader:
     def state(self):
         return {}
 
-    def next(self):
+    def next(self, T=None):
         return self.x[:, :-1], self.x[:, 1:]
 
 
@@ -863,6 +889,15 @@ def build_optimizers(cfg, raw, device):
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
     return opts
+
+
+def seq_len_at(cfg, step):
+    """--seq_len_warmup: the training length at step, growing linearly from --seq_len_start to --seq_len in multiples
+    of 64 that divide batch_size x seq_len, so every step keeps its tokens (Li et al. 2022, sequence length warmup)."""
+    if step >= cfg.seq_len_warmup:
+        return cfg.seq_len
+    t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
+    return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
 
 
 def lr_mult(cfg, step, progress):
@@ -1053,7 +1088,7 @@ def train(cfg, stop):
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
     run.resume(run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}), train_loader)
-    data_state, (x, y) = train_loader.state(), train_loader.next()  # bad data stops the run before anything is written
+    data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, run.step))  # bad data stops it now
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
           f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
@@ -1074,7 +1109,8 @@ def train(cfg, stop):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     loss = model(x, y, cfg.z_loss, teacher=teacher) / accum  # the mean of micro-steps: one big batch
-                data_state, (x, y) = train_loader.state(), train_loader.next()  # read ahead while the GPU computes
+                # read ahead while the GPU computes: the next micro-step's batch, maybe of the next step's length
+                data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, run.step + (micro == accum - 1)))
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
@@ -1281,13 +1317,16 @@ def field_comments(cls):
     return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
 def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark."""
+    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark, --offload
+    FSDP."""
     for name, comment in field_comments(type(cfg)).items():
         m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
         if m and str(getattr(cfg, name)) not in m[0].split("|"):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
+    if cfg.offload != "none" and cfg.parallel != "fsdp":
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
     """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
@@ -1323,6 +1362,8 @@ def setup_dist(device_arg="auto"):
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
     rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -1368,16 +1409,20 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
+    if cfg.offload != "none" and world_size == 1:
+        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # grads are averaged in fp32
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # grads averaged in fp32
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else
+                  OffloadPolicy())  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()
-            fully_shard(block, mp_policy=mp)
-        return fully_shard(raw, mp_policy=mp), compiled
+            fully_shard(block, **kw)
+        return fully_shard(raw, **kw), compiled
     model = torch.compile(raw) if compiled else raw
     if world_size > 1:  # buffers are constants: nothing to broadcast
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1434,6 +1479,8 @@ class Run:
         local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
                              loss_sum.new_tensor(self.train_time + now - self.t_last)])
         loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
+        if not gc.get_freeze_count():  # after the first step, what lives to the end exists (the model, compiled code):
+            gc.freeze()  # the collector need not walk it again in every collection
         self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
         if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
             self.bench0 = self.train_time

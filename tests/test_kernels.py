@@ -205,6 +205,30 @@ def test_attention_torch(torch_path, T, Tk, hq, hkv, causal):
           grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v), 1e-5)
 
 
+def test_attention_window_ref_is_the_band():
+    """The reference's window, against a loop over queries written from the definition: i - W < j <= i."""
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    out = kernels.attention_ref(q, k, v, causal=True, window=3)
+    for i in range(6):  # query i is position 3 + i of the 9 keys
+        p = 3 + i
+        s = (q[:, :, i:i + 1] @ k[:, :, p - 2:p + 1].transpose(-1, -2)) / 8 ** 0.5
+        close([out[:, :, i:i + 1]], [s.softmax(-1) @ v[:, :, p - 2:p + 1]], 1e-5)
+
+
+@pytest.mark.parametrize("T,Tk,hq,hkv", [(17, 17, 4, 2), (37, 37, 3, 1), (1, 23, 4, 2), (5, 23, 2, 2)])
+@pytest.mark.parametrize("window", [1, 2, 7, 16, 40])
+def test_attention_window(T, Tk, hq, hkv, window):
+    """Sliding windows from 1 key to more than T, forward and grads, GQA, odd lengths, decode against a cache; on
+    every backend (a window always takes PyTorch's path) and the same as the reference."""
+    q, k, v = torch.randn(2, hq, T, 24), torch.randn(2, hkv, Tk, 24), torch.randn(2, hkv, Tk, 24)
+    close(grads(lambda *a: kernels.attention(*a, window=window), q, k, v),
+          grads(lambda *a: kernels.attention_ref(*a, window=window), q, k, v), 1e-5)
+    if window >= Tk:  # a window past the first key is full causal attention
+        close([kernels.attention(q, k, v, window=window)], [kernels.attention_ref(q, k, v)], 1e-6)
+    with pytest.raises(ValueError, match="a window must be >= 1 and causal"):
+        kernels.attention(q, k, v, causal=False, window=window)
+
+
 def test_attention_torch_scale_non_contiguous(torch_path):
     q = torch.randn(2, 19, 3, 40).transpose(1, 2)  # (B, H, T, D) views, as the models make them
     k, v = torch.randn(2, 19, 1, 40).transpose(1, 2), torch.randn(2, 19, 1, 40).transpose(1, 2)

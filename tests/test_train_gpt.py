@@ -268,6 +268,10 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--batch_size=abc"], "invalid int value"),
     (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
     (["--skip_data=/nonexistent.tsv", "--max_steps=1"], "--skip_data=/nonexistent.tsv"),
+    (["--offload=params", "--max_steps=1"], "--offload needs --parallel=fsdp under torchrun"),
+    (["--window=-1", "--max_steps=1"], "--window, --window_pattern and --seq_len_warmup must be >= 0"),
+    (["--seq_len_warmup=10", "--seq_len=100", "--max_steps=1"], "needs --seq_len a multiple of 64 (got 100)"),
+    (["--activation_checkpointing=all", "--max_steps=1"], "not one of none|blocks|selective"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     """Bad flags fail at once, before the default data_dir (relative: in tmp_path) is prepared or out_dir written."""
@@ -340,14 +344,16 @@ def test_corrupt_newest_checkpoint_falls_back(corpus, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp --offload=params"])
 def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
-    """Two ranks with micro-batch 2 and accumulation 2 = one process with batch 8: same losses to fp32 tolerance."""
+    """Two ranks with micro-batch 2 and accumulation 2 = one process with batch 8: same losses to fp32 tolerance;
+    with FSDP2's CPU offload too (the shards, grads and optimizer state in CPU memory)."""
+    parallel, *offload = parallel.split()
     common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=5",
               "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--warmup_steps=2"]
     one = run_script(*common, "--batch_size=8", f"--out_dir={tmp_path}/one")
     two = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}", f"--out_dir={tmp_path}/two",
-                     "--save_every=3", torchrun=True)
+                     "--save_every=3", *offload, torchrun=True)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5]
@@ -358,7 +364,7 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     (tmp_path / "again").mkdir()  # resume the two-rank run from step 3: steps 4 and 5 must come out the same
     shutil.copy(tmp_path / "two" / "ckpt_0000003.pt", tmp_path / "again")
     again = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
-                       f"--out_dir={tmp_path}/again", "--resume", torchrun=True)
+                       f"--out_dir={tmp_path}/again", "--resume", *offload, torchrun=True)
     assert again.returncode == 0, again.stderr[-3000:]
     l3 = losses(tmp_path / "again")
     assert sorted(l3) == [4, 5] and all(l3[s] == pytest.approx(l2[s], rel=1e-6, abs=1e-6) for s in l3)
@@ -539,3 +545,51 @@ def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
     assert "resumed from" in k.stdout and "(torchrun restart 1)" in k.stdout
     lt, lk = losses(tmp_path / "t"), losses(tmp_path / "k")
     assert lt[6] == pytest.approx(lk[6], rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["blocks", "selective"])
+def test_activation_checkpointing_gives_the_same_grads(how):
+    x = torch.randint(0, 257, (2, 33))
+    grads = {}
+    for mode in ("none", how):
+        model = tg.build_model(tg.Config(**{**TINY, "activation_checkpointing": mode}), 257, torch.device("cpu"))
+        for p in model.parameters():  # zero-init projections would leave most grads zero
+            torch.nn.init.normal_(p, std=0.05) if p.ndim == 2 else None
+        torch.manual_seed(0)
+        model(x[:, :-1], x[:, 1:]).backward()
+        grads[mode] = [p.grad for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads["none"], grads[how]))
+    assert sum(g.abs().sum() for g in grads[how]) > 0
+
+
+def test_window_layers_and_the_kv_cache(monkeypatch):
+    cfg = tg.Config(**{**TINY, "n_layer": 3, "window": 5, "window_pattern": 3})
+    model = tg.build_model(cfg, 257, torch.device("cpu"))
+    assert [b.attn.window for b in model.blocks] == [5, 5, None]  # every 3rd layer global
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1) if p.ndim == 2 else None
+    calls = []
+    attention = tg.kernels.attention
+    monkeypatch.setattr(tg.kernels, "attention", lambda *a, **kw: calls.append(kw["window"]) or attention(*a, **kw))
+    idx = torch.randint(0, 257, (1, 20))
+    with torch.no_grad():  # greedy decoding with the KV cache equals the full forward at every length
+        out = model.generate(idx[:, :6], 10, temperature=0)
+        full = torch.stack([model(out[:, :6 + j])[0, -1].argmax() for j in range(10)])
+    assert torch.equal(out[0, 6:], full) and {5, None} <= set(calls)
+    windowed = model(idx, idx)
+    model.blocks[0].attn.window = model.blocks[1].attn.window = None
+    assert abs(model(idx, idx).item() - windowed.item()) > 1e-4  # the window changes what the model computes
+
+
+def test_seq_len_warmup_keeps_tokens_per_step_and_resumes_exactly(corpus, tmp_path):
+    cfg = tiny(corpus, tmp_path, seq_len=256, batch_size=3, seq_len_warmup=6, seq_len_start=64)
+    assert [tg.seq_len_at(cfg, s) for s in range(8)] == [64, 64, 128, 128, 192, 192, 256, 256]
+    loader = tg.TokenLoader(tg.find_shards(str(corpus), "train"), 3, 256, 0, 1, torch.device("cpu"), 256, lanes=3)
+    for T in (64, 128, 192, 256):  # more, shorter rows: the same tokens
+        x, y = loader.next(T)
+        assert x.shape == (3 * 256 // T, T) and torch.equal(x[:, 1:], y[:, :-1])
+    kw = dict(seq_len=128, seq_len_warmup=4, max_steps=6, save_every=3, keep_last=5, grad_accum=2)
+    ra = tg.main(tiny(corpus, tmp_path / "a", **kw))
+    os.remove(tg.list_checkpoints(str(tmp_path / "a"))[-1][1])  # back to step 3, mid-warmup: 64 then 128 tokens long
+    rb = tg.main(tiny(corpus, tmp_path / "a", resume=True, **kw))
+    assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
