@@ -58,7 +58,7 @@ class Config:
     patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # attention heads
-    n_embd: int = 128                  # model width
+    n_embd: int = 0                    # model width; 0 = 128, or 64 on a train split under 10,000 images
     mlp: str = "gelu"                  # gelu|swiglu
     mlp_ratio: float = 4.0             # MLP hidden width / n_embd (SwiGLU uses 2/3 of it, same parameter count)
     norm: str = "rmsnorm"              # rmsnorm|layernorm (pre-norm either way)
@@ -153,19 +153,20 @@ def data_info_of(ckpt):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "top_k"):
+    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
+    if width % cfg.n_head or (width // cfg.n_head) % 2:
+        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+    for k in ("patch_size", "n_layer", "n_head", "batch_size", "grad_accum", "guard_window", "top_k"):
         if getattr(cfg, k) < 1:
             die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if min(cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
+    if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
            cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the guard flags "
-            "must be >= 0")
+        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the guard "
+            "flags must be >= 0")
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
@@ -626,6 +627,8 @@ def train(cfg, stop):
     if H != W or H % cfg.patch_size:
         die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
     train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
+    if not cfg.n_embd:  # under 10k images width 128 stalls near chance for ~500 steps where 64 learns (README)
+        cfg = dataclasses.replace(cfg, n_embd=64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
     if not cfg.benchmark:
         val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}

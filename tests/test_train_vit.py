@@ -285,3 +285,44 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
     # the EMA's loss is sensitive where accuracy is not: under FSDP2 a stale gathered root once hid the EMA weights
     la, lb = records(tmp_path / "one", "ema_val_loss"), records(tmp_path / "two", "ema_val_loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+
+
+def glyph_folder(root, chars, per_class, seed):
+    """An imagefolder of 32x32 grayscale letters (PNG), each at its own size, weight, slant, rotation, offset,
+    contrast and noise: a small set where raw pixels line up poorly, as in real photos. Pillow's built-in font."""
+    from PIL import Image, ImageDraw, ImageFont
+    rng = np.random.default_rng(seed)
+    for ch in chars:
+        (root / ch).mkdir(parents=True)
+        for i in range(per_class):
+            im = Image.new("L", (64, 64))
+            ImageDraw.Draw(im).text((32, 32), ch, fill=255, font=ImageFont.load_default(size=int(rng.integers(14, 24))),
+                                    anchor="mm", stroke_width=int(rng.integers(0, 2)), stroke_fill=255)
+            s, (dx, dy) = rng.uniform(-0.2, 0.2), rng.integers(-4, 5, 2)
+            im = im.rotate(rng.uniform(-15, 15), Image.Resampling.BILINEAR).transform(
+                im.size, Image.Transform.AFFINE, (1, s, -32 * s, 0, 1, 0), Image.Resampling.BILINEAR)
+            a = np.asarray(im.crop((16 - dx, 16 - dy, 48 - dx, 48 - dy)), np.float64) / 255
+            bg, fg = rng.uniform(0.6, 1), rng.uniform(0, 0.4)  # dark ink on light paper
+            a = bg + (fg - bg) * a + rng.normal(0, 0.05, a.shape)
+            Image.fromarray((255 * a.clip(0, 1)).astype(np.uint8)).save(root / ch / f"{i:03d}.png")
+
+
+@pytest.mark.slow
+def test_small_real_set_learns_past_a_linear_baseline(tmp_path):
+    """Letters brought through prepare_data.py imagefolder, 1,125 train images: the default model (which takes width 64
+    on a set this small) beats the best ridge classifier on the raw pixels of the same split."""
+    glyph_folder(tmp_path / "letters", "ACEHKLNRTX", 150, 0)
+    prepare_data.main(["imagefolder", str(tmp_path / "letters"), f"--data_dir={tmp_path / 'data'}", "--val_fraction=0.25"])
+    meta, arrays = tv.load_image_data(str(tmp_path / "data"))
+    (xt, yt), (xv, yv) = ((torch.from_numpy(np.array(x)).flatten(1).double() / 255, torch.from_numpy(y)) for x, y in
+                          (arrays["train"], arrays["val"]))
+    xt, xv = (torch.cat((x - xt.mean(0), torch.ones(len(x), 1, dtype=x.dtype)), 1) for x in (xt, xv))
+    linear = max((xv @ torch.linalg.solve(xt.T @ xt + lam * torch.eye(xt.size(1), dtype=xt.dtype),
+                                          xt.T @ torch.nn.functional.one_hot(yt).double())).argmax(1).eq(yv).double().mean().item()
+                 for lam in (1, 10, 100, 1000, 10000))
+    res = tv.main(tv.Config(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), time_budget=0.0,
+                            max_steps=600, eval_every=0, device="cpu", compile="false"))
+    assert json.load(open(tmp_path / "run" / "config.json"))["n_embd"] == 64 and meta["channels"] == 1
+    # measured (one core): ridge 35.2%, the model 72.8% (EMA 71.2%); chance 10%. The bar, linear + 15 points, sits
+    # 40% of the way from the ridge to the run and 64% from chance
+    assert max(res["val_acc"], res["ema_val_acc"]) > linear + 0.2, (linear, res["val_acc"], res["ema_val_acc"])
