@@ -1789,6 +1789,7 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self.old.items():
             signal.signal(sig, handler)
+        gc.unfreeze()  # the run is over: what Run.agree froze is collectable again (else nanobind reports it leaked)
 
 def prepare_default_data(cfg, rank, world_size, command, what):
     """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
