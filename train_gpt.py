@@ -18,7 +18,6 @@ import contextlib
 import copy
 import dataclasses
 import difflib
-import gc
 import glob
 import inspect
 import json
@@ -1479,8 +1478,6 @@ class Run:
         local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
                              loss_sum.new_tensor(self.train_time + now - self.t_last)])
         loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
-        if not gc.get_freeze_count():  # after the first step, what lives to the end exists (the model, compiled code):
-            gc.freeze()  # the collector need not walk it again in every collection
         self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
         if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
             self.bench0 = self.train_time
@@ -1789,7 +1786,6 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self.old.items():
             signal.signal(sig, handler)
-        gc.unfreeze()  # the run is over: what Run.agree froze is collectable again (else nanobind reports it leaked)
 
 def prepare_default_data(cfg, rank, world_size, command, what):
     """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
