@@ -400,9 +400,14 @@ def prepare_gpt2(args):
     """GPT-2's weights from the Hugging Face hub (config.json and model.safetensors), for train_gpt.py --init_from."""
     out = Path(args.data_dir or f"models/{args.model}")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name,
-                 instead="--init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
+    try:
+        for name in ("config.json", "model.safetensors"):
+            download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name,
+                     instead="--init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
+    except SystemExit:
+        if not any(out.iterdir()):  # nothing came: no empty folder is left behind (a partial download stays, to resume)
+            out.rmdir()
+        raise
     print(f"{args.model} is in {out}: python train_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
 

@@ -1256,7 +1256,7 @@ def export_main(cfg):
     and norms keep their precision), written to --out_dir; then both models' val loss on --data_dir, if it is there."""
     ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
     if ckpt is None:
-        die(f"--export needs --ckpt=PATH, a checkpoint of train_gpt.py; {cfg.ckpt or 'none was given'} is not one")
+        die("--export needs --ckpt=PATH, a checkpoint of train_gpt.py" + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
     if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
         die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the exported model")
     with reading(path, "pass a checkpoint written by train_gpt.py"):
@@ -1292,7 +1292,8 @@ def merge_main(cfg):
     plain model (for --sample, --init_from or anything that reads a state dict)."""
     ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
     if ckpt is None or not ckpt["config"].get("lora_rank"):
-        die(f"--merge_lora needs --ckpt=PATH, a checkpoint of a LoRA run (--lora_rank); {cfg.ckpt or 'none'} is not one")
+        die("--merge_lora needs --ckpt=PATH, a checkpoint of a LoRA run (--lora_rank)" + (f"; {cfg.ckpt} is not one"
+                                                                                           if cfg.ckpt else ""))
     if list_checkpoints(cfg.out_dir):
         die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the merged model")
     with reading(path, "pass a checkpoint written by train_gpt.py with --lora_rank"):

@@ -383,6 +383,7 @@ def test_offline_download_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr(pd, "GPT2_URL", (tmp_path / "nowhere").as_uri() + "/")
     assert error_of(["gpt2", f"--data_dir={tmp_path / 'gpt2'}"]).endswith(
         "offline? use --init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors) instead")
+    assert not (tmp_path / "gpt2").exists()  # nothing fetched, nothing left behind
 
 
 # -----------------------------------------------------------------------------
