@@ -879,7 +879,7 @@ def check_choices(cfg):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
-    if cfg.offload != "none" and cfg.parallel != "fsdp":
+    if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
@@ -963,8 +963,6 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
-    if cfg.offload != "none" and world_size == 1:
-        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")

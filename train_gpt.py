@@ -542,6 +542,11 @@ def add_lora(model, cfg):
     return model
 
 
+def plain_weights(ckpt):
+    """A checkpoint's weights as a plain float state dict: LoRA adapters merged in, int8 weights dequantized."""
+    return dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
+
+
 def merge_lora(sd, c):
     """A plain state dict from one with LoRA adapters (c: its config dict): W + alpha / r * B A for each adapted W."""
     out = {k.replace(".base.", "."): v for k, v in sd.items() if not k.endswith((".a", ".b"))}
@@ -1021,9 +1026,7 @@ def main(cfg):
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
-    if cfg.merge_lora:
-        return merge_main(cfg)
-    if cfg.export:
+    if cfg.merge_lora or cfg.export:
         return export_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
@@ -1169,9 +1172,9 @@ def load_init(cfg, rank, world_size):
         if rank == 0:
             gpt2_folder(cfg.init_from)  # a named GPT-2 is fetched once, while the other ranks wait
         dist.barrier() if world_size > 1 else None
-        cfg, vocab_size = gpt2_config(cfg, gpt2_folder(cfg.init_from))
-        init = {"model": gpt2_state_dict(gpt2_folder(cfg.init_from), cfg, vocab_size), "vocab_size": vocab_size,
-                "tokenizer": GPT2_TOKENIZER}
+        folder = gpt2_folder(cfg.init_from)
+        cfg, vocab_size = gpt2_config(cfg, folder)
+        init = {"model": gpt2_state_dict(folder, cfg, vocab_size), "vocab_size": vocab_size, "tokenizer": GPT2_TOKENIZER}
         print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.seq_len}")
         return cfg, init
     ckpt, path = load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
@@ -1184,8 +1187,7 @@ def load_init(cfg, rank, world_size):
     with reading(path, "pass a checkpoint written by train_gpt.py"):
         arch = {k: ckpt["config"][k] for k in ARCH_FIELDS if k in ckpt["config"]}
         cfg = dataclasses.replace(cfg, **arch)
-        weights = dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
-        init = {"model": weights, "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
+        init = {"model": plain_weights(ckpt), "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
     print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule")
     return cfg, init
 
@@ -1241,7 +1243,7 @@ def load_model(where, device):
         c = ckpt["config"]
         model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__ and k != "lora_rank"}),
                             data_info_of(ckpt)["vocab_size"], device)
-        model.load_state_dict(dequantize(merge_lora(ckpt["model"], c) if c.get("lora_rank") else ckpt["model"]))
+        model.load_state_dict(plain_weights(ckpt))
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
@@ -1252,27 +1254,31 @@ def dequantize(sd):
 
 
 def export_main(cfg):
-    """--export=int8: --ckpt with the hidden matrices as int8 and an fp32 scale per output channel (the embeddings, head
-    and norms keep their precision), written to --out_dir; then both models' val loss on --data_dir, if it is there."""
+    """--merge_lora or --export=int8: --ckpt as a plain model (LoRA adapters merged in), with --export=int8 the hidden
+    matrices as int8 and an fp32 scale per output channel (embeddings, head and norms keep their precision), written
+    to --out_dir; for int8, then both models' val loss on --data_dir, if it is there."""
+    flag, what = ("--export", "int8") if cfg.export else ("--merge_lora", "merged")
     ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
-    if ckpt is None:
-        die("--export needs --ckpt=PATH, a checkpoint of train_gpt.py" + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
+    if ckpt is None or not (cfg.export or ckpt["config"].get("lora_rank")):
+        die(f"{flag} needs --ckpt=PATH, a checkpoint of " + ("train_gpt.py" if cfg.export else "a LoRA run (--lora_rank)")
+            + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
     if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
-        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the exported model")
+        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
     with reading(path, "pass a checkpoint written by train_gpt.py"):
-        sd = dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
-        out = {}
-        for k, v in sd.items():
-            if k.startswith("blocks.") and v.ndim == 2:  # the hidden matrices: most of the bytes, and robust to it
-                q, out[k + "_scale"] = quantize(v.float())
-                out[k] = q.to(torch.int8)
-            else:
-                out[k] = v
+        sd = out = plain_weights(ckpt)
+        if cfg.export:
+            out = {}
+            for k, v in sd.items():
+                if k.startswith("blocks.") and v.ndim == 2:  # the hidden matrices: most of the bytes, and robust to it
+                    q, out[k + "_scale"] = quantize(v.float())
+                    out[k] = q.to(torch.int8)
+                else:
+                    out[k] = v
         ckpt.update(model=out, optim=None, config={**ckpt["config"], "lora_rank": 0, "qat": 0, "out_dir": cfg.out_dir})
     write_checkpoint(cfg, ckpt)
     size = [sum(v.numel() * v.element_size() for v in d.values()) / 1e6 for d in (sd, out)]
     result = {"path": list_checkpoints(cfg.out_dir)[-1][1], "float_mb": size[0], "int8_mb": size[1]}
-    if os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on the full val split
+    if cfg.export and os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on all of val
         meta, (_, _, device) = load_meta(cfg.data_dir), setup_dist(cfg.device)
         for name, where in (("float", path), ("int8", result["path"])):
             model, _, step, _ = load_model(where, device)
@@ -1281,27 +1287,10 @@ def export_main(cfg):
                                  lanes=c.batch_size, vocab_size=model.vocab_size)
             rec = evaluate(c, model, loader, contextlib.nullcontext(), 1, meta, step, final=True)
             result.update({f"{name}_{k}": v for k, v in rec.items()})
-    print(f"exported {path} to {result['path']}: weights {size[0]:.2f} MB -> {size[1]:.2f} MB" + "".join(
+    print(f"wrote {path} as a {what} model in {result['path']}: weights {size[0]:.2f} MB -> {size[1]:.2f} MB" + "".join(
         f" | {k.replace('_', ' ')} {result['float_' + k]:.4f} -> {result['int8_' + k]:.4f}" for k in ("val_loss", "val_bpb")
         if "int8_" + k in result))
     return result
-
-
-def merge_main(cfg):
-    """--merge_lora: the LoRA checkpoint at --ckpt with its adapters merged into the weights, written to --out_dir as a
-    plain model (for --sample, --init_from or anything that reads a state dict)."""
-    ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
-    if ckpt is None or not ckpt["config"].get("lora_rank"):
-        die("--merge_lora needs --ckpt=PATH, a checkpoint of a LoRA run (--lora_rank)" + (f"; {cfg.ckpt} is not one"
-                                                                                           if cfg.ckpt else ""))
-    if list_checkpoints(cfg.out_dir):
-        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the merged model")
-    with reading(path, "pass a checkpoint written by train_gpt.py with --lora_rank"):
-        ckpt.update(model=merge_lora(ckpt["model"], ckpt["config"]), optim=None,
-                    config={**ckpt["config"], "lora_rank": 0, "out_dir": cfg.out_dir})
-    write_checkpoint(cfg, ckpt)
-    print(f"merged the LoRA adapters of {path} (step {ckpt['step']}) into a plain model in {cfg.out_dir}")
-    return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
@@ -1325,7 +1314,7 @@ def check_choices(cfg):
             die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
-    if cfg.offload != "none" and cfg.parallel != "fsdp":
+    if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
@@ -1409,8 +1398,6 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
-    if cfg.offload != "none" and world_size == 1:
-        die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
