@@ -143,7 +143,7 @@ def base_config(args, extra_flags):
 
 def vocab_of(cfg):
     """The vocabulary train_gpt.py will use for cfg's data (the data is prepared first if it is the default)."""
-    tg.prepare_default_data(cfg, 0, 1, "stdlib", "the Python stdlib corpus")
+    tg.prepare_default_data(cfg, 0, 1, "stdlib", "the Python stdlib corpus", "--tokenizer=bpe:4353")
     return cfg.vocab_size or tg.load_meta(cfg.data_dir)["vocab_size"]
 
 
@@ -742,7 +742,7 @@ def main(argv=None):
     transfer = p
     for p, name in ((sweep, "sweep"), (transfer, "lr_transfer")):
         p.add_argument("--out_dir", default="out/scaling" if name == "sweep" else "out/lr_transfer")
-        p.add_argument("--data_dir", default="data/stdlib", help="token shards from prepare_data.py")
+        p.add_argument("--data_dir", default=tg.Config.data_dir, help="token shards from prepare_data.py")
         p.add_argument("--device", default="cpu", help="cpu, or auto for the trainer's choice")
     p = sub.add_parser("fit", help="fit L(N, D) to a sweep's runs, with intervals and plots", allow_abbrev=False)
     p.add_argument("--out_dir", default="out/scaling", help="where sweep.tsv is, and fit.json and the plots go")

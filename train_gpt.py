@@ -51,7 +51,7 @@ import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on 
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/stdlib"      # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
+    data_dir: str = "data/stdlib_bpe"  # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
     out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json, loss.png; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m|finetune (explicit flags still win)
     init_from: str = ""                # start from weights: gpt2|gpt2-medium|gpt2-large|gpt2-xl, a HF GPT-2 folder, a checkpoint
@@ -86,13 +86,13 @@ class Config:
     max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
     tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
     time_budget: float = 240.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
-    batch_size: int = 16               # micro-batch per rank, in sequences
+    batch_size: int = 32               # micro-batch per rank, in sequences
     grad_accum: int = 1                # micro-steps per optimizer step
     total_batch: int = 0               # tokens per optimizer step over all ranks; sets grad_accum; 0 = use grad_accum
     # optimizer and schedule
     optimizer: str = "muon"            # muon|adamw (Muon on 2-D hidden matrices, AdamW on the rest)
     lr: float = 4e-3                   # peak LR; Muon's update RMS is matched to AdamW's, so one LR serves both
-    embed_lr: float = 0.0              # AdamW LR of the input embedding; 0 = lr (4e-2 wins on BPE data, loses on bytes)
+    embed_lr: float = 0.0              # AdamW LR of the input embedding; 0 = auto: 10 x lr with Muon on >= 1,024 tokens
     weight_decay: float = 0.1          # decoupled, on 2-D hidden matrices only
     beta1: float = 0.9                 # AdamW
     beta2: float = 0.95                # AdamW
@@ -127,7 +127,7 @@ class Config:
     # system
     activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -872,9 +872,11 @@ def build_optimizers(cfg, raw, device):
     hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
     # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
     # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
-    own = cfg.embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
+    bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024  # measured with Muon only
+    embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
+    own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
     rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
-    embed = [dict(params=[named["wte.weight"]], lr=cfg.embed_lr, weight_decay=0.0)] if own else []
+    embed = [dict(params=[named["wte.weight"]], lr=embed_lr, weight_decay=0.0)] if own else []
     fused = device.type == "cuda"
     if cfg.optimizer == "muon":
         # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
@@ -1049,7 +1051,7 @@ def train(cfg, stop):
     # data: token shards read in order, each rank its rows of a batch; the vocabulary comes from the data unless given
     skip = read_skip_file(cfg.skip_data) if cfg.skip_data else ()  # a bad file fails before any data is prepared
     if not cfg.benchmark:
-        prepare_default_data(cfg, rank, world_size, "stdlib", "the Python stdlib corpus")
+        prepare_default_data(cfg, rank, world_size, "stdlib", "the Python stdlib corpus", "--tokenizer=bpe:4353")
     meta = {"vocab_size": cfg.vocab_size or 50257, "eot_id": None} if cfg.benchmark else load_meta(cfg.data_dir)
     cfg, init = load_init(cfg, rank, world_size) if cfg.init_from else (cfg, {})  # the architecture of the weights
     vocab_size = init.get("vocab_size") or cfg.vocab_size or meta["vocab_size"]
@@ -1381,11 +1383,24 @@ def full(t):
     """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+def cpu_has_bf16():
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, from /proc/cpuinfo): there its bf16 matmuls
+    run 3-5x faster than fp32 (BENCHMARKS.md, "CPU recipe"); elsewhere they are emulated, and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
 def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing),
-    fp32 elsewhere. The master weights stay fp32."""
+    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
+    on a CPU with bf16 hardware, fp32 elsewhere. The master weights stay fp32."""
     if dtype_arg == "auto":
-        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+        if device.type == "cuda":
+            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        else:
+            dtype_arg = "bfloat16" if device.type == "cpu" and cpu_has_bf16() else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1775,14 +1790,14 @@ class StopSignal:
         for sig, handler in self.old.items():
             signal.signal(sig, handler)
 
-def prepare_default_data(cfg, rank, world_size, command, what):
+def prepare_default_data(cfg, rank, world_size, command, what, *flags):
     """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
     if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
         print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-        if subprocess.run([sys.executable, script, command, f"--data_dir={cfg.data_dir}"]).returncode:
+        if subprocess.run([sys.executable, script, command, *flags, f"--data_dir={cfg.data_dir}"]).returncode:
             die(f"preparing {what} failed (see above)")
     if world_size > 1:
         dist.barrier()

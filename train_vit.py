@@ -112,7 +112,7 @@ class Config:
     rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA, fp16 if unsupported; else fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -854,11 +854,24 @@ def full(t):
     """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+def cpu_has_bf16():
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, from /proc/cpuinfo): there its bf16 matmuls
+    run 3-5x faster than fp32 (BENCHMARKS.md, "CPU recipe"); elsewhere they are emulated, and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
 def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing),
-    fp32 elsewhere. The master weights stay fp32."""
+    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
+    on a CPU with bf16 hardware, fp32 elsewhere. The master weights stay fp32."""
     if dtype_arg == "auto":
-        dtype_arg = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+        if device.type == "cuda":
+            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        else:
+            dtype_arg = "bfloat16" if device.type == "cpu" and cpu_has_bf16() else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1248,14 +1261,14 @@ class StopSignal:
         for sig, handler in self.old.items():
             signal.signal(sig, handler)
 
-def prepare_default_data(cfg, rank, world_size, command, what):
+def prepare_default_data(cfg, rank, world_size, command, what, *flags):
     """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
     if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
         print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-        if subprocess.run([sys.executable, script, command, f"--data_dir={cfg.data_dir}"]).returncode:
+        if subprocess.run([sys.executable, script, command, *flags, f"--data_dir={cfg.data_dir}"]).returncode:
             die(f"preparing {what} failed (see above)")
     if world_size > 1:
         dist.barrier()

@@ -117,7 +117,8 @@ def test_init_from_gpt2_starts_from_its_loss(gpt2_corpus, tmp_path):
     gpt2_folder(tmp_path / "gpt2")
     cfg = tg.parse_args(tg.Config, ["--preset=finetune", f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={gpt2_corpus}",
                                     f"--out_dir={tmp_path / 'out'}", "--max_steps=2", "--batch_size=2", "--seq_len=32",
-                                    "--log_every=1", "--sample_tokens=0", "--device=cpu", "--compile=false"])
+                                    "--log_every=1", "--sample_tokens=0", "--device=cpu", "--compile=false",
+                                    "--dtype=float32"])  # fp32, as the reference forward below
     assert (cfg.optimizer, cfg.lr) == ("adamw", 3e-5)  # the preset: a small AdamW step keeps what GPT-2 knows
     r = tg.main(cfg)
     positions_cut = (GPT2["n_positions"] - cfg.seq_len) * GPT2["n_embd"]  # --seq_len 32 of GPT-2's 40 positions

@@ -167,13 +167,15 @@ def test_muon_matches_torch_muon_in_bf16(shape):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_embed_lr_gives_the_embedding_its_own_group(optimizer):
     """--embed_lr puts the input embedding alone in an AdamW group at that LR; 0 or tied embeddings leave the groups
-    as they were (so checkpoints from before --embed_lr resume)."""
-    for embed_lr, tie, own in ((0.0, False, False), (4e-2, False, True), (4e-2, True, False)):
-        cfg = tg.Config(**{**TINY, "optimizer": optimizer, "embed_lr": embed_lr, "tie_embeddings": tie})
-        model = tg.build_model(cfg, 320, torch.device("cpu"))
+    as they were (so checkpoints from before --embed_lr resume). 0 on a BPE-sized vocabulary under Muon is 10 x lr."""
+    muon = optimizer == "muon"
+    for embed_lr, tie, vocab, own, lr in ((0.0, False, 320, False, 0), (4e-2, False, 320, True, 4e-2),
+                                          (4e-2, True, 320, False, 0), (0.0, False, 4353, muon, 4e-2)):
+        cfg = tg.Config(**{**TINY, "optimizer": optimizer, "embed_lr": embed_lr, "tie_embeddings": tie, "lr": 4e-3})
+        model = tg.build_model(cfg, vocab, torch.device("cpu"))
         groups = tg.build_optimizers(cfg, model, torch.device("cpu"))[-1].param_groups
         assert len(groups) == (2 if optimizer == "adamw" else 1) + own
-        assert (groups[-1]["params"] == [model.wte.weight] and groups[-1]["lr"] == 4e-2) == own
+        assert (groups[-1]["params"] == [model.wte.weight] and groups[-1]["lr"] == pytest.approx(lr)) == own
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -349,7 +351,8 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     """Two ranks with micro-batch 2 and accumulation 2 = one process with batch 8: same losses to fp32 tolerance;
     with FSDP2's CPU offload too (the shards, grads and optimizer state in CPU memory)."""
     parallel, *offload = parallel.split()
-    common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=5",
+    common = ["--dtype=float32",  # the same math in fp32; bf16 rounds each micro-batch's sums apart
+              f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=5",
               "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--warmup_steps=2"]
     one = run_script(*common, "--batch_size=8", f"--out_dir={tmp_path}/one")
     two = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}", f"--out_dir={tmp_path}/two",
@@ -593,3 +596,11 @@ def test_seq_len_warmup_keeps_tokens_per_step_and_resumes_exactly(corpus, tmp_pa
     os.remove(tg.list_checkpoints(str(tmp_path / "a"))[-1][1])  # back to step 3, mid-warmup: 64 then 128 tokens long
     rb = tg.main(tiny(corpus, tmp_path / "a", resume=True, **kw))
     assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
+
+
+def test_auto_precision_is_bf16_on_a_cpu_with_bf16_hardware(monkeypatch):
+    """--dtype=auto: bf16 autocast where the CPU multiplies bf16 in hardware (3-5x fp32's matmul speed), else fp32."""
+    for has, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(tg, "cpu_has_bf16", lambda: has)
+        dtype, ctx, scaler = tg.setup_precision(torch.device("cpu"))
+        assert dtype == want and not scaler.is_enabled()
