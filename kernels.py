@@ -777,13 +777,13 @@ def _attn_torch(q, k, v, causal, scale, window=None):
     """F.scaled_dot_product_attention with the reference's conventions: the causal mask aligned bottom-right when
     there are fewer queries than keys (SDPA's is_causal aligns it top-left), and q's dtype out (SDPA under CPU
     autocast returns bf16 for fp32 inputs; the reference and the Triton op keep q's). A window is a boolean mask."""
+    if q.device.type == "cpu" and (q.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
+        with torch.autocast("cpu", enabled=False):  # fp32: the CPU's bf16 SDPA is 2.5x slower at T 128 (backward)
+            return _attn_torch(q.float(), k.float(), v.float(), causal, scale, window).to(q.dtype)
     T, Tk = q.shape[2], k.shape[2]
     mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T) if causal and (T != Tk or window) else None
     if window:
         mask &= ~torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T - window)
-    if q.device.type == "cpu" and (q.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
-        with torch.autocast("cpu", enabled=False):  # fp32: the CPU's bf16 SDPA is 2.5x slower at T 128 (backward)
-            return _attn_torch(q.float(), k.float(), v.float(), causal, scale, window).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 

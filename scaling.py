@@ -143,7 +143,7 @@ def base_config(args, extra_flags):
 
 def vocab_of(cfg):
     """The vocabulary train_gpt.py will use for cfg's data (the data is prepared first if it is the default)."""
-    tg.prepare_default_data(cfg, 0, 1, "stdlib", "the Python stdlib corpus", "--tokenizer=bpe:4353")
+    tg.prepare_default_data(cfg, 0, 1, *tg.DEFAULT_DATA)
     return cfg.vocab_size or tg.load_meta(cfg.data_dir)["vocab_size"]
 
 
