@@ -947,23 +947,39 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 def cpu_has_bf16():
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, from /proc/cpuinfo): there its bf16 matmuls
-    run 3-5x faster than fp32 (BENCHMARKS.md, "CPU recipe"); elsewhere they are emulated, and slower."""
+    """Whether bf16 matmuls beat fp32 on this CPU: it lists AVX512-BF16 or AMX in /proc/cpuinfo, and a 512x512 matmul
+    runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
+    AVX512-BF16 ran bf16 matmuls 3-5x faster and 0.6x as fast as fp32 (BENCHMARKS.md, "CPU recipe")."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
     except OSError:
         return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return False
+
+    def seconds(a):  # the fastest of 5 products, after one to warm up (about 50 ms in all)
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    return seconds(a) > 1.5 * seconds(a.bfloat16())
 
 def setup_precision(device, dtype_arg="auto"):
     """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
-    on a CPU with bf16 hardware, fp32 elsewhere. The master weights stay fp32."""
+    on a CPU whose bf16 matmuls are fast, fp32 elsewhere. The master weights stay fp32."""
     if dtype_arg == "auto":
         if device.type == "cuda":
             dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         else:
-            dtype_arg = "bfloat16" if device.type == "cpu" and cpu_has_bf16() else "float32"
+            fast = device.type == "cpu" and cpu_has_bf16()
+            if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+                fast = torch.tensor(int(fast))
+                dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+            dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains

@@ -599,7 +599,7 @@ def test_seq_len_warmup_keeps_tokens_per_step_and_resumes_exactly(corpus, tmp_pa
 
 
 def test_auto_precision_is_bf16_on_a_cpu_with_bf16_hardware(monkeypatch):
-    """--dtype=auto: bf16 autocast where the CPU multiplies bf16 in hardware (3-5x fp32's matmul speed), else fp32."""
+    """--dtype=auto: bf16 autocast where the CPU multiplies bf16 fast (cpu_has_bf16: its flags and a timed matmul), else fp32."""
     for has, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(tg, "cpu_has_bf16", lambda: has)
         dtype, ctx, scaler = tg.setup_precision(torch.device("cpu"))
