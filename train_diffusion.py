@@ -58,7 +58,7 @@ class Config:
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     # model
     image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 4                # pixels per side of a patch: (image_size / patch_size)^2 tokens
+    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # attention heads
     n_embd: int = 128                  # model width
@@ -68,13 +68,14 @@ class Config:
     class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
     # objective
     objective: str = "flow"            # flow|ddpm: rectified-flow velocity, or DDPM epsilon on a cosine schedule
-    t_mean: float = 0.0                # flow: timesteps t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3)
-    t_std: float = 1.0                 # flow: see t_mean
+    t_mean: float = 0.8                # flow: timesteps t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
+    t_std: float = 0.8                 # flow: see t_mean
+    predict: str = "x"                 # x|v: flow's network outputs the clean image (the velocity follows) or the velocity
     min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
     # sampling
     sampler: str = "auto"              # auto|euler|heun|ddim (auto: euler for flow, ddim for ddpm)
     sample_steps: int = 32             # sampler steps (heun makes two model calls per step)
-    cfg_scale: float = 4.0             # classifier-free guidance: 1 = the conditional model alone, 0 = unconditional
+    cfg_scale: float = 2.0             # classifier-free guidance: 1 = the conditional model alone, 0 = unconditional
     sample_seed: int = 0               # noise of the sample grids and the quality metrics: the same at every eval
     per_class: int = 8                 # columns of the sample grid (rows are classes)
     # budget: max_steps, else epochs, else time_budget
@@ -132,19 +133,19 @@ class Config:
 
 
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 1.3M parameters, 64 patches of 4x4, 420 s of training on a 2-core CPU
+    "cpu_demo": {},  # the defaults: 1.3M parameters, 16 patches of 8x8 predicting the clean image, 420 s on 2 cores
     # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images, 256 tokens; not yet measured for quality
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2, n_layer=12, n_head=6,
-                    n_embd=384, time_budget=0.0, epochs=400, batch_size=256, lr=3e-4, cfg_scale=1.5, ema=0.9999,
-                    warmup_steps=1000, eval_every=10000, eval_images=10000, eval_samples=1000, final_samples=10000,
-                    sample_steps=50),
+                    n_embd=384, predict="v", t_mean=0.0, t_std=1.0, time_budget=0.0, epochs=400, batch_size=256,
+                    lr=3e-4, cfg_scale=1.5, ema=0.9999, warmup_steps=1000, eval_every=10000, eval_images=10000,
+                    eval_samples=1000, final_samples=10000, sample_steps=50),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 
 
 def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+    return {**{k: c.get(k, "v") for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
 
@@ -272,7 +273,7 @@ class DiT(nn.Module):
     def forward(self, x, t, y=None):
         """x (B, H, W, C) noisy images, t (B,) in [0, 1], y (B,) labels (num_classes = none) -> (B, H, W, C)."""
         B, H, W, C = x.shape
-        p, g = self.cfg.patch_size, self.grid
+        p, g, x_t = self.cfg.patch_size, self.grid, x
         x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         c = self.t_mlp(timestep_embedding(t))  # (B, d): the conditioning of every block
@@ -282,7 +283,14 @@ class DiT(nn.Module):
             x = block(x, c)
         shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
-        return x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
+        x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
+        if self.cfg.predict == "x" and self.cfg.objective == "flow":
+            # x-prediction (Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise"): the network
+            # outputs the clean image, which lies near a low-dimensional manifold, and returns the velocity
+            # (x_t - x_0) / t that follows from it, so the loss and the samplers stay the same. The velocity and the
+            # noise fill all p*p*C dimensions of a patch; a width-d token cannot carry them once p*p*C > d.
+            x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
+        return x
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
@@ -743,7 +751,8 @@ def train(cfg, stop):
     run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
-          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective} | "
+          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective}"
+          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "") + " | "
           f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (
               f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g} | "
@@ -831,7 +840,8 @@ def sample_main(cfg):
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
     with reading(path, "pass a checkpoint written by train_diffusion.py"):
-        meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        meta, trained = ckpt["data_meta"], Config(**{"predict": "v", **{k: v for k, v in ckpt["config"].items()
+                                                                          if k in Config.__dataclass_fields__}})
         K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
         model = build_model(trained, H, C, K, device)
         model.load_state_dict(ckpt["ema"] or ckpt["model"])
