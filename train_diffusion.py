@@ -1,12 +1,13 @@
 """
 train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file you can read top to bottom.
 
-Rectified flow (velocity target, logit-normal timesteps, Euler or Heun sampling) by default; DDPM epsilon-prediction
-with a cosine schedule, min-SNR weighting and DDIM sampling as the alternative. The DiT conditions on the timestep and
-the class through adaLN-Zero, drops labels at random for classifier-free guidance, and is trained with an EMA of its
-weights (the samples come from it), AdamW with warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the
-guards of train_gpt.py. Quality is measured offline: the held-out denoising loss on a fixed timestep grid and, given a
-train_vit.py classifier, how often it recognises each sample's class and the Frechet distance in its feature space.
+Rectified flow (the network predicts the clean image, the loss is on the velocity that follows; logit-normal
+timesteps; Euler or Heun sampling) by default; DDPM epsilon-prediction with a cosine schedule, min-SNR weighting and
+DDIM sampling as the alternative. The DiT conditions on the timestep and the class through adaLN-Zero, drops labels at
+random for classifier-free guidance, and is trained with an EMA of its weights (the samples come from it), AdamW with
+warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py. Quality is measured
+offline: the held-out denoising loss on a fixed timestep grid and, given a train_vit.py classifier, how often it
+recognises each sample's class and the Frechet distance in its feature space.
 
   python train_diffusion.py                            # CPU demo: makes shapes, trains 7 min, writes samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
@@ -144,7 +145,8 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_nor
 
 
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout.
+    Configs from before --predict lack it: those models predicted v."""
     return {**{k: c.get(k, "v") for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 

@@ -3,8 +3,9 @@ train_vit.py: a Vision Transformer trained from scratch on images held on the GP
 
 Patch embedding, 2-D sin-cos positions, pre-norm blocks (flash attention, RMSNorm, QK-norm, GELU or SwiGLU, LayerScale,
 stochastic depth, optional register tokens), average pooling; trained with augmentation on the device (random
-translation, flip, mixup/cutmix, label smoothing), AdamW or Muon with warmup + cosine, an EMA of the weights evaluated
-alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
+translation, flip, mixup/cutmix, label smoothing), Muon (AdamW with --optimizer=adamw) with warmup + cosine, an EMA of
+the weights evaluated alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of
+train_gpt.py.
 
   python train_vit.py                                  # CPU demo: generates the shapes dataset, trains for ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
@@ -75,7 +76,7 @@ class Config:
     batch_size: int = 128              # micro-batch per rank, in images
     grad_accum: int = 1                # micro-steps per optimizer step
     # optimizer and schedule
-    optimizer: str = "adamw"           # adamw|muon (Muon on 2-D hidden matrices, AdamW on the rest)
+    optimizer: str = "muon"            # muon|adamw (Muon on 2-D hidden matrices, AdamW on the rest; or AdamW on all)
     lr: float = 2e-3                   # peak LR
     weight_decay: float = 0.05         # decoupled, on 2-D hidden matrices only
     beta1: float = 0.9                 # AdamW
@@ -131,7 +132,7 @@ PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
     # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
-                    layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512, lr=2e-3,
+                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512, lr=2e-3,
                     warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
