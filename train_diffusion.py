@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import functools
 import glob
 import inspect
 import json
@@ -958,6 +959,7 @@ def full(t):
     """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+@functools.cache  # timed once per process: every run in it (tests run many) takes the same precision
 def cpu_has_bf16():
     """Whether bf16 matmuls beat fp32 on this CPU: it lists AVX512-BF16 or AMX in /proc/cpuinfo, and a 512x512 matmul
     runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
