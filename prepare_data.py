@@ -14,7 +14,7 @@ magic 20240520, version 1, token count; then the uint16 tokens) in which every d
 --tokenizer: byte (UTF-8 bytes 0..255, EOT 256), gpt2 (tiktoken, EOT 50256), or bpe:N (a byte-level BPE
 trained on the train split, N tokens in all, saved as tokenizer.tiktoken, EOT N-1).
 
-Images, for train_vit.py:
+Images, for train_vit.py and train_diffusion.py:
     python prepare_data.py shapes                          # no network: 10 procedural shapes, 50,000 + 10,000 images
     python prepare_data.py cifar10                         # downloads CIFAR-10 (170 MB); cifar100 [--labels=coarse] too
     python prepare_data.py mnist                           # downloads MNIST (12 MB); fashion_mnist (31 MB) too
@@ -394,6 +394,7 @@ def prepare_fineweb(args):
 # Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
 
 SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
+UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of each shape upright, in units of pi
 
 
 def prepare_gpt2(args):
@@ -425,10 +426,10 @@ def shape_mask(k, u, v):
             ][k]()
 
 
-def make_shapes(n, size, seed, chunk=256):
+def make_shapes(n, size, seed, chunk=256, rotate=True):
     """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
-    seed. A bright shape of random colour, size, position and rotation on a dark gradient background with clutter
-    lines and blobs: neither colour nor position gives the class away, so a linear classifier on pixels does poorly."""
+    seed. A bright shape of random colour, size, position and rotation (or upright) on a dark gradient background with
+    clutter lines and blobs: neither colour nor position gives the class away, so a linear classifier does poorly."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, len(SHAPES), n)
     ss = 2  # 2x2 supersampling: anti-aliased edges
@@ -448,7 +449,8 @@ def make_shapes(n, size, seed, chunk=256):
             cx, cy, rr, on = 2 * par() - 1, 2 * par() - 1, 0.04 + 0.08 * par(), par() < 0.5
             img = np.where(((np.hypot(X - cx, Y - cy) < rr) & on)[..., None], 0.6 * par(3), img)
         s = 0.45 + 0.35 * par()
-        cx, cy, rot = (2 * par() - 1) * (1 - s), (2 * par() - 1) * (1 - s), 2 * np.pi * par()
+        cx, cy = (2 * par() - 1) * (1 - s), (2 * par() - 1) * (1 - s)
+        rot = 2 * np.pi * par() if rotate else np.pi * np.array(UPRIGHT, np.float32)[labels[i:i + m], None, None]
         xr, yr = (X - cx) / s, (Y - cy) / s
         u, v = np.cos(rot) * xr + np.sin(rot) * yr, np.cos(rot) * yr - np.sin(rot) * xr
         mask = np.zeros((m, *X.shape), bool)
@@ -468,7 +470,7 @@ def source_shapes(args):
         fail("need --image_size >= 8, --train_size >= 1 and --val_size >= 1")
     splits = {}
     for split, n, seed in (("train", args.train_size, args.seed), ("val", args.val_size, args.seed + 1)):
-        splits[split] = make_shapes(n, args.image_size, seed)
+        splits[split] = make_shapes(n, args.image_size, seed, rotate=args.rotate == "on")
         print(f"{split}: {n:,} images generated")
     return splits, list(SHAPES)
 
@@ -658,8 +660,8 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
     return meta
 
 
-# Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is
-# not a 2); your own folders: no unless --flip_ok, since letters, text and anything with a handedness are common there
+# Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is not
+# a 2), upright shapes (one pose per class) and, unless --flip_ok, your own folders (letters, text: any handedness)
 FLIP_OK = {"shapes": True, "cifar10": True, "cifar100": True, "fashion_mnist": True, "mnist": False}
 
 
@@ -667,7 +669,7 @@ def prepare_images(args):
     """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
     t0 = time.time()
     splits, classes = args.source(args)
-    flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False))
+    flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False)) and getattr(args, "rotate", "on") == "on"
     meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
     h, w = meta["image_size"]
     counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
@@ -721,6 +723,7 @@ def main(argv=None):
     p.add_argument("--train_size", type=int, default=50000, help="train images")
     p.add_argument("--val_size", type=int, default=10000, help="val images")
     p.add_argument("--seed", type=int, default=0, help="train uses seed, val seed + 1")
+    p.add_argument("--rotate", choices=("on", "off"), default="on", help="shapes at random angles, or upright (train_diffusion.py's data)")
     p.set_defaults(run=prepare_images, source=source_shapes)
     for name, help in [("cifar10", "CIFAR-10 (downloads 170 MB)"), ("cifar100", "CIFAR-100 (downloads 169 MB)"),
                        ("mnist", "MNIST digits (downloads 12 MB)"), ("fashion_mnist", "Fashion-MNIST (downloads 31 MB)")]:

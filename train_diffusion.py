@@ -9,7 +9,7 @@ warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the guards of t
 offline: the held-out denoising loss on a fixed timestep grid and, given a train_vit.py classifier, how often it
 recognises each sample's class and the Frechet distance in its feature space.
 
-  python train_diffusion.py                            # CPU demo: makes shapes, trains 7 min, writes samples.png
+  python train_diffusion.py                            # CPU demo: makes upright shapes, trains 7 min, writes samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
   python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
@@ -53,7 +53,7 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
+    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
     out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
@@ -135,7 +135,9 @@ class Config:
 
 
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 1.3M parameters, 16 patches of 8x8 predicting the clean image, 420 s on 2 cores
+    # the defaults: 1.3M parameters, 16 patches of 8x8 predicting the clean image, 420 s on 2 cores, on upright shapes
+    # (prepare_data.py shapes --rotate=off): at every angle, a small model's samples blur into blobs (BENCHMARKS.md)
+    "cpu_demo": {},
     # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images, 256 tokens; not yet measured for quality
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2, n_layer=12, n_head=6,
                     n_embd=384, predict="v", t_mean=0.0, t_std=1.0, time_budget=0.0, epochs=400, batch_size=256,
@@ -720,7 +722,7 @@ def train(cfg, stop):
         arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
                             torch.randint(0, 10, (4 * B,), generator=g).numpy())}
     else:
-        prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
+        prepare_default_data(cfg, rank, world_size, "shapes", "the upright shapes dataset", "--rotate=off")
         meta, arrays = load_image_data(cfg.data_dir)
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     flip, why = flips(cfg, meta)

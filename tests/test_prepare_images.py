@@ -252,6 +252,26 @@ def test_shapes_command_any_size(tmp_path, size):
     assert info["classes"] == list(pd.SHAPES) and info["image_size"] == [size, size] and info["flip_ok"] is True
 
 
+def test_upright_shapes(tmp_path):
+    """--rotate=off draws each class at its upright angle (a triangle's apex up, a heart's point down, an arrow to the
+    right). Upright shapes have one pose per class, so a mirror image is not one of them: flip_ok is false."""
+    out = tmp_path / "data"
+    pd.main(["shapes", f"--data_dir={out}", "--image_size=16", "--train_size=30", "--val_size=10", "--rotate=off"])
+    info, splits = load(out)
+    assert np.array_equal(splits["train"][0], pd.make_shapes(30, 16, 0, rotate=False)[0])
+    assert info["flip_ok"] is False and not np.array_equal(splits["train"][0], pd.make_shapes(30, 16, 0)[0])
+    g = np.linspace(-1, 1, 64)
+    Y, X = np.meshgrid(g, g, indexing="ij")  # image rows run downwards
+
+    def mask(k, rot):
+        return pd.shape_mask(k, np.cos(rot) * X + np.sin(rot) * Y, np.cos(rot) * Y - np.sin(rot) * X)
+    top, bottom = lambda m: m[:32].sum(), lambda m: m[32:].sum()  # noqa: E731
+    tri, heart, arrow = (mask(k, np.pi * pd.UPRIGHT[k]) for k in (2, 8, 9))
+    assert top(tri) < 0.9 * bottom(tri) and bottom(heart) < 0.9 * top(heart)  # more area below an apex, above a point
+    assert arrow[:, 40:].sum(0).max() > 2 * arrow[:, :20].sum(0).max()  # the head, on the right, is the tallest part
+    assert (mask(6, 0) == mask(6, 0)[::-1, ::-1]).all()  # the cross: symmetric
+
+
 def test_shapes_are_hard_for_a_linear_classifier():
     """All 10 classes appear, and ridge regression on raw pixels to one-hot targets stays near chance (measured: 10.7%
     val accuracy on 3,000 train / 1,000 val at 32x32), while it fits its train set: the shape, not colour or
