@@ -142,6 +142,7 @@ class Config:
     ckpt: str = ""                     # checkpoint file or directory to sample from (or merge); empty = out_dir
     merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
     export: str = ""                   # int8: write --ckpt with int8 hidden weights to --out_dir, val loss before/after
+    consolidate: str = ""              # write this sharded checkpoint (a folder of an FSDP run) as one file to --out_dir
     qat: int = 0                       # quantization-aware training: hidden weights fake-quantized to this many bits
                                        # in the forward pass (8 matches --export=int8); 0 = off
     prompt: str = ""                   # text to continue; empty = start of a document
@@ -1035,6 +1036,8 @@ def main(cfg):
         return sample_main(cfg)
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
+    if cfg.consolidate:
+        return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
 
@@ -1253,6 +1256,19 @@ def load_model(where, device):
         model.load_state_dict(plain_weights(ckpt))
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
+
+def consolidate_main(cfg):
+    """--consolidate: a sharded checkpoint (the folder an FSDP run writes with DCP, or that run's out_dir) as one
+    ckpt_STEP.pt in --out_dir, the file a one-process run writes, which --sample, --init_from and --export read."""
+    ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
+    if ckpt is None:
+        die(f"--consolidate={cfg.consolidate}: no checkpoint there; pass a ckpt_STEP folder of an FSDP run, or its out_dir")
+    if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
+        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the single-file checkpoint")
+    write_checkpoint(cfg, ckpt)
+    print(f"wrote {path} as one file: {list_checkpoints(cfg.out_dir)[-1][1]}")
+    return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
+
 
 def dequantize(sd):
     """A float state dict from an --export=int8 one: each int8 weight times its per-row scale."""

@@ -377,10 +377,11 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_resume_on_other_ranks_and_fall_back(corpus, tmp_path, capsys):
+def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(corpus, tmp_path, capsys):
     """FSDP on two ranks, --async_save: each checkpoint a folder of DCP shards. Resumed in one process with the same
     rows per step (another micro-batch), the losses go on as in the two-rank run; a torn folder (state.pt missing, a
-    shard cut short) is skipped with one warning; a crafted .metadata is refused unrun."""
+    shard cut short) is skipped with one warning; a crafted .metadata is refused unrun; --consolidate writes the
+    weights as one file, which --sample reads."""
     two = tmp_path / "two"
     p = run_script("--dtype=float32", f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32",
                    "--max_steps=5", "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu",
@@ -422,6 +423,16 @@ def test_sharded_checkpoints_resume_on_other_ranks_and_fall_back(corpus, tmp_pat
     with pytest.raises(SystemExit, match="holds objects other than tensors and plain data"):
         tg.load_checkpoint(str(evil))
     assert not (tmp_path / "ran").exists()
+
+    r = tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    whole, single = tg.load_checkpoint(str(two))[0], tg.load_checkpoint(r["path"])[0]
+    assert r["path"].endswith("ckpt_0000005.pt") and whole.keys() == single.keys()
+    assert all(torch.equal(whole["model"][k], single["model"][k]) for k in whole["model"])
+    assert whole["model"]["wte.weight"].shape[0] >= 257  # the whole tensors, not a shard
+    with pytest.raises(SystemExit, match="holds checkpoints already"):
+        tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    s = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "c"), prompt="def ", max_new_tokens=5, device="cpu"))
+    assert s["text"].startswith("def ") and len(s["ids"]) == 1 + 4 + 5
 
 
 def test_existing_run_is_never_overwritten(corpus, tmp_path):
