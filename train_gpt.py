@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import gc
 import glob
 import inspect
 import json
@@ -1039,7 +1040,18 @@ def main(cfg):
     if cfg.consolidate:
         return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
-        return train(cfg, stop)
+        while True:
+            found = list_checkpoints(cfg.out_dir)
+            try:
+                return train(cfg, stop)
+            except torch.cuda.OutOfMemoryError:  # in one process before it saved: the same batch in smaller micro-batches
+                if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
+                    raise  # an odd micro-batch cannot halve; under torchrun the other ranks are mid-step
+                cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
+                flags = f"--batch_size={cfg.batch_size}" + ("" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}")
+                print(f"out of GPU memory: starting again with {flags}, the same tokens per step; pass {flags} next time")
+            gc.collect()  # out here, where the failed attempt's tensors are no longer held by its traceback
+            torch.cuda.empty_cache()
 
 
 def train(cfg, stop):

@@ -435,6 +435,46 @@ def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(cor
     assert s["text"].startswith("def ") and len(s["ids"]) == 1 + 4 + 5
 
 
+def test_out_of_memory_halves_the_micro_batch_at_the_same_tokens_per_step(corpus, tmp_path, monkeypatch, capsys):
+    """A CUDA OOM before any checkpoint: the run starts again with half the micro-batch and twice the micro-steps
+    (with --total_batch, the micro-steps follow), says which flags to pass, and trains as a run given them would."""
+    forward = tg.GPT.forward
+
+    def small_gpu(model, idx, *args, **kw):  # a GPU with room for the activations of 2 training rows
+        if torch.is_grad_enabled() and idx.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(model, idx, *args, **kw)
+    monkeypatch.setattr(tg.GPT, "forward", small_gpu)
+    r = tg.main(tiny(corpus, tmp_path / "a", max_steps=3, batch_size=8))
+    out = capsys.readouterr().out
+    assert "pass --batch_size=4 --grad_accum=2 next time" in out and "pass --batch_size=2 --grad_accum=4 next time" in out
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (saved["batch_size"], saved["grad_accum"], r["tokens"]) == (2, 4, 3 * 8 * 32)
+    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=3, batch_size=8, total_batch=8 * 32 * 2))
+    assert "pass --batch_size=2 next time" in capsys.readouterr().out and r["tokens"] == 3 * 8 * 32 * 2
+    monkeypatch.undo()
+    tg.main(tiny(corpus, tmp_path / "c", max_steps=3, batch_size=2, grad_accum=4))
+    assert losses(tmp_path / "a") == losses(tmp_path / "c")
+
+
+def test_out_of_memory_after_a_checkpoint_or_at_an_odd_batch_is_raised(corpus, tmp_path, monkeypatch):
+    """Once the run has saved, starting again would undo it: the OOM goes up as it came, as it does when the
+    micro-batch cannot halve."""
+    forward, out = tg.GPT.forward, tmp_path / "o"
+
+    def fills_up(model, idx, *args, **kw):  # memory runs out once a checkpoint exists, or at once for 3 rows
+        if torch.is_grad_enabled() and (tg.list_checkpoints(str(out)) or idx.shape[0] == 3):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return forward(model, idx, *args, **kw)
+    monkeypatch.setattr(tg.GPT, "forward", fills_up)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tg.main(tiny(corpus, out, max_steps=6, save_every=2))
+    assert [s for s, _ in tg.list_checkpoints(str(out))] == [2]
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 4  # not started again at a smaller batch
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tg.main(tiny(corpus, tmp_path / "odd", max_steps=2, batch_size=3))
+
+
 def test_existing_run_is_never_overwritten(corpus, tmp_path):
     out = tmp_path / "o"
     tg.main(tiny(corpus, out, max_steps=2))
