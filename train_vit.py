@@ -946,7 +946,8 @@ class Run:
         self.mfu = lambda dt: flops / dt / peak if peak else None  # model FLOPs utilisation, dt seconds per step
         self.step, self.train_time, self.history, self.stopped, self.signal = 0, 0.0, [], False, None
         self.tries, self.writer, self.error, self.bench0, self.wall0 = {}, None, None, 0.0, time.perf_counter()
-        self.bench1, self.profiler = None, None
+        self.bench1, self.profiler, self.group = None, None, None  # group: the sharded writes' own (gloo)
+        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder: every rank writes its shards
         self.files, self.wandb = rank == 0 and not cfg.benchmark, None  # rank 0 writes; a benchmark writes nothing
         self.start()
 
@@ -1032,7 +1033,7 @@ class Run:
         found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
         if found and not (cfg.resume or restarts):
             die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-        ckpt, path = load_checkpoint(cfg.out_dir) if found else (None, None)
+        ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
         if found and ckpt is None:
             die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
         if ckpt is None:
@@ -1049,13 +1050,18 @@ class Run:
         return ckpt
 
     def restore(self, ckpt):
-        """Progress, weights, optimizers, scaler, guard and EMA from a checkpoint (each rank its shard under FSDP)."""
+        """Progress, weights, optimizers, scaler, guard and EMA from a checkpoint (each rank its shard under FSDP). A
+        sharded one's tensors are read here: each rank only the parts it holds, resharded by DCP if the ranks changed."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True)
-        if ema:  # the EMA weights go through the model, to be sharded as it is, then aside
-            set_model_state_dict(raw, ckpt["ema"], options=options)
-            ema.shadow, ema.t = [p.detach().clone() for p in ema.params], int(ckpt["ema_t"])
+        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict="shards" not in ckpt)
+        if "shards" in ckpt:
+            ckpt = {**ckpt, **read_shards(ckpt["shards"], self.state(full=False))}
         set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
+        if ema:  # the EMA weights go through the model, to be sharded as it is, and swap places with the weights
+            ema.swap()
+            set_model_state_dict(raw, ckpt["ema"], options=options)
+            ema.swap()
+            ema.t = int(ckpt["ema_t"])
         scaler.load_state_dict(ckpt["scaler"])
         guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
         self.step, self.train_time, self.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
@@ -1063,25 +1069,53 @@ class Run:
             raise ValueError("its history is not a list of records")
         self.start()
 
-    def save(self, **extra):
-        """Gather the full state (a collective under FSDP: every rank calls this); rank 0 writes it with extra, in the
-        background with --async_save (from a copy, so training goes on)."""
+    def state(self, full):
+        """{model, optim, ema}: the full state dicts on the CPU (gathered: a collective under FSDP, every rank calls
+        this), or this rank's shards of them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict=True, cpu_offload=True)
-        ckpt = dict(zip(("model", "optim"), get_state_dict(raw, opts, options=options)), ema=None)
+        (raw, opts, _, _, ema), options = self.parts, StateDictOptions(full_state_dict=full, cpu_offload=full)
+        sd = dict(zip(("model", "optim"), get_state_dict(raw, opts, options=options)), ema=None)
         if ema:  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
             ema.swap()
-            ckpt["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
+            sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
             ema.swap()
-        ckpt.update(ema_t=ema.t if ema else 0, scaler=scaler.state_dict(), guard=guard.state(), step=self.step,
-                    train_time=self.train_time, history=self.history, config=dataclasses.asdict(self.cfg),
-                    world_size=self.world_size, **extra)
+        return sd
+
+    def save(self, **extra):
+        """Checkpoint the state with extra (every rank calls this): rank 0 writes a file, or under FSDP every rank its
+        own shards into a folder (DCP). --async_save writes in the background from a CPU copy, so training goes on."""
+        (_, _, scaler, guard, ema), shards = self.parts, None
+        ckpt = {**self.state(full=not self.sharded), "ema_t": ema.t if ema else 0, "scaler": scaler.state_dict(),
+                "guard": guard.state(), "step": self.step, "train_time": self.train_time, "history": self.history,
+                "config": dataclasses.asdict(self.cfg), "world_size": self.world_size, **extra}
         self.wait()  # one write at a time
-        if self.master:
+        if self.sharded:
+            ckpt, shards = self.shard_writer(ckpt)
+        if self.master or shards:
             ckpt = copy.deepcopy(ckpt) if self.cfg.async_save else ckpt
-            self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self))
+            self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self, shards))
             self.writer.start()
             self.wait() if not self.cfg.async_save else None
+
+    def shard_writer(self, ckpt):
+        """(ckpt less its tensors, a function that writes them into out_dir/ckpt_STEP/, each rank its own shards, with
+        DCP; with --async_save DCP copies them to the CPU now and writes in a thread, and the function waits for it).
+        The rest, param groups included, goes into the folder's state.pt: DCP's files hold tensors only. The writes
+        run off the main thread, so DCP's collectives take a gloo group of their own: on the training's group they
+        could interleave with its all-reduces (and NCCL would want the thread's CUDA device set)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        path = os.path.join(self.cfg.out_dir, f"ckpt_{self.step:07d}")
+        if self.master:  # a torn or abandoned folder of this step: none of its files may mix with these
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        flat, mapping = flatten_state_dict({k: ckpt.pop(k) for k in ("model", "optim", "ema")})
+        tensors = {k: v for k, v in flat.items() if torch.is_tensor(v)}
+        ckpt["shards"] = {"plain": {k: v for k, v in flat.items() if k not in tensors}, "mapping": mapping}
+        self.group, writer = self.group or dist.new_group(backend="gloo"), dcp.FileSystemWriter(path)
+        if self.cfg.async_save:
+            return ckpt, dcp.async_save(tensors, storage_writer=writer, process_group=self.group).result
+        return ckpt, functools.partial(dcp.save, tensors, storage_writer=writer, process_group=self.group)
 
     def wait(self):
         """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
@@ -1103,7 +1137,7 @@ class Run:
         self.wait()
         if self.world_size > 1:
             dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
-        ckpt, path = load_checkpoint(out, before=first_bad)
+        ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
         if ckpt is None:
             return print(f"step {self.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
         self.tries[ckpt["step"]] = self.tries.get(ckpt["step"], 0) + 1
@@ -1111,7 +1145,7 @@ class Run:
             die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps" +
                 (f", or look at the data ranges in {out}/skipped.tsv" if os.path.exists(f"{out}/skipped.tsv") else ""))
         for s, p in list_checkpoints(out) if self.master else []:  # the abandoned timeline: nothing may resume it
-            os.remove(p) if s > ckpt["step"] else None
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
         print(f"step {self.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
         self.record(step=self.step, event="rollback", to_step=ckpt["step"])
         self.restore(ckpt)
@@ -1163,53 +1197,110 @@ class Run:
             print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
             print(f"profile of 3 steps: {self.cfg.out_dir}/trace.json")
 
-def write_checkpoint(cfg, ckpt, run=None):
-    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent; then the older ones are
-    pruned but for the newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
-    path, tmp = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}.pt"), os.path.join(cfg.out_dir, "ckpt.tmp")
+def write_checkpoint(cfg, ckpt, run=None, shards=None):
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent. Sharded (shards writes the
+    tensors, or waits for DCP's async write of them): the folder ckpt_STEP/ is complete once its state.pt is there, which
+    rank 0 writes the same way, last, with the size of every other file. Then rank 0 prunes the older ones but for the
+    newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
+    path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
+    folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
+        if shards:
+            shards()  # DCP gathers every rank's result: once rank 0's returns, all the shards are on disk
+            if not run.master:
+                return
+            ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        run.error = f"writing {path} failed ({e.strerror or e}); the earlier checkpoints are intact"
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the failure is reported
+        e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's error
+        run.error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
         return os.path.exists(tmp) and os.remove(tmp)
     # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
     # and never count among the keep_last that protect the good ones
     found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
     older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
     for s, p in [(s, p) for s, p in found if s > ckpt["step"]] + [(s, p) for s, p in older if not (every and s % every == 0)]:
-        os.remove(p)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of the checkpoints in out_dir, oldest first (one being written has another name)."""
-    found = [(re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt"))]
+    """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another
+    name) and ckpt_STEP/ folders of shards (complete or not: load_checkpoint tells)."""
+    found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*"))]
     return sorted((int(m[1]), p) for m, p in found if m)
 
-def load_checkpoint(where, before=None):
-    """(checkpoint, path) of a file, or of the newest intact checkpoint in a directory (falling back past bad ones),
-    optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum of
-    the zip file torch.save writes matches, and it holds only tensors and plain data (weights_only), so a truncated
-    file is never used and a crafted one cannot run code. A file named on its own must load, or the run stops."""
-    for _, path in reversed([c for c in ([(0, where)] if os.path.isfile(where) else list_checkpoints(where))
-                             if before is None or c[0] < before]):
+def load_checkpoint(where, before=None, whole=True):
+    """(checkpoint, path) of a file or folder, or of the newest intact checkpoint in a directory (falling back past bad
+    ones), optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum
+    of the zip file torch.save writes matches, and it holds only tensors and plain data (weights_only), so a truncated
+    file is never used and a crafted one cannot run code; a folder of shards, once its state.pt (written last) is intact
+    and every other file has the size it lists. Its tensors are read whole, or with whole=False left to Run.restore,
+    where each rank reads its own. A checkpoint named on its own must load, or the run stops."""
+    one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
+    for _, path in reversed([c for c in ([(0, where)] if one else list_checkpoints(where)) if before is None or c[0] < before]):
         try:
-            bad = zipfile.ZipFile(path).testzip()
+            file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
+            if not os.path.exists(file):
+                raise ValueError("incomplete: it has no state.pt, which rank 0 writes last")
+            bad = zipfile.ZipFile(file).testzip()
             if bad:
                 raise ValueError(f"the checksum of {bad} does not match")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(ckpt, dict) or not {"model", "config", "step"} <= ckpt.keys():
+            ckpt = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(ckpt, dict) or not {"config", "step", "model" if file == path else "shards"} <= ckpt.keys():
                 raise ValueError("not a checkpoint of these scripts")
+            if file != path:
+                for name, size in ckpt["shards"].pop("sizes").items():
+                    if os.path.getsize(os.path.join(path, name)) != size:
+                        raise ValueError(f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not {size}")
+                ckpt["shards"]["path"] = path
+                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})
             return ckpt, path
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
             why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
                 e, pickle.UnpicklingError) else str(e).split("\n")[0] or type(e).__name__
-            if os.path.isfile(where):
+            if one:
                 die(f"{path} is not a usable checkpoint ({why}); pass one written by {os.path.basename(__file__)}")
             print(f"warning: skipping checkpoint {path}, truncated or corrupt: {why}", file=sys.stderr)
     return None, None
+
+def read_shards(shards, into=None):
+    """{model, optim, ema} of a sharded checkpoint (shards: its folder's path, plain data and key paths, from its
+    state.pt), read in place into `into` (state dicts of this rank's shards: each rank reads only its own parts), or
+    whole, in one process. DCP reads the folder's .metadata with pickle.load, which runs whatever a crafted one asks
+    for; here MetadataUnpickler reads it, and every file it names must lie in the folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    with open(os.path.join(shards["path"], ".metadata"), "rb") as f:
+        meta = MetadataUnpickler(f).load()
+    if any(s.relative_path != os.path.basename(s.relative_path) or s.transform_descriptors for s in meta.storage_data.values()):
+        raise ValueError("its .metadata names files outside its folder")
+    reader = dcp.FileSystemReader(shards["path"])
+    reader.read_metadata = lambda *args, **kw: meta
+    flat = {k: v for k, v in flatten_state_dict(into)[0].items() if torch.is_tensor(v)} if into else {}
+    try:
+        _load_state_dict(flat, storage_reader=reader, planner=None if into else _EmptyStateDictLoadPlanner(),
+                         no_dist=not (into and dist.is_initialized()))
+    except dcp.CheckpointException as e:  # a BaseException, which wraps each rank's error
+        raise ValueError(next(iter(e.failures.values()))[0]) from None
+    return unflatten_state_dict({**flat, **shards["plain"]}, shards["mapping"])
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles the .metadata of a sharded checkpoint allowing only the plain classes DCP writes there. Not
+    BytesStorageMetadata, the entries DCP would unpickle with weights_only=False: ours hold tensors only."""
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+        ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                                               "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED or module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"its .metadata asks for {module}.{name}, which DCP's metadata does not hold: refused")
 
 @contextlib.contextmanager
 def reading(path, fix):

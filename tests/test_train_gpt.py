@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -362,15 +363,116 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5]
     for s in l1:
         assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-5), (s, l1[s], l2[s])
-    ckpt = torch.load(tmp_path / "two" / "ckpt_0000005.pt", weights_only=False)
+    (_, three), (_, five) = tg.list_checkpoints(str(tmp_path / "two"))
+    assert os.path.isdir(five) == (parallel == "fsdp")  # FSDP: a folder, each rank's shards written by DCP
+    ckpt = tg.load_checkpoint(five)[0]
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])  # plain keys, loadable anywhere
     (tmp_path / "again").mkdir()  # resume the two-rank run from step 3: steps 4 and 5 must come out the same
-    shutil.copy(tmp_path / "two" / "ckpt_0000003.pt", tmp_path / "again")
+    (shutil.copytree if os.path.isdir(three) else shutil.copy)(three, tmp_path / "again" / os.path.basename(three))
     again = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
                        f"--out_dir={tmp_path}/again", "--resume", *offload, torchrun=True)
     assert again.returncode == 0, again.stderr[-3000:]
     l3 = losses(tmp_path / "again")
     assert sorted(l3) == [4, 5] and all(l3[s] == pytest.approx(l2[s], rel=1e-6, abs=1e-6) for s in l3)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(corpus, tmp_path, capsys):
+    """FSDP on two ranks, --async_save: each checkpoint a folder of DCP shards. Resumed in one process with the same
+    rows per step (another micro-batch), the losses go on as in the two-rank run; a torn folder (state.pt missing, a
+    shard cut short) is skipped with one warning; a crafted .metadata is refused unrun; --consolidate writes the
+    weights as one file, which --sample reads."""
+    two = tmp_path / "two"
+    p = run_script("--dtype=float32", f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32",
+                   "--max_steps=5", "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu",
+                   "--warmup_steps=2", "--batch_size=2", "--grad_accum=2", "--parallel=fsdp", "--async_save",
+                   "--save_every=3", f"--out_dir={two}", torchrun=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [os.path.basename(q) for _, q in tg.list_checkpoints(str(two))] == ["ckpt_0000003", "ckpt_0000005"]
+    one = tmp_path / "one"
+    shutil.copytree(two / "ckpt_0000003", one / "ckpt_0000003")
+    with pytest.raises(SystemExit, match=r"batch_size x grad_accum x ranks=8 \(now 4\)"):
+        tg.main(tiny(corpus, one, dtype="float32", max_steps=5, warmup_steps=2, resume=True))
+    tg.main(tiny(corpus, one, dtype="float32", max_steps=5, warmup_steps=2, batch_size=8, resume=True))
+    l1, l2 = losses(one), losses(two)
+    assert sorted(l1) == [4, 5] and all(l1[s] == pytest.approx(l2[s], rel=1e-5, abs=1e-5) for s in l1), (l1, l2)
+
+    torn = tmp_path / "torn"
+    for cut in ("state.pt", "__1_0.distcp"):
+        shutil.rmtree(torn, ignore_errors=True)
+        shutil.copytree(two, torn)
+        if cut == "state.pt":
+            os.remove(torn / "ckpt_0000005" / cut)
+        else:
+            with open(torn / "ckpt_0000005" / cut, "r+b") as f:
+                f.truncate(1000)
+        capsys.readouterr()
+        ckpt, path = tg.load_checkpoint(str(torn))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert ckpt["step"] == 3 and path.endswith("ckpt_0000003") and len(err) == 1, err
+        assert err[0].startswith("warning: skipping checkpoint") and "ckpt_0000005" in err[0]
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+    evil = torn / "ckpt_0000003"  # a folder from someone else, consistent but for a pickle that would run code
+    (evil / ".metadata").write_bytes(pickle.dumps(Payload()))
+    state = torch.load(evil / "state.pt", weights_only=True)
+    state["shards"]["sizes"][".metadata"] = os.path.getsize(evil / ".metadata")
+    torch.save(state, evil / "state.pt")
+    with pytest.raises(SystemExit, match="holds objects other than tensors and plain data"):
+        tg.load_checkpoint(str(evil))
+    assert not (tmp_path / "ran").exists()
+
+    r = tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    whole, single = tg.load_checkpoint(str(two))[0], tg.load_checkpoint(r["path"])[0]
+    assert r["path"].endswith("ckpt_0000005.pt") and whole.keys() == single.keys()
+    assert all(torch.equal(whole["model"][k], single["model"][k]) for k in whole["model"])
+    assert whole["model"]["wte.weight"].shape[0] >= 257  # the whole tensors, not a shard
+    with pytest.raises(SystemExit, match="holds checkpoints already"):
+        tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    s = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "c"), prompt="def ", max_new_tokens=5, device="cpu"))
+    assert s["text"].startswith("def ") and len(s["ids"]) == 1 + 4 + 5
+
+
+def test_out_of_memory_halves_the_micro_batch_at_the_same_tokens_per_step(corpus, tmp_path, monkeypatch, capsys):
+    """A CUDA OOM before any checkpoint: the run starts again with half the micro-batch and twice the micro-steps
+    (with --total_batch, the micro-steps follow), says which flags to pass, and trains as a run given them would."""
+    forward = tg.GPT.forward
+
+    def small_gpu(model, idx, *args, **kw):  # a GPU with room for the activations of 2 training rows
+        if torch.is_grad_enabled() and idx.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(model, idx, *args, **kw)
+    monkeypatch.setattr(tg.GPT, "forward", small_gpu)
+    r = tg.main(tiny(corpus, tmp_path / "a", max_steps=3, batch_size=8))
+    out = capsys.readouterr().out
+    assert "pass --batch_size=4 --grad_accum=2 next time" in out and "pass --batch_size=2 --grad_accum=4 next time" in out
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (saved["batch_size"], saved["grad_accum"], r["tokens"]) == (2, 4, 3 * 8 * 32)
+    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=3, batch_size=8, total_batch=8 * 32 * 2))
+    assert "pass --batch_size=2 next time" in capsys.readouterr().out and r["tokens"] == 3 * 8 * 32 * 2
+    monkeypatch.undo()
+    tg.main(tiny(corpus, tmp_path / "c", max_steps=3, batch_size=2, grad_accum=4))
+    assert losses(tmp_path / "a") == losses(tmp_path / "c")
+
+
+def test_out_of_memory_after_a_checkpoint_or_at_an_odd_batch_is_raised(corpus, tmp_path, monkeypatch):
+    """Once the run has saved, starting again would undo it: the OOM goes up as it came, as it does when the
+    micro-batch cannot halve."""
+    forward, out = tg.GPT.forward, tmp_path / "o"
+
+    def fills_up(model, idx, *args, **kw):  # memory runs out once a checkpoint exists, or at once for 3 rows
+        if torch.is_grad_enabled() and (tg.list_checkpoints(str(out)) or idx.shape[0] == 3):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return forward(model, idx, *args, **kw)
+    monkeypatch.setattr(tg.GPT, "forward", fills_up)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tg.main(tiny(corpus, out, max_steps=6, save_every=2))
+    assert [s for s, _ in tg.list_checkpoints(str(out))] == [2]
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 4  # not started again at a smaller batch
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tg.main(tiny(corpus, tmp_path / "odd", max_steps=2, batch_size=3))
 
 
 def test_existing_run_is_never_overwritten(corpus, tmp_path):

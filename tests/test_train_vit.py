@@ -277,7 +277,8 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
               "--eval_every=3", "--eval_images=100", "--device=cpu", "--compile=false", "--translate=0", "--flip=false",
               f"--data_dir={shapes}", "--warmup_steps=2", "--ema=0.9"]
     one = run_script(*common, "--batch_size=32", f"--out_dir={tmp_path}/one")
-    two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", torchrun=True)
+    two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", "--save_every=3",
+                     torchrun=True)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
     la, lb = records(tmp_path / "one", "loss"), records(tmp_path / "two", "loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
@@ -286,6 +287,16 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
     # the EMA's loss is sensitive where accuracy is not: under FSDP2 a stale gathered root once hid the EMA weights
     la, lb = records(tmp_path / "one", "ema_val_loss"), records(tmp_path / "two", "ema_val_loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
+    # resumed from step 3 (under FSDP a folder of each rank's shards), the weights, optimizer and EMA go on the same
+    three = tv.list_checkpoints(str(tmp_path / "two"))[0][1]
+    os.makedirs(tmp_path / "again")
+    os.rename(three, tmp_path / "again" / os.path.basename(three))
+    again = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/again", f"--parallel={parallel}", "--resume",
+                       torchrun=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    for key in ("loss", "ema_val_loss"):
+        lc = records(tmp_path / "again", key)
+        assert lc and all(s > 3 and lc[s] == pytest.approx(records(tmp_path / "two", key)[s], abs=1e-6) for s in lc)
 
 
 def glyph_folder(root, chars, per_class, seed):
