@@ -494,6 +494,9 @@ def test_existing_run_is_never_overwritten(corpus, tmp_path):
 def test_model_through_triton_kernels_matches_pytorch_path(monkeypatch):
     """The same tiny GPT with the Triton kernels (interpreted on CPU) and with the references: same loss and grads."""
     pytest.importorskip("triton")
+    from test_kernels import interpreter_error
+    if interpreter_error():  # triton 3.5 and 3.6 cannot interpret loops with tensor bounds; a GPU compiles them
+        pytest.skip(f"triton {tg.kernels.triton.__version__}'s interpreter cannot run these kernels: {interpreter_error()}")
     cfg = tg.Config(**{**TINY, "n_layer": 1, "n_embd": 32, "n_head": 2, "n_kv_head": 1, "seq_len": 17,
                        "logit_softcap": 30.0})
     x = torch.randint(0, 257, (2, 18))
