@@ -6,6 +6,7 @@ scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compu
   python scaling.py plan --flops=1e14           # compute-optimal N, D, loss and batch size for a budget
   python scaling.py coord_check                 # muP: activation size against width, flat under muP (a plot)
   python scaling.py lr_transfer                 # loss against LR at several widths, standard vs muP (a plot)
+  python scaling.py compare out/a out/b --metric=val_loss   # any runs' metrics against step, one plot
   python scaling.py sweep --flops=1e12,1e13 --sizes=7 --optimizer=adamw  # any train_gpt.py flag passes through
 
 `sweep` runs train_gpt.py in this process, once per (N, D), each in its own out_dir, and appends a row to a TSV as
@@ -72,12 +73,7 @@ def matmul_params(cfg, vocab):
 
 def read_tsv(path):
     """Rows of a TSV with a header as dicts of strings ([] if there is no file)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = [line.rstrip("\n").split("\t") for line in f if line.strip()]
-    if not lines:
-        return []
+    lines = [ln.rstrip("\n").split("\t") for ln in open(path) if ln.strip()] if os.path.exists(path) else []
     return [dict(zip(lines[0], r)) for r in lines[1:]]
 
 
@@ -153,10 +149,8 @@ def isoflop_plan(budgets, n_sizes, cfg, vocab, ratio=20.0, min_steps=100):
     min_steps steps (a model trained for too few steps is limited by optimisation, not by size or data).
     Returns [(name, overrides, extra)]."""
     tps = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    shapes = []
-    for L, d in LADDER:
-        c = dataclasses.replace(cfg, n_layer=L, n_embd=d, n_head=head_count(d), n_kv_head=0)
-        shapes.append((matmul_params(c, vocab), L, d))
+    shapes = [(matmul_params(dataclasses.replace(cfg, n_layer=L, n_embd=d, n_head=head_count(d), n_kv_head=0), vocab),
+               L, d) for L, d in LADDER]
     plan = []
     for C in budgets:
         n0 = math.sqrt(C / (6 * ratio))
@@ -186,11 +180,11 @@ def grid_plan(models, tokens, cfg, vocab):
             L, d = (int(v) for v in m.lower().split("x"))
         except ValueError:
             die(f"--models: {m!r} is not LAYERSxWIDTH, e.g. 4x128")
-        c = dataclasses.replace(cfg, n_layer=L, n_embd=d, n_head=head_count(d), n_kv_head=0)
         steps = max(1, round(D / tps))
         over = dict(n_layer=L, n_embd=d, n_head=head_count(d), n_kv_head=0, max_steps=steps,
                     warmup_steps=max(1, min(cfg.warmup_steps, steps // 10)))
-        plan.append((f"D{D:.0e}_L{L}_d{d}".replace("+", ""), over, {"budget": "", "params": matmul_params(c, vocab)}))
+        params = matmul_params(dataclasses.replace(cfg, **over), vocab)
+        plan.append((f"D{D:.0e}_L{L}_d{d}".replace("+", ""), over, {"budget": "", "params": params}))
     return plan
 
 
@@ -405,11 +399,8 @@ def bootstrap(N, D, L, theta, finals, n_boot, delta, seed=0, n_starts=32):
     th, fx = finals
     starts = torch.cat([theta[None], th[torch.argsort(fx)[:n_starts]]])
     rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n_boot):
-        w = np.bincount(rng.integers(0, len(N), len(N)), minlength=len(N)).astype(float)
-        p, _, _ = fit_law(N, D, L, delta=delta, starts=starts, w=w)
-        rows.append(p)
+    rows = [fit_law(N, D, L, delta=delta, starts=starts,
+                    w=np.bincount(rng.integers(0, len(N), len(N)), minlength=len(N)).astype(float))[0] for _ in range(n_boot)]
     return {k: tuple(float(v) for v in np.percentile([r[k] for r in rows], [2.5, 97.5])) for k in rows[0]}
 
 
@@ -418,8 +409,7 @@ def read_param_grid(spec):
     if not spec:
         return PARAM_GRID
     try:
-        text = open(spec).read() if os.path.exists(spec) else spec
-        grid = json.loads(text)
+        grid = json.loads(open(spec).read() if os.path.exists(spec) else spec)
     except (OSError, json.JSONDecodeError) as e:
         die(f"--param_grid={spec!r} is neither a JSON file nor JSON ({e})")
     missing = [k for k in NAMES if not isinstance(grid.get(k), list) or not grid[k]]
@@ -710,6 +700,33 @@ def plot_lr_transfer(out_dir, res):
     fig.savefig(os.path.join(out_dir, "lr_transfer.png"), dpi=110)
     plt.close(fig)
 
+def cmd_compare(args):
+    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    metrics = args.metric.split(",")
+    for run, metric in itertools.product(args.runs, metrics):
+        path = os.path.join(run, "metrics.jsonl")
+        if not os.path.exists(path):
+            die(f"{path} not found: pass the out_dir of a run")
+        rows = list(map(json.loads, open(path)))
+        pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
+        if not pts:
+            keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))} - {"step"})
+            die(f"{path} has no '{metric}'; pick --metric from {', '.join(keys)}")
+        label = os.path.basename(os.path.normpath(run)) + (f" {metric}" if len(metrics) > 1 else "")
+        ax.plot(*zip(*pts), marker=".", markersize=4, label=label)
+        print(f"{run}: {metric} {pts[-1][1]:.4f} at step {pts[-1][0]}")
+    ax.set(xlabel="step", ylabel=", ".join(metrics), title=os.path.basename(args.out))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
 # -----------------------------------------------------------------------------
 # Entry point
 
@@ -764,6 +781,10 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="runs averaged per width")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     p.add_argument("--out_dir", default="out/scaling")
+    p = sub.add_parser("compare", help="one metric of several runs against step, in one plot", allow_abbrev=False)
+    p.add_argument("runs", nargs="+", metavar="OUT_DIR", help="the out_dirs of train_gpt/vit/diffusion.py runs")
+    p.add_argument("--metric", default="loss", help="keys of metrics.jsonl, comma-separated: loss, val_loss, val_acc, ...")
+    p.add_argument("--out", default="out/compare.png")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("sweep", "lr_transfer"):
         die(f"unrecognized arguments: {' '.join(extra)} (see python scaling.py {args.command} -h)")
@@ -771,7 +792,7 @@ def main(argv=None):
         return cmd_sweep(args, extra)
     if args.command == "lr_transfer":
         return cmd_lr_transfer(args, extra)
-    return {"fit": cmd_fit, "plan": cmd_plan, "coord_check": cmd_coord_check}[args.command](args)
+    return {"fit": cmd_fit, "plan": cmd_plan, "coord_check": cmd_coord_check, "compare": cmd_compare}[args.command](args)
 
 
 if __name__ == "__main__":
