@@ -4,7 +4,7 @@ kernels.py: the Triton kernels shared by the trainsuite scripts, each beside a p
   attention(q, k, v, causal=True, scale=None)         flash attention, fwd + bwd, GQA/MQA, any T, head dim <= 256
   rms_norm(x, weight=None, eps=1e-6)                  RMSNorm over the last dim, fwd + bwd (dx, dweight)
   cross_entropy(logits, targets, ...)                 online-logsumexp CE with softcap, z-loss, ignore_index
-  linear_cross_entropy(x, weight, targets, ...)       x @ weight.T fused with the CE, chunked over rows
+  linear_cross_entropy(x, weight, targets, ...)       x @ weight.T fused with the CE, chunked; padding rows masked
 
 Each public function runs Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (read at call time),
 and PyTorch's own fused ops otherwise (F.scaled_dot_product_attention, F.rms_norm, F.cross_entropy; the linear + CE
@@ -254,15 +254,16 @@ def _reduce(loss, valid, reduction):
 
 if triton is not None:
     @triton.jit
-    def _ce_fwd_kernel(Z, T, LOSS, LSE, V, ignore_index, softcap, z_loss, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _ce_fwd_kernel(Z, T, LOSS, LSE, V, stride, ignore_index, softcap, z_loss, SOFTCAP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # a row of V logits starts at Z + row * stride (stride >= V)
         t = tl.load(T + row)
         cols = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per-lane running max and sum: one reduction at the end
         s = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
             mask = start + cols < V
-            z = tl.load(Z + row * V + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            z = tl.load(Z + row * stride + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
             if SOFTCAP:  # cap * tanh(z / cap), tanh written with exp so it works everywhere
                 z = tl.where(mask, softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)), float("-inf"))
             m_new = tl.maximum(m, z)
@@ -272,7 +273,7 @@ if triton is not None:
         mx = tl.max(m, axis=0)
         lse = mx + tl.log(tl.sum(s * tl.exp(m - mx), axis=0))
         valid = t != ignore_index
-        zt = tl.load(Z + row * V + tl.where(valid, t, 0)).to(tl.float32)
+        zt = tl.load(Z + row * stride + tl.where(valid, t, 0)).to(tl.float32)
         if SOFTCAP:
             zt = softcap * (1.0 - 2.0 / (tl.exp(2.0 * zt / softcap) + 1.0))
         loss = tl.where(valid, lse - zt + z_loss * lse * lse, 0.0)
@@ -280,7 +281,7 @@ if triton is not None:
         tl.store(LSE + row, lse)
 
     @triton.jit
-    def _ce_bwd_kernel(Z, T, LSE, DLOSS, DZ, V, ignore_index, softcap, z_loss,
+    def _ce_bwd_kernel(Z, T, LSE, DLOSS, DZ, V, stride, ignore_index, softcap, z_loss,
                        SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         t = tl.load(T + row)
@@ -289,14 +290,14 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
             mask = start + cols < V
-            z = tl.load(Z + row * V + start + cols, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + row * stride + start + cols, mask=mask, other=0.0).to(tl.float32)
             if SOFTCAP:
                 z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
             # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t)
             g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - tl.where(start + cols == t, 1.0, 0.0)
             if SOFTCAP:  # chain rule through cap*tanh(x/cap): 1 - tanh^2
                 g = g * (1.0 - (z / softcap) * (z / softcap))
-            tl.store(DZ + row * V + start + cols, (g * dl).to(DZ.dtype.element_ty), mask=mask)
+            tl.store(DZ + row * stride + start + cols, (g * dl).to(DZ.dtype.element_ty), mask=mask)
 
 
 def _ce_block(V):
@@ -304,11 +305,11 @@ def _ce_block(V):
 
 
 def _ce_fwd(z, t, ignore_index, softcap, z_loss):
-    """Per-row loss and logsumexp (both fp32, (N,)) of contiguous (N, V) logits."""
+    """Per-row loss and logsumexp (both fp32, (N,)) of (N, V) logits whose rows are contiguous."""
     N, V = z.shape
     loss = torch.empty(N, device=z.device, dtype=torch.float32)
     lse = torch.empty(N, device=z.device, dtype=torch.float32)
-    _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, ignore_index, softcap, z_loss,
+    _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, z.stride(0), ignore_index, softcap, z_loss,
             SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
     return loss, lse
 
@@ -318,7 +319,7 @@ def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss, out=None):
     its row's logits before it writes their grads)."""
     N, V = z.shape
     dz = torch.empty_like(z) if out is None else out
-    _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, ignore_index, softcap, z_loss,
+    _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, z.stride(0), ignore_index, softcap, z_loss,
             SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
     return dz
 
@@ -388,9 +389,10 @@ def cross_entropy(logits, targets, ignore_index=-100, softcap=None, z_loss=0.0, 
 # Linear + cross-entropy, chunked over rows so the (N, V) logits never exist at once
 
 
-def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
-    """cross_entropy_ref(x @ weight.T, ...) with the full logits materialised."""
-    return cross_entropy_ref(x @ weight.T, targets, ignore_index, softcap, z_loss, reduction)
+def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean",
+                             classes=None):
+    """cross_entropy_ref(x @ weight[:classes].T, ...) with the full logits materialised."""
+    return cross_entropy_ref(x @ weight[:classes].T, targets, ignore_index, softcap, z_loss, reduction)
 
 
 def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
@@ -418,19 +420,19 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
 CHUNK_LOGITS = 1 << 27  # logits per chunk of rows (256 MB in bf16): matmuls large enough to run at full speed
 
 
-def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
-    """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and dweight (w's dtype) of sum(row_grad * loss).
-    Each chunk's logits become their own grads in place; dweight accumulates in place (addmm_, as Liger's kernel)."""
+def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
+    """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and dweight (w's dtype) of sum(row_grad * loss)
+    over the first V rows of w, the classes. Each chunk's logits become their own grads in place; dweight accumulates
+    in place (addmm_, as Liger's kernel)."""
     N, d = x.shape
-    V = w.shape[0]
-    chunk = 1 << max(0, (CHUNK_LOGITS // V).bit_length() - 1)  # a power of two of rows
+    chunk = 1 << max(0, (CHUNK_LOGITS // w.shape[0]).bit_length() - 1)  # a power of two of rows
     use_triton = _use_triton(x)
     loss = torch.empty(N, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if row_grad is not None else None
     dw = torch.zeros_like(w) if row_grad is not None else None
     for i in range(0, N, chunk):
         xc, tc = x[i:i + chunk], t[i:i + chunk]
-        z = xc @ w.T  # (chunk, V)
+        z = (xc @ w.T)[:, :V]  # (chunk, V) of the whole matmul, whose padded width keeps it fast
         g = row_grad[i:i + chunk] if row_grad is not None else None
         if use_triton:
             loss[i:i + chunk], lse = _ce_fwd(z, tc, ignore_index, softcap, z_loss)
@@ -438,28 +440,30 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad):
         else:
             loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g)
         if dz is not None:
-            torch.mm(dz, w, out=dx[i:i + chunk])
-            dw.addmm_(dz.T, xc)
+            torch.mm(dz, w[:V], out=dx[i:i + chunk])
+            dw[:V].addmm_(dz.T, xc)  # the padding rows get no gradient
     return loss, dx, dw
 
 
 @torch.library.custom_op("trainsuite::linear_cross_entropy", mutates_args=())
 def _lce_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float,
-            z_loss: float, reduction: str, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            z_loss: float, reduction: str, need_grad: bool,
+            classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, weight, targets = x.contiguous(), weight.contiguous(), targets.contiguous()
     # the mean's divisor stays on the device: reading it on the host would stall the GPU at every step
     count = (targets != ignore_index).sum().clamp(min=1) if reduction == "mean" else targets.new_ones(())
     count = count.float()
     if reduction == "none" or not need_grad:  # "none": dweight needs each row's upstream grad, so backward makes it
-        loss, _, _ = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, None)
+        loss, _, _ = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, None, classes)
         loss = loss if reduction == "none" else loss.sum() / count
         return loss.to(x.dtype), x.new_empty(0), weight.new_empty(0)
-    loss, dx, dw = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, count.reciprocal().expand(len(x)))
+    loss, dx, dw = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, count.reciprocal().expand(len(x)),
+                               classes)
     return (loss.sum() / count).to(x.dtype), dx, dw
 
 
 @_lce_op.register_fake
-def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad):
+def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad, classes):
     loss = x.new_empty(x.shape[0] if reduction == "none" else ())
     if reduction == "none" or not need_grad:
         return loss, x.new_empty(0), weight.new_empty(0)
@@ -468,19 +472,19 @@ def _(x, weight, targets, ignore_index, softcap, z_loss, reduction, need_grad):
 
 @torch.library.custom_op("trainsuite::linear_cross_entropy_bwd", mutates_args=())
 def _lce_bwd_op(dloss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                ignore_index: int, softcap: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+                ignore_index: int, softcap: float, z_loss: float, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     _, dx, dw = _lce_chunks(x.contiguous(), weight.contiguous(), targets.contiguous(), ignore_index, softcap,
-                            z_loss, dloss.float().contiguous())
+                            z_loss, dloss.float().contiguous(), classes)
     return dx, dw
 
 
 @_lce_bwd_op.register_fake
-def _(dloss, x, weight, targets, ignore_index, softcap, z_loss):
+def _(dloss, x, weight, targets, ignore_index, softcap, z_loss, classes):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _lce_setup(ctx, inputs, output):
-    x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss, ctx.reduction, _ = inputs
+    x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss, ctx.reduction, _, ctx.classes = inputs
     if ctx.reduction == "none":
         ctx.save_for_backward(x, weight, targets)
     else:
@@ -490,10 +494,11 @@ def _lce_setup(ctx, inputs, output):
 def _lce_backward(ctx, dloss, ddx, ddw):
     if ctx.reduction == "none":
         x, weight, targets = ctx.saved_tensors
-        dx, dw = _lce_bwd_op(dloss.contiguous(), x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss)
-        return dx, dw, None, None, None, None, None, None
+        dx, dw = _lce_bwd_op(dloss.contiguous(), x, weight, targets, ctx.ignore_index, ctx.softcap, ctx.z_loss,
+                             ctx.classes)
+        return dx, dw, None, None, None, None, None, None, None
     dx, dw, weight = ctx.saved_tensors
-    return dx * dloss.to(dx.dtype), dw * dloss.to(dw.dtype), None, None, None, None, None, None
+    return dx * dloss.to(dx.dtype), dw * dloss.to(dw.dtype), None, None, None, None, None, None, None
 
 
 _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -502,12 +507,18 @@ _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 SMALL_LOGITS = 1 << 24  # below this many logits, PyTorch's path makes them whole: the chunks would only cost time
 
 
-def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean"):
-    """cross_entropy(x @ weight.T, targets, ...) without materialising the (N, V) logits; grads made in forward."""
+def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_loss=0.0, reduction="mean",
+                         classes=None):
+    """cross_entropy(x @ weight.T, targets, ...) without materialising the (N, V) logits; grads made in forward. Only
+    the first `classes` rows of weight are classes (all by default): the rest pad the matmul to a fast shape, and get
+    neither probability nor gradient (a vocabulary of 50,257 padded to 50,304: zero rows would take logit 0, far
+    above a trained model's)."""
+    classes = weight.shape[0] if classes is None else classes
     if not _use_triton(x) and x.shape[0] * weight.shape[0] <= SMALL_LOGITS:
-        return _ce_torch(x @ weight.T, targets, ignore_index, softcap, z_loss, reduction)
+        return _ce_torch(x @ weight[:classes].T, targets, ignore_index, softcap, z_loss, reduction)
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # eval: loss only
-    return _lce_op(x, weight, targets, ignore_index, float(softcap or 0.0), float(z_loss), reduction, need_grad)[0]
+    return _lce_op(x, weight, targets, ignore_index, float(softcap or 0.0), float(z_loss), reduction, need_grad,
+                   classes)[0]
 
 
 # -----------------------------------------------------------------------------

@@ -656,9 +656,10 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
         ema.swap()
     grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
     if rank == 0:
-        write_grid(grid, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
+        side_path("writing the sample grid", write_grid, grid, samples[:rows * cfg.per_class].cpu().numpy(), rows,
+                  meta["classes"] if K else None)
     if judge:
-        rec.update(judge.score(samples, K))
+        rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
     print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}" + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
           + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
           + (f" | FD-ViT {rec['fd_vit']:.2f}" if judge else "") + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
@@ -880,6 +881,14 @@ def sample_main(cfg):
 def die(msg):
     """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+def side_path(what, fn, *args):
+    """fn(*args), or None after a one-line warning if it fails: a sample, a plot or a figure never ends a run."""
+    try:
+        return fn(*args)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever went wrong there, training goes on
+        print(f"warning: {what} failed, training goes on: {' '.join(str(e).split())[:200] or type(e).__name__}",
+              file=sys.stderr)
 
 def field_comments(cls):
     """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""

@@ -380,10 +380,11 @@ def width_mult(cfg):
 
 class GPT(nn.Module):
     """Token embedding, n_layer pre-norm blocks, a final norm and the head (tied to the embedding, or its own). The
-    embedding and head have the vocabulary padded to a multiple of 64 rows, for fast matmuls; the padding is never
-    sampled. With --mup (Yang et al. 2022, "Tensor Programs V", Table 3, Adam column) and m = n_embd / base_width,
-    hidden matrices start at std init_std / sqrt(m) and train at LR / m (build_optimizers), the head's input is
-    multiplied by 1 / m and attention uses 1 / d; every factor is 1 at m = 1 (`scaling.py coord_check` tests it)."""
+    embedding and head have the vocabulary padded to a multiple of 64 rows, for fast matmuls; the padding rows are
+    never classes (logits() cuts them off, the loss masks them). With --mup (Yang et al. 2022, "Tensor Programs V",
+    Table 3, Adam column) and m = n_embd / base_width, hidden matrices start at std init_std / sqrt(m) and train at
+    LR / m (build_optimizers), the head's input is multiplied by 1 / m and attention uses 1 / d; every factor is 1 at
+    m = 1 (`scaling.py coord_check` tests it)."""
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
@@ -423,7 +424,8 @@ class GPT(nn.Module):
                 dt = torch.get_autocast_dtype(x.device.type)
                 x, w = x.to(dt), w.to(dt)
             # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
-            loss = kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss)
+            loss = kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss,
+                                                classes=self.vocab_size)  # the padding rows are never classes
             if teacher is None:
                 return loss
             model, weight, temp = teacher
@@ -435,8 +437,9 @@ class GPT(nn.Module):
         return self.logits(x, w)
 
     def logits(self, x, w):
-        """(..., V) logits of final hidden states x under head weight w: fp32 for the softmax even under autocast."""
-        logits, cap = F.linear(x, w).float(), self.cfg.logit_softcap
+        """(..., vocab_size) logits of final hidden states x under head weight w, the padding rows cut off (the matmul
+        keeps them: its padded width is the fast shape): fp32 for the softmax even under autocast."""
+        logits, cap = F.linear(x, w)[..., :self.vocab_size].float(), self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
     def hidden(self, idx, cache=None):
@@ -457,7 +460,7 @@ class GPT(nn.Module):
         """GPT-2 (gpt2|gpt2-medium|gpt2-large|gpt2-xl, fetched by prepare_data.py, or a Hugging Face GPT-2 folder) in
         eval mode; its first 50257 logits are those of Hugging Face's GPT2LMHeadModel with the same weights."""
         folder = gpt2_folder(name_or_path)
-        cfg, vocab_size = gpt2_config(Config(seq_len=1 << 62), folder)  # every position GPT-2 has
+        cfg, vocab_size = gpt2_config(Config(seq_len=0), folder)  # 0: every position GPT-2 has
         model = build_model(cfg, vocab_size, torch.device(device))
         with reading(folder, "pass a Hugging Face GPT-2 folder"):
             model.load_state_dict(gpt2_state_dict(folder, cfg, vocab_size))
@@ -487,7 +490,6 @@ class GPT(nn.Module):
                 cache = KVCache(len(self.blocks), T)
                 logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
             logits = logits[:, -1, :]
-            logits[:, self.vocab_size:] = -float("inf")  # never sample the padding of the vocab
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -505,11 +507,11 @@ class GPT(nn.Module):
 def distill_kl(student, x, w, teacher, xt, wt, temp):
     """KL(teacher || student) of the softmaxes at temperature temp over the real vocab, summed over it and averaged
     over positions. In chunks of rows, each recomputed in the backward pass: the (B*T, V) logits never exist at once."""
-    x, xt, V = x.flatten(0, 1), xt.flatten(0, 1), student.vocab_size
+    x, xt = x.flatten(0, 1), xt.flatten(0, 1)
     rows = max(1, kernels.SMALL_LOGITS // w.size(0))
 
     def chunk(xs, xts):
-        s, t = student.logits(xs, w)[:, :V] / temp, teacher.logits(xts, wt)[:, :V] / temp
+        s, t = student.logits(xs, w) / temp, teacher.logits(xts, wt) / temp
         return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum")
     return sum(torch.utils.checkpoint.checkpoint(chunk, x[i:i + rows], xt[i:i + rows], use_reentrant=False)
                for i in range(0, len(x), rows)) / len(x)
@@ -585,16 +587,27 @@ def gpt2_folder(name):
 
 def gpt2_config(cfg, folder):
     """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size): learned positions, biases,
-    LayerNorm, tanh GELU, a tied head, no QK-norm, attention scaled by 1/sqrt(head dim). seq_len is capped at GPT-2's."""
+    LayerNorm, tanh GELU, a tied head, no QK-norm, attention scaled by 1/sqrt(head dim). seq_len 0 takes all of
+    GPT-2's positions; a longer one than it learned stops the run."""
     path = os.path.join(folder, "config.json")
     with reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
         hf = json.load(f)
         if hf.get("model_type") != "gpt2":
             raise ValueError(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
-        return dataclasses.replace(
-            cfg, n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=0, n_embd=hf["n_embd"], mlp="gelu", bias=True,
-            seq_len=min(cfg.seq_len, hf["n_positions"]), norm="layernorm", norm_eps=hf["layer_norm_epsilon"],
-            pos_emb="learned", qk_norm=False, tie_embeddings=True, logit_softcap=0.0, mup=False), hf["vocab_size"]
+        hf = {k: hf[k] for k in ("n_layer", "n_head", "n_embd", "n_positions", "layer_norm_epsilon", "vocab_size")}
+    check_positions(cfg.seq_len, hf["n_positions"], folder)
+    return dataclasses.replace(
+        cfg, n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=0, n_embd=hf["n_embd"], mlp="gelu", bias=True,
+        seq_len=cfg.seq_len or hf["n_positions"], norm="layernorm", norm_eps=hf["layer_norm_epsilon"],
+        pos_emb="learned", qk_norm=False, tie_embeddings=True, logit_softcap=0.0, mup=False), hf["vocab_size"]
+
+
+def check_positions(seq_len, learned, where):
+    """Learned absolute positions (GPT-2's) are a table of `learned` rows: a longer --seq_len has no row to read.
+    RoPE has no such limit: its tables are built for any length."""
+    if seq_len > learned:
+        die(f"--seq_len={seq_len} is longer than the {learned} positions {where} learned (a table of learned "
+            f"positions, not RoPE, which could grow); use --seq_len={learned} or less")
 
 
 def read_safetensors(path):
@@ -635,12 +648,15 @@ def open_shard(path):
     """Memory-map one token file: llm.c format (256 int32 header, uint16 tokens) or nanoGPT's raw uint16 .bin."""
     size = os.path.getsize(path)
     header = np.fromfile(path, dtype="<i4", count=256) if size >= HEADER_BYTES else np.zeros(3, dtype="<i4")
+    if size == 0 or (header[0] == MAGIC and header[2] == 0):
+        die(f"{path} is empty: that split has no tokens; give it some (nanoGPT's prepare.py keeps 10% for val) or "
+            f"re-run prepare_data.py")
     if header[0] == MAGIC:
         if header[1] != VERSION or HEADER_BYTES + 2 * int(header[2]) != size:
             die(f"{path}: corrupt shard (header says version {header[1]}, {header[2]} tokens, but the file has "
                 f"{size} bytes); re-run prepare_data.py for this data dir")
         return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(int(header[2]),))
-    if os.path.basename(path) in ("train.bin", "val.bin") and size % 2 == 0 and size > 0:
+    if os.path.basename(path) in ("train.bin", "val.bin") and size % 2 == 0:
         return np.memmap(path, dtype=np.uint16, mode="r")  # nanoGPT: no header
     die(f"{path}: not a token shard (no llm.c header magic {MAGIC}, and not a nanoGPT train.bin/val.bin); "
         f"make shards with prepare_data.py")
@@ -667,16 +683,16 @@ def load_meta(data_dir):
                     and all(isinstance(v, (int, float)) for v in [val.get("tokens", 0), val.get("bytes", 0)] + [
                         meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]) and os.path.basename(file) == file):
                 raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
-    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT layout: GPT-2 tokens, or a char-level meta.pkl
-        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}
+    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout, read as nanoGPT reads it
+        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # no meta.pkl: GPT-2 tokens
         with reading(pkl, "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"):
-            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else {"vocab_size": 50257, "itos": None}
-            if not (isinstance(m["vocab_size"], int) and all(isinstance(i, int) and isinstance(c, str) for i, c in (
-                    m.get("itos") or {}).items())):
-                raise ValueError("vocab_size must be an integer and itos a dict of integers to strings")
-            if m.get("itos"):  # characters, not GPT-2 tokens
-                meta.update(tokenizer="nanogpt", eot_id=None, itos=m["itos"])
-            meta["vocab_size"] = m["vocab_size"]
+            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else None
+            if m is not None and not (isinstance(m["vocab_size"], int) and m["vocab_size"] > 0 and all(
+                    isinstance(i, int) and isinstance(c, str) for i, c in (m.get("itos") or {}).items())):
+                raise ValueError("vocab_size must be a positive integer and itos a dict of integers to strings")
+            if m is not None:  # characters (stoi/itos), else a tokenizer we do not know: bytes if 256, else ids
+                kind = "chars" if m.get("itos") else "byte" if m["vocab_size"] == 256 else "ids"
+                meta.update(tokenizer=kind, vocab_size=m["vocab_size"], eot_id=None, itos=m.get("itos") or None)
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; prepare it with 'python prepare_data.py ...'")
     for split in ("train", "val"):
@@ -826,8 +842,8 @@ def load_tokenizer(tok):
             raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")  # tiktoken would panic
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
-    elif name != "gpt2":  # unknown or unloadable tokenizer: show ids
-        return (lambda s: []), (lambda ids: " ".join(map(str, ids)))
+    elif name != "gpt2":  # a tokenizer we do not know (nanoGPT's meta.pkl with a vocab_size only), or cannot load: ids
+        return (lambda s: [int(t) for t in s.split() if t.isdigit()]), (lambda ids: " ".join(map(str, ids)))
     n = enc.n_vocab
     return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
 
@@ -930,8 +946,8 @@ def lr_mult(cfg, step, progress):
 def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     """Val loss, perplexity and bits per byte on the first eval_tokens of val (up to 4M at the end): the same tokens
     every time, read in lanes, so a short eval samples the whole split too."""
-    limit = min(sum(len(s) for s in loader.shards), 1 << 22) if final else cfg.eval_tokens
-    n = max(1, limit // (cfg.batch_size * cfg.seq_len * world_size))
+    have, per_batch = sum(len(s) for s in loader.shards), cfg.batch_size * cfg.seq_len * world_size
+    n = max(1, (min(have, 1 << 22) if final else cfg.eval_tokens) // per_batch)
     loader.load_state({"epoch": 0, "shard": 0})
     model.eval()
     total = torch.zeros((), device=loader.device)
@@ -947,7 +963,8 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
         rec["val_tokens_per_byte"] = val["tokens"] / val["bytes"]
         rec["val_bpb"] = loss / math.log(2) * rec["val_tokens_per_byte"]
     print(f"eval {step:05d} | val loss {loss:.4f} | ppl {rec['val_ppl']:.2f}" + (f" | val bpb {rec['val_bpb']:.4f}" if
-          "val_bpb" in rec else "") + (f" | {n * cfg.batch_size * cfg.seq_len * world_size} tokens" if final else ""))
+          "val_bpb" in rec else "") + (f" | {n * per_batch} tokens" if final else "") + (
+          f" (the val split has {have}: read more than once)" if final and n * per_batch > have else ""))
     return rec
 
 
@@ -955,9 +972,12 @@ def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
     eot = tok.get("eot_id")
-    ids = ([eot] if eot is not None else []) + encode(prompt)
-    if not ids:
-        die("empty prompt and no end-of-text token to start from; pass --prompt=TEXT")
+    given = encode(prompt)
+    if prompt and not given:
+        die(f"--prompt={prompt!r} has no token of this vocabulary ({tok['tokenizer']}" +
+            (": give token ids, e.g. --prompt='17 42')" if tok["tokenizer"] == "ids" else ")"))
+    # no end-of-text token to start from (nanoGPT's data): a newline, as nanoGPT's sample.py, else token 0
+    ids = ([eot] if eot is not None else []) + given or encode("\n")[:1] or [0]
     device = next(model.parameters()).device
     out = model.generate(torch.tensor([ids], device=device), n_tokens, temperature, top_k,
                          torch.Generator(device).manual_seed(seed))
@@ -1161,9 +1181,11 @@ def train(cfg, stop):
             if run.final() or (cfg.eval_every and run.step % cfg.eval_every == 0):
                 rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, run.step, run.final())
                 if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
-                    text = sample(raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)[1]
-                    print("-" * 40 + "\n" + text + "\n" + "-" * 40)
-                run.record(step=run.step, **rec, **layer_stats(raw, x, ctx))  # grad/weight ratio, activation RMS
+                    out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k,
+                                    cfg.seed)
+                    print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40) if out else None
+                stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # grad/weight ratio, activation RMS
+                run.record(step=run.step, **rec, **(stats or {}))
                 run.history.append({"step": run.step, **rec})
             if cfg.sharpness_every and run.step % cfg.sharpness_every == 0 and not run.done():
                 lam = sharpness(lambda: model(x, y, cfg.z_loss), [p for p in raw.parameters() if p.requires_grad])
@@ -1177,7 +1199,7 @@ def train(cfg, stop):
         return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}",
                           {"params": n_params, "trained_params": n_trained})
     if rank == 0:
-        plot_losses(cfg.out_dir, run.history)
+        side_path("writing loss.png", plot_losses, cfg.out_dir, run.history)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
     refs = "".join(f" | {t} -9 {meta[f'val_{t}_bpb']:.3f} ({'beaten' if rec['val_bpb'] < meta[f'val_{t}_bpb'] else 'not beaten'})"
                    for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
@@ -1207,10 +1229,14 @@ def load_init(cfg, rank, world_size):
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
         die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume to continue that run)")
     with reading(path, "pass a checkpoint written by train_gpt.py"):
-        arch = {k: ckpt["config"][k] for k in ARCH_FIELDS if k in ckpt["config"]}
-        cfg = dataclasses.replace(cfg, **arch)
+        c = ckpt["config"]  # its architecture, but this run's --seq_len: RoPE's tables are built for any length
+        cfg = dataclasses.replace(cfg, **{k: c[k] for k in ARCH_FIELDS if k in c and k != "seq_len"})
         init = {"model": plain_weights(ckpt), "vocab_size": data_info_of(ckpt)["vocab_size"], "tokenizer": ckpt["tokenizer"]}
-    print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule")
+        if cfg.pos_emb == "learned":
+            check_positions(cfg.seq_len, c["seq_len"], path)
+            init["model"]["wpe.weight"] = init["model"]["wpe.weight"][:cfg.seq_len]
+    print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule" +
+          (f"; context {c['seq_len']} -> {cfg.seq_len}" if cfg.seq_len != c["seq_len"] else ""))
     return cfg, init
 
 
@@ -1335,6 +1361,14 @@ def export_main(cfg):
 def die(msg):
     """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+def side_path(what, fn, *args):
+    """fn(*args), or None after a one-line warning if it fails: a sample, a plot or a figure never ends a run."""
+    try:
+        return fn(*args)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever went wrong there, training goes on
+        print(f"warning: {what} failed, training goes on: {' '.join(str(e).split())[:200] or type(e).__name__}",
+              file=sys.stderr)
 
 def field_comments(cls):
     """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""

@@ -713,7 +713,7 @@ def train(cfg, stop):
         return run.finish(f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} {dtype} "
                           f"compile={compiled}", {"params": n_params})
     if rank == 0:
-        plot_results(cfg.out_dir, run.history, conf, meta["classes"])
+        side_path("writing the plots", plot_results, cfg.out_dir, run.history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
     return run.finish(f"done: {run.step} steps, {run.step * images_per_step / len(train_loader.y):.1f} epochs in "
                       f"{run.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% ({'EMA' if best else 'raw'} "
@@ -775,6 +775,14 @@ def predict_main(cfg):
 def die(msg):
     """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
+
+def side_path(what, fn, *args):
+    """fn(*args), or None after a one-line warning if it fails: a sample, a plot or a figure never ends a run."""
+    try:
+        return fn(*args)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever went wrong there, training goes on
+        print(f"warning: {what} failed, training goes on: {' '.join(str(e).split())[:200] or type(e).__name__}",
+              file=sys.stderr)
 
 def field_comments(cls):
     """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""

@@ -26,11 +26,15 @@ def write_safetensors(path, tensors):
     path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
 
 
-def gpt2_folder(path, bin_file=False, seed=0):
-    """A tiny random GPT-2 in Hugging Face's layout (Conv1D weights are (in, out)); returns its tensors."""
-    g, d, (V, T, L) = torch.Generator().manual_seed(seed), GPT2["n_embd"], (GPT2[k] for k in ("vocab_size", "n_positions", "n_layer"))
+def gpt2_folder(path, bin_file=False, seed=0, conf=GPT2, far_below_zero=False):
+    """A small random GPT-2 in Hugging Face's layout (Conv1D weights are (in, out)); returns its tensors. With
+    far_below_zero every logit sits near -60, as a trained GPT-2's do (-55 to -70): the final norm's output keeps a
+    constant +8 along one axis on which every token's embedding has -7.5."""
+    g, d, (V, T, L) = torch.Generator().manual_seed(seed), conf["n_embd"], (conf[k] for k in ("vocab_size", "n_positions", "n_layer"))
     r = lambda *shape, s=0.2: torch.randn(*shape, generator=g) * s  # noqa: E731
     w = {"wte.weight": r(V, d), "wpe.weight": r(T, d, s=0.05), "ln_f.weight": 1 + r(d, s=0.1), "ln_f.bias": r(d, s=0.1)}
+    if far_below_zero:
+        w["ln_f.weight"][0], w["ln_f.bias"][0], w["wte.weight"][:, 0] = 0.0, 8.0, -7.5
     for i in range(L):
         for name, (n_in, n_out) in {"attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "mlp.c_fc": (d, 4 * d),
                                     "mlp.c_proj": (4 * d, d)}.items():
@@ -38,7 +42,7 @@ def gpt2_folder(path, bin_file=False, seed=0):
         for ln in ("ln_1", "ln_2"):
             w[f"h.{i}.{ln}.weight"], w[f"h.{i}.{ln}.bias"] = 1 + r(d, s=0.1), r(d, s=0.1)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **GPT2}))
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **conf}))
     if bin_file:  # the older pickle layout, with transformer. prefixes and the attention-mask buffers
         torch.save({**{f"transformer.{k}": v for k, v in w.items()}, "transformer.h.0.attn.bias": torch.ones(1)},
                    path / "pytorch_model.bin")
@@ -47,13 +51,13 @@ def gpt2_folder(path, bin_file=False, seed=0):
     return w
 
 
-def gpt2_reference(w, idx):
+def gpt2_reference(w, idx, conf=GPT2):
     """GPT-2's forward written from its equations on Hugging Face's tensor names: (B, T, vocab) logits."""
-    (B, T), d, H = idx.shape, GPT2["n_embd"], GPT2["n_head"]
-    ln = lambda x, p: F.layer_norm(x, (d,), w[p + ".weight"], w[p + ".bias"], GPT2["layer_norm_epsilon"])  # noqa: E731
+    (B, T), d, H = idx.shape, conf["n_embd"], conf["n_head"]
+    ln = lambda x, p: F.layer_norm(x, (d,), w[p + ".weight"], w[p + ".bias"], conf["layer_norm_epsilon"])  # noqa: E731
     heads = lambda t: t.view(B, T, H, d // H).transpose(1, 2)  # noqa: E731
     x = w["wte.weight"][idx] + w["wpe.weight"][:T]
-    for i in range(GPT2["n_layer"]):
+    for i in range(conf["n_layer"]):
         h = f"h.{i}."
         q, k, v = (ln(x, h + "ln_1") @ w[h + "attn.c_attn.weight"] + w[h + "attn.c_attn.bias"]).split(d, dim=-1)
         att = heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(d // H)
@@ -73,7 +77,7 @@ def test_gpt2_logits_match_the_reference(tmp_path, bin_file):
     idx = torch.randint(0, GPT2["vocab_size"], (2, GPT2["n_positions"]), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, ref = model(idx), gpt2_reference(w, idx)
-    assert logits.shape == (2, GPT2["n_positions"], 320)  # the vocab padded to a multiple of 64: here it is one
+    assert logits.shape == (2, GPT2["n_positions"], 320)
     assert (logits - ref).abs().max() < 1e-4
     with torch.no_grad():  # the KV-cache sampler with learned positions: greedy continuation equals the full forward
         out = model.generate(idx[:1, :5], 6, temperature=0)

@@ -365,6 +365,29 @@ def test_cross_entropy_triton_large_vocab_non_contiguous(interpret):
           grads(lambda z: kernels.cross_entropy_ref(z, t, z_loss=1e-4), z), 1e-5)
 
 
+@pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_linear_cross_entropy_padding_rows_are_never_classes(path, monkeypatch):
+    """A vocabulary of 1000 padded to 1024 rows (GPT-2's 50,257 pads to 50,304): the padding rows take neither
+    probability nor gradient, though their logits of 0 would dominate real logits far below zero, as a trained
+    model's are. Compared with the reference on the first 1000 rows alone, in chunks of 8 rows."""
+    if path == "triton":
+        use_interpreter(monkeypatch)
+    else:
+        monkeypatch.setattr(kernels, "SMALL_LOGITS", 0)  # the chunked path, not the whole logits at once
+    kernels.use(path)
+    monkeypatch.setattr(kernels, "CHUNK_LOGITS", 8 * 1024)
+    x, t = torch.randn(40, 32), torch.randint(0, 1000, (40,))
+    x[:, 0] = 8.0
+    w = torch.cat([torch.randn(1000, 32) / 4 - 7.5 * torch.eye(32)[0], torch.zeros(24, 32)])  # logits near -60
+    try:
+        for kw in (dict(), dict(softcap=80.0, z_loss=1e-4, reduction="none")):
+            ours = grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, classes=1000, **kw), x, w)
+            close(ours, grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w[:1000], t, **kw), x, w), 1e-4)
+            assert ours[2][1000:].abs().max() == 0 and ours[0].mean() < 10  # ln(1000) = 6.9; with the padding, ~60
+    finally:
+        kernels.use("auto")
+
+
 @needs_triton
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("chunk", [8, 64])  # 5 chunks; one
