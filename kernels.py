@@ -13,7 +13,7 @@ an H100, "triton" Triton wherever it runs, "torch" PyTorch's always, to compare 
 names the choice in force, for log lines. Each `*_ref` is written from the math and only checks the others. The
 Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
 
-  python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory against PyTorch
+  python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory of our Triton kernels against PyTorch
   python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
 
 Under the interpreter, tiles are fixed and small and tl.dot is exact only for fp32/fp16 (numpy has no bf16 matmul);
@@ -823,15 +823,37 @@ def _peak_bw(name):
     return None
 
 
+def bench_columns():
+    """The bench's columns, {op: {label: fn}}, labelled by the path each runs: ours on Triton, then PyTorch's ops."""
+    def ours(fn):  # fn with use("triton") in force, the caller's choice restored after: "auto" gives attention SDPA
+        def run(*args):
+            prev = _backend
+            use("triton")
+            try:
+                return fn(*args)
+            finally:
+                use(prev)
+        return run
+    sdpa = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+    rms = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    ce, lce = F.cross_entropy, lambda x, W, t: F.cross_entropy(x @ W.T, t)
+    fused = {"F.linear_ce": F.linear_cross_entropy} if hasattr(F, "linear_cross_entropy") else {}
+    return {"attention": {"triton": ours(attention), "sdpa": sdpa},
+            "rms_norm": {"triton": ours(rms_norm), "torch": rms, "compiled": torch.compile(rms)},
+            "cross_entropy": {"triton": ours(cross_entropy), "torch": ce, "compiled": torch.compile(ce)},
+            "linear_ce": {"triton": ours(linear_cross_entropy), "torch": lce, "compiled": torch.compile(lce), **fused}}
+
+
 def bench():
-    """Print throughput of each kernel against PyTorch on the current GPU."""
+    """Print throughput of each kernel, on Triton whatever use() says, against PyTorch's ops on the current GPU."""
     if not torch.cuda.is_available() or triton is None:
         print("kernels.py --bench needs a CUDA GPU and triton; none found")
         return 1
     from triton.testing import do_bench
-    dev, dt = "cuda", torch.bfloat16
-    name = torch.cuda.get_device_name()
-    print(f"# {name}, bf16")
+    dev, dt, name = "cuda", torch.bfloat16, torch.cuda.get_device_name()
+    print(f"# {name}, bf16; each column is named for the path it times (ours: triton)")
+    attn, norm, ce, lce = bench_columns().values()  # {label: fn} each
+    heads = lambda fns, w, units=("",), sep=" ": sep.join(f"{c + u:>{w}}" for u in units for c in fns)
 
     def timed(fn):
         """(ms, peak GiB) of fn() after a warm-up."""
@@ -846,46 +868,33 @@ def bench():
         out = f(*xs)
         out.backward(torch.ones_like(out) if out.dim() else None)
 
-    print("attention           B  H     T    D causal |  ours fwd  sdpa fwd | ours f+b  sdpa f+b  (TFLOP/s)")
-    sdpa = lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+    print(f"attention           B  H     T    D causal | {heads(attn, 10, (' fwd', ' f+b'))}  (TFLOP/s)")
     for D in (64, 128):
         for T in (1024, 4096, 16384):
             B, H = max(1, 16384 // T), 2048 // D
             q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * B * H * T * T * D / (2 if causal else 1)  # two matmuls forward
-                r = [flops / timed(lambda: f(q, k, v, causal))[0] / 1e9 for f in (attention, sdpa)]
-                r += [3.5 * flops / timed(lambda: fwd_bwd(f, q, k, v, causal))[0] / 1e9 for f in (attention, sdpa)]
-                print(f"{'':18}{B:3d}{H:3d}{T:6d}{D:5d} {causal!s:>6} | "
-                      f"{r[0]:8.0f}  {r[1]:8.0f} | {r[2]:8.0f}  {r[3]:8.0f}")
+                r = [flops / timed(lambda: f(q, k, v, causal))[0] / 1e9 for f in attn.values()]
+                r += [3.5 * flops / timed(lambda: fwd_bwd(f, q, k, v, causal))[0] / 1e9 for f in attn.values()]
+                print(f"{'':18}{B:3d}{H:3d}{T:6d}{D:5d} {causal!s:>6} | " + " ".join(f"{x:10.0f}" for x in r))
     peak = _peak_bw(name)
-    print("rms_norm fwd+bwd   rows  width |  ours  eager  compiled  (GB/s: x, y, dy, dx once each; % of peak)")
-    ref = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)
-    compiled = torch.compile(ref)
+    print(f"rms_norm fwd+bwd   rows  width | {heads(norm, 13)}  (GB/s: x, y, dy, dx once each; % of peak)")
     for M, N in ((393216, 64), (16384, 768), (16384, 2048), (16384, 4096), (16384, 8192)):  # QK-norm, then widths
         x = torch.randn(M, N, device=dev, dtype=dt, requires_grad=True)
         w, dy = torch.randn(N, device=dev, dtype=dt, requires_grad=True), torch.randn(M, N, device=dev, dtype=dt)
-        gbs = [4 * x.numel() * x.element_size() / timed(lambda: f(x, w).backward(dy))[0] / 1e6
-               for f in (rms_norm, ref, compiled)]
-        pct = [f"{g:6.0f} ({100 * g * 1e9 / peak:3.0f}%)" if peak else f"{g:6.0f}" for g in gbs]
-        print(f"{'':14}{M:8d}{N:7d} | " + "  ".join(pct))
+        gbs = [4 * x.numel() * x.element_size() / timed(lambda: f(x, w).backward(dy))[0] / 1e6 for f in norm.values()]
+        pct = [f"{g:6.0f} ({100 * g * 1e9 / peak:3.0f}%)" if peak else f"{g:13.0f}" for g in gbs]
+        print(f"{'':15}{M:8d}{N:7d} | " + " ".join(pct))
         x.grad = w.grad = None
-    print("losses, fwd+bwd     N     d       V |  ours ms   GiB | eager ms   GiB | compiled ms  GiB"
-          + (" | F.linear_cross_entropy" if hasattr(F, "linear_cross_entropy") else ""))
-    ce_c = torch.compile(F.cross_entropy)
-    lce_eager = lambda x, W, t: F.cross_entropy(x @ W.T, t)
-    lce_c = torch.compile(lce_eager)
+    print(f"losses, fwd+bwd     N     d       V | {heads(lce, 14, sep=' | ')}  (ms, peak GiB)")
     for N, d, V in ((8192, 2048, 50304), (8192, 2048, 128256), (32768, 768, 50304)):  # the last: GPT-2 124M's step
         z = torch.randn(N, V, device=dev, dtype=dt, requires_grad=True)
-        t = torch.randint(0, V, (N,), device=dev)
-        x = torch.randn(N, d, device=dev, dtype=dt, requires_grad=True)
+        t, x = torch.randint(0, V, (N,), device=dev), torch.randn(N, d, device=dev, dtype=dt, requires_grad=True)
         W = (torch.randn(V, d, device=dev, dtype=dt) / 40).requires_grad_()
-        lce_fns = (linear_cross_entropy, lce_eager, lce_c) + ((F.linear_cross_entropy,) if hasattr(
-            F, "linear_cross_entropy") else ())
-        for label, fns, args in (("cross_entropy", (cross_entropy, F.cross_entropy, ce_c), (z, t)),
-                                 ("linear_ce", lce_fns, (x, W, t))):
-            r = [timed(lambda: fwd_bwd(f, *args)) for f in fns]
-            print(f"{label:14}{N:6d}{d:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
+        for op, fns, args in (("cross_entropy", ce, (z, t)), ("linear_ce", lce, (x, W, t))):
+            r = [timed(lambda: fwd_bwd(f, *args)) for f in fns.values()]
+            print(f"{op:15}{N:6d}{d:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
             z.grad = x.grad = W.grad = None
         del z
     return 0

@@ -1,5 +1,6 @@
 """Kernel parity: each *_ref against plain PyTorch; the PyTorch path (no Triton, or kernels.use("torch")) and each
 Triton kernel (TRITON_INTERPRET=1 on CPU) against its ref."""
+import contextlib
 import functools
 import os
 import subprocess
@@ -476,46 +477,131 @@ def err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+@contextlib.contextmanager
+def on_triton():
+    """kernels.use("triton") inside the block, the caller's choice restored after: "auto" gives attention to SDPA (and
+    RMSNorm under compile to PyTorch's op), so a test of our kernel under it would compare PyTorch with itself."""
+    prev = kernels._backend
+    kernels.use("triton")
+    try:
+        yield
+    finally:
+        kernels.use(prev)
+
+
+def attention_low_precision(device, dtype, B, T, D, hq, hkv, causal):
+    """Our Triton attention in dtype: error against the fp32 reference at most 2x SDPA's own in the same dtype (3x for
+    grads), flash-attention's rule. The GPU test's body; a CPU test runs it tiny to check which kernels it launches."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, h, T, D, device=device) for h in (hq, hkv, hkv))
+    g = torch.randn(B, hq, T, D, device=device)
+    low = [x.to(dtype) for x in (q, k, v)]
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    ref = grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v, g=g)
+    with on_triton():
+        ours = grads(lambda *a: kernels.attention(*a, causal=causal), *low, g=g.to(dtype))
+    torch_ = grads(sdpa, *low, g=g.to(dtype))
+    for i, (o, t, r) in enumerate(zip(ours, torch_, ref)):
+        assert err(o, r) <= (2 if i == 0 else 3) * err(t, r) + 1e-5, f"output {i}: {err(o, r)} vs {err(t, r)}"
+
+
+def norm_and_losses_low_precision(device, dtype, rows, width, vocab):
+    """Our Triton RMSNorm, CE and linear + CE in dtype: error against the fp32 reference at most 3x that of PyTorch's
+    own op in the same dtype (F.rms_norm, F.cross_entropy; the reference's matmul in dtype for linear + CE)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, width, device=device), torch.randn(width, device=device)
+    g = torch.randn(rows, width, device=device)  # one upstream grad for all three: randn in fp16 draws other numbers
+    z, t = torch.randn(64, vocab, device=device) * 3, torch.randint(0, vocab, (64,), device=device)
+    h, W = torch.randn(256, 128, device=device), torch.randn(vocab, 128, device=device) / 10
+    lce = lambda f: lambda h, W: f(h, W, t.repeat(4), softcap=30.0)
+    cases = [(kernels.rms_norm_ref, kernels.rms_norm, lambda x, w: F.rms_norm(x, (width,), w, 1e-6), (x, w), g, 1e-5),
+             (lambda z: kernels.cross_entropy_ref(z, t), lambda z: kernels.cross_entropy(z, t),
+              lambda z: F.cross_entropy(z, t), (z,), None, 1e-5),
+             (lce(kernels.linear_cross_entropy_ref), lce(kernels.linear_cross_entropy),
+              lce(kernels.linear_cross_entropy_ref), (h, W), None, 1e-4)]
+    for ref_fn, ours_fn, torch_fn, args, g, atol in cases:
+        ref = grads(ref_fn, *args, g=g)
+        low = [a.to(dtype) for a in args]
+        with on_triton():
+            ours = grads(ours_fn, *low, g=None if g is None else g.to(dtype))
+        torch_ = grads(torch_fn, *low, g=None if g is None else g.to(dtype))
+        for i, (o, tt, r) in enumerate(zip(ours, torch_, ref)):
+            assert err(o, r) <= 3 * err(tt, r) + atol, f"{ours_fn}, output {i}: {err(o, r)} vs {err(tt, r)}"
+
+
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,D,hq,hkv,causal", [(1000, 64, 8, 2, True), (513, 128, 4, 4, False), (77, 32, 4, 1, True)])
 def test_attention_gpu_low_precision(dtype, T, D, hq, hkv, causal):
-    """Error against the fp32 reference at most 2x PyTorch's own in the same dtype (3x for grads)."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, h, T, D, device="cuda") for h in (hq, hkv, hkv))
-    g = torch.randn(2, hq, T, D, device="cuda")
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
-    ref = grads(lambda *a: kernels.attention_ref(*a, causal=causal), q, k, v, g=g)
-    ours = grads(lambda *a: kernels.attention(*a, causal=causal), *(x.to(dtype) for x in (q, k, v)), g=g.to(dtype))
-    torch_ = grads(sdpa, *(x.to(dtype) for x in (q, k, v)), g=g.to(dtype))
-    for i, (o, t, r) in enumerate(zip(ours, torch_, ref)):
-        assert err(o, r) <= (2 if i == 0 else 3) * err(t, r) + 1e-5
+    """Our attention kernel, not SDPA, against SDPA's error: bf16 and fp16, GQA and MQA, odd T."""
+    attention_low_precision("cuda", dtype, 2, T, D, hq, hkv, causal)
 
 
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rms_norm_and_losses_gpu_low_precision(dtype):
-    torch.manual_seed(0)
-    x, w = torch.randn(300, 1000, device="cuda"), torch.randn(1000, device="cuda")
-    ref = grads(kernels.rms_norm_ref, x, w)
-    ours = grads(kernels.rms_norm, x.to(dtype), w.to(dtype))
-    torch_ = grads(lambda x, w: F.rms_norm(x, (1000,), w, 1e-6), x.to(dtype), w.to(dtype))
-    for o, t, r in zip(ours, torch_, ref):
-        assert err(o, r) <= 3 * err(t, r) + 1e-5
-    z, t = torch.randn(64, 50304, device="cuda") * 3, torch.randint(0, 50304, (64,), device="cuda")
-    ref = grads(lambda z: kernels.cross_entropy_ref(z, t), z)
-    ours = grads(lambda z: kernels.cross_entropy(z, t), z.to(dtype))
-    torch_ = grads(lambda z: F.cross_entropy(z, t), z.to(dtype))
-    for o, tt, r in zip(ours, torch_, ref):
-        assert err(o, r) <= 3 * err(tt, r) + 1e-5
-    x, W, t = torch.randn(256, 128, device="cuda"), torch.randn(50304, 128, device="cuda") / 10, t.repeat(4)
-    ref = grads(lambda x, W: kernels.linear_cross_entropy_ref(x, W, t, softcap=30.0), x, W)
-    ours = grads(lambda x, W: kernels.linear_cross_entropy(x, W, t, softcap=30.0), x.to(dtype), W.to(dtype))
-    torch_ = grads(lambda x, W: kernels.linear_cross_entropy_ref(x, W, t, softcap=30.0), x.to(dtype), W.to(dtype))
-    for o, tt, r in zip(ours, torch_, ref):
-        assert err(o, r) <= 3 * err(tt, r) + 1e-4
+    """Our RMSNorm and loss kernels against PyTorch's error, at a GPT-2 vocabulary."""
+    norm_and_losses_low_precision("cuda", dtype, 300, 1000, 50304)
+
+
+ATTN = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
+RMS, CE = {"_rms_fwd_kernel", "_rms_bwd_kernel"}, {"_ce_fwd_kernel", "_ce_bwd_kernel"}
+
+
+def launched(monkeypatch):
+    """The names of the Triton kernels launched from now on: kernels._launch, which every launch goes through,
+    recorded and still run."""
+    ran, launch = [], kernels._launch
+
+    def record(kernel, *args, **meta):
+        fn = kernel
+        while hasattr(fn, "fn"):  # an Autotuner wraps a JITFunction, which wraps the Python function
+            fn = fn.fn
+        ran.append(fn.__name__)
+        return launch(kernel, *args, **meta)
+
+    monkeypatch.setattr(kernels, "_launch", record)
+    return ran
+
+
+def test_low_precision_tests_launch_our_triton_kernels(monkeypatch):
+    """The GPU tests' bodies, run tiny on the CPU under the interpreter and the default "auto" (which gives attention
+    to SDPA), launch our Triton kernels for every op, forward and backward, and leave "auto" in force after."""
+    use_interpreter(monkeypatch)
+    kernels.use("auto")
+    ran = launched(monkeypatch)
+    attention_low_precision("cpu", torch.float16, 1, 20, 32, 4, 2, True)
+    assert set(ran) == ATTN and kernels.backend("cpu") == "auto"
+    ran.clear()
+    norm_and_losses_low_precision("cpu", torch.float16, 12, 100, 300)
+    assert set(ran) == RMS | CE and kernels.backend("cpu") == "auto"
+
+
+def test_bench_columns_run_the_path_they_are_named_for(monkeypatch):
+    """python kernels.py --bench times our Triton kernels in its "triton" columns, even under "auto" (which gives
+    attention to SDPA), and PyTorch's ops in the others: run tiny on the CPU under the interpreter, each column,
+    forward and backward, launches exactly its op's Triton kernels, or none. torch.compile is stubbed to return its
+    function, so the compiled columns run, eagerly, the PyTorch op they compile: Inductor is not what this checks."""
+    use_interpreter(monkeypatch)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    kernels.use("auto")
+    ran = launched(monkeypatch)
+    q, x, W, t = torch.randn(1, 2, 20, 32), torch.randn(12, 100), torch.randn(100, 100), torch.randint(0, 100, (12,))
+    calls = {"attention": ((q, q, q), lambda f: lambda q, k, v: f(q, k, v, True), ATTN),
+             "rms_norm": ((x, W[0]), lambda f: f, RMS),
+             "cross_entropy": ((x,), lambda f: lambda z: f(z, t), CE),
+             "linear_ce": ((x, W), lambda f: lambda x, W: f(x, W, t), CE)}
+    cols = kernels.bench_columns()
+    assert set(cols) == set(calls) and all("triton" in fns for fns in cols.values())
+    for op, fns in cols.items():
+        args, call, want = calls[op]
+        for label, fn in fns.items():
+            ran.clear()
+            grads(call(fn), *args)
+            assert set(ran) == (want if label == "triton" else set()), (op, label, ran)
+            assert kernels.backend("cpu") == "auto"
 
 
 @needs_triton
