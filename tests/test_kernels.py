@@ -377,14 +377,15 @@ def test_linear_cross_entropy_padding_rows_are_never_classes(path, monkeypatch):
         monkeypatch.setattr(kernels, "SMALL_LOGITS", 0)  # the chunked path, not the whole logits at once
     kernels.use(path)
     monkeypatch.setattr(kernels, "CHUNK_LOGITS", 8 * 1024)
-    x, t = torch.randn(40, 32), torch.randint(0, 1000, (40,))
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(40, 32, generator=g), torch.randint(0, 1000, (40,), generator=g)
     x[:, 0] = 8.0
-    w = torch.cat([torch.randn(1000, 32) / 4 - 7.5 * torch.eye(32)[0], torch.zeros(24, 32)])  # logits near -60
+    w = torch.cat([torch.randn(1000, 32, generator=g) / 4 - 7.5 * torch.eye(32)[0], torch.zeros(24, 32)])  # near -60
     try:
         for kw in (dict(), dict(softcap=80.0, z_loss=1e-4, reduction="none")):
             ours = grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, classes=1000, **kw), x, w)
             close(ours, grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w[:1000], t, **kw), x, w), 1e-4)
-            assert ours[2][1000:].abs().max() == 0 and ours[0].mean() < 10  # ln(1000) = 6.9; with the padding, ~60
+            assert ours[2][1000:].abs().max() == 0 and ours[0].mean() < 30  # with the padding in the softmax: ~60
     finally:
         kernels.use("auto")
 
