@@ -26,9 +26,11 @@ def write_safetensors(path, tensors):
     path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
 
 
-def gpt2_folder(path, bin_file=False, seed=0):
-    """A tiny random GPT-2 in Hugging Face's layout (Conv1D weights are (in, out)); returns its tensors."""
-    g, d, (V, T, L) = torch.Generator().manual_seed(seed), GPT2["n_embd"], (GPT2[k] for k in ("vocab_size", "n_positions", "n_layer"))
+def gpt2_folder(path, bin_file=False, seed=0, vocab_size=GPT2["vocab_size"]):
+    """A tiny random GPT-2 in Hugging Face's layout (Conv1D weights are (in, out)); returns its tensors. vocab_size
+    50257 gives GPT-2's own vocabulary (its end-of-text id, 50256, starts a sample)."""
+    g, V = torch.Generator().manual_seed(seed), vocab_size
+    d, T, L = GPT2["n_embd"], GPT2["n_positions"], GPT2["n_layer"]
     r = lambda *shape, s=0.2: torch.randn(*shape, generator=g) * s  # noqa: E731
     w = {"wte.weight": r(V, d), "wpe.weight": r(T, d, s=0.05), "ln_f.weight": 1 + r(d, s=0.1), "ln_f.bias": r(d, s=0.1)}
     for i in range(L):
@@ -38,7 +40,8 @@ def gpt2_folder(path, bin_file=False, seed=0):
         for ln in ("ln_1", "ln_2"):
             w[f"h.{i}.{ln}.weight"], w[f"h.{i}.{ln}.bias"] = 1 + r(d, s=0.1), r(d, s=0.1)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **GPT2}))
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **GPT2,
+                                                  "vocab_size": V}))
     if bin_file:  # the older pickle layout, with transformer. prefixes and the attention-mask buffers
         torch.save({**{f"transformer.{k}": v for k, v in w.items()}, "transformer.h.0.attn.bias": torch.ones(1)},
                    path / "pytorch_model.bin")
