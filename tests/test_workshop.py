@@ -1,114 +1,24 @@
 """WORKSHOP.md cannot rot: every command in it parses under its script's own parser, and every experiment runs, at a
 tiny size (its own commands plus flags that shrink the model and the steps), on small data this test makes."""
-import contextlib
 import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-import prepare_data
-import scaling
-import train_diffusion
-import train_gpt
-import train_vit
-from conftest import write_corpus
-from faults import inject, parse
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = {"train_gpt.py": train_gpt, "train_vit.py": train_vit, "train_diffusion.py": train_diffusion}
-# appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
-# (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
-TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
-        train_vit: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=16 --max_steps=4 --eval_every=2 --eval_images=32 "
-                   "--device=cpu",
-        train_diffusion: "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=4 --batch_size=16 --max_steps=4 "
-                         "--sample_steps=3 --per_class=1 --eval_samples=10 --final_samples=20 --eval_images=32 "
-                         "--device=cpu"}
-# a sweep of 6-7 runs of about 10-25 steps on the test corpus, and a plan within twice its largest budget
-TINY_SCALING = {"sweep": ["--flops=1e9,3e9", "--ratio=1", "--min_steps=5"], "plan": ["--flops=6e9"]}
+from commands import ROOT, commands, run_command, write_scratch_data
 
 
 def sections():
     """{title: [argv, ...]} from the ```bash blocks of WORKSHOP.md, per '## ' section, comments and blanks dropped."""
-    out, title, block = {}, None, False
-    for line in open(os.path.join(ROOT, "WORKSHOP.md")):
-        if line.startswith("## "):
-            title = line[3:].strip()
-        elif line.startswith("```"):
-            block = line.strip() == "```bash" and not block
-        elif block and line.strip() and not line.lstrip().startswith("#"):
-            out.setdefault(title, []).append(shlex.split(line, comments=True))
+    out = {}
+    for title, _, argv in commands(os.path.join(ROOT, "WORKSHOP.md")):
+        out.setdefault(title, []).append(argv)
     return out
 
 
 SECTIONS = sections()
 EXPERIMENTS = [t for t in SECTIONS if re.match(r"[1-9]\d*\. ", t)]  # section 0 is the setup
-
-
-def run_command(argv, execute):
-    """Parse argv under its script's own parser; with execute, also run it in this process (the cwd is scratch)."""
-    env = {}
-    while re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
-        k, v = argv.pop(0).split("=", 1)
-        env[k] = v
-    if argv[0] == "rm":
-        assert argv[1] == "-rf" and all(not os.path.isabs(p) and ".." not in p for p in argv[2:]), argv
-        return execute and [shutil.rmtree(p, ignore_errors=True) for p in argv[2:]]
-    assert argv[0] == "python", f"WORKSHOP.md: only python commands run here: {argv}"
-    if argv[1] == "-c":
-        compile(argv[2], "<workshop>", "exec")
-        if execute:
-            p = subprocess.run([sys.executable, "-c", argv[2]], env={**os.environ, **env, "PYTHONPATH": ROOT},
-                               capture_output=True, text=True, timeout=300)
-            assert p.returncode == 0, p.stderr
-        return
-    if argv[1] == "-m":
-        assert argv[2] == "pytest" and os.path.exists(os.path.join(ROOT, argv[3])), argv  # the suite runs it anyway
-        return
-    script, args = argv[1], argv[2:]
-    if script == "tests/faults.py":
-        spec, script, args = args[0], args[1], args[2:]
-        parse(spec)
-    if script in TRAINERS:
-        mod = TRAINERS[script]
-        cfg = mod.parse_args(mod.Config, args + (TINY[mod].split() if execute else []))
-        if execute:
-            with inject(mod, spec) if argv[1] == "tests/faults.py" else contextlib.nullcontext():
-                mod.main(cfg)
-    elif script == "scaling.py":
-        args = args + (TINY_SCALING.get(args[0], []) if execute and "--published" not in args else [])
-        if not execute:  # stop each subcommand before it does anything; sweep checks its train_gpt.py flags
-            names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare")
-            saved = {n: getattr(scaling, n) for n in names}
-            for n in names:
-                setattr(scaling, n, lambda a, extra=(): train_gpt.parse_args(train_gpt.Config, list(extra)))
-            try:
-                scaling.main(args)
-            finally:
-                for n, f in saved.items():
-                    setattr(scaling, n, f)
-        else:
-            scaling.main(args)
-    elif script == "prepare_data.py":
-        args = args + (["--val_size=100"] if args[0] == "shapes" else [])
-        if execute:
-            prepare_data.main(args)
-        else:
-            saved = {n: getattr(prepare_data, n) for n in ("prepare_text", "prepare_images", "prepare_fineweb",
-                                                           "prepare_gpt2")}
-            for n in saved:
-                setattr(prepare_data, n, lambda a: None)
-            try:
-                prepare_data.main(args)
-            finally:
-                for n, f in saved.items():
-                    setattr(prepare_data, n, f)
-    else:
-        raise AssertionError(f"WORKSHOP.md runs a script this test does not know: {script}")
 
 
 def test_the_workshop_has_its_experiments():
@@ -137,14 +47,7 @@ def test_every_command_parses():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A working directory with small stand-ins for the data the setup section prepares."""
-    d = tmp_path_factory.mktemp("workshop")
-    write_corpus(d / "data" / "stdlib_bpe")
-    for name, rotate in (("shapes", True), ("shapes_upright", False)):
-        splits = {s: prepare_data.make_shapes(n, 16, seed, rotate=rotate) for s, n, seed in (("train", 400, 0),
-                                                                                            ("val", 64, 1))}
-        prepare_data.write_images(d / "data" / name, splits, list(prepare_data.SHAPES), "shapes",
-                                  flip_ok=rotate)
-    return d
+    return write_scratch_data(tmp_path_factory.mktemp("workshop"))
 
 
 def test_each_experiment_runs_at_a_tiny_size(scratch, monkeypatch):
