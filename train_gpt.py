@@ -843,9 +843,14 @@ def load_tokenizer(tok):
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
     elif name != "gpt2":  # a tokenizer we do not know (nanoGPT's meta.pkl with a vocab_size only), or cannot load: ids
-        return (lambda s: [int(t) for t in s.split() if t.isdigit()]), (lambda ids: " ".join(map(str, ids)))
+        return encode_ids, (lambda ids: " ".join(map(str, ids)))
     n = enc.n_vocab
     return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
+
+
+def encode_ids(s):
+    """Token ids written as numbers, '17 42': the text of a tokenizer we do not know, or whose files did not load."""
+    return [int(t) for t in s.split() if t.isdigit()]
 
 
 def tokenizer_info(data_dir, meta):
@@ -974,8 +979,9 @@ def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     eot = tok.get("eot_id")
     given = encode(prompt)
     if prompt and not given:
-        die(f"--prompt={prompt!r} has no token of this vocabulary ({tok['tokenizer']}" +
-            (": give token ids, e.g. --prompt='17 42')" if tok["tokenizer"] == "ids" else ")"))
+        die(f"--prompt={prompt!r} is no text of this vocabulary: " + ("give token ids, e.g. --prompt='17 42' (the "
+            f"{tok['tokenizer']} tokenizer is unknown here, or its files did not load)" if encode is encode_ids else
+            f"none of its characters is in the {tok['tokenizer']} vocabulary"))
     # no end-of-text token to start from (nanoGPT's data): a newline, as nanoGPT's sample.py, else token 0
     ids = ([eot] if eot is not None else []) + given or encode("\n")[:1] or [0]
     device = next(model.parameters()).device
@@ -1640,6 +1646,9 @@ class Run:
                     f"a new --out_dir")
             self.restore(ckpt)
             loader.load_state(ckpt["data"])
+        if self.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
+            die(f"--resume: the run in {cfg.out_dir} is complete at step {self.step}; raise its budget (--max_steps, "
+                f"--time_budget, ...) to train on")
         print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
         return ckpt
 

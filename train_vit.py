@@ -1054,6 +1054,9 @@ class Run:
                     f"a new --out_dir")
             self.restore(ckpt)
             loader.load_state(ckpt["data"])
+        if self.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
+            die(f"--resume: the run in {cfg.out_dir} is complete at step {self.step}; raise its budget (--max_steps, "
+                f"--time_budget, ...) to train on")
         print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
         return ckpt
 

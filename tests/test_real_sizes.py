@@ -153,12 +153,16 @@ def test_data_boundaries_end_in_training_or_one_line(tmp_path):
     (tmp_path / "d" / "val.bin").write_bytes((np.arange(100) % 20).astype(np.uint16).tobytes())
     r = tg.main(tiny(tmp_path / "d", tmp_path / "o", max_steps=2, seq_len=64, batch_size=8))  # 100 val tokens
     assert r["steps"] == 2 and math.isfinite(r["val_loss"])
+    with pytest.raises(SystemExit) as e:  # resuming a complete run: its budget must grow
+        tg.main(tiny(tmp_path / "d", tmp_path / "o", max_steps=2, seq_len=64, batch_size=8, resume=True))
+    assert "is complete at step 2; raise its budget" in str(e.value) and "\n" not in str(e.value)
+    assert tg.main(tiny(tmp_path / "d", tmp_path / "o", max_steps=3, seq_len=64, batch_size=8, resume=True))["steps"] == 3
     write_nanogpt(tmp_path / "d2", "chars")
     r = tg.main(tiny(tmp_path / "d2", tmp_path / "long", max_steps=2, seq_len=512, batch_size=1))  # docs: ~150 chars
     assert r["steps"] == 2
     with pytest.raises(SystemExit) as e:
         tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "o"), prompt="\u00e9\u00e9", device="cpu"))
-    assert "has no token of this vocabulary (chars)" in str(e.value) and "\n" not in str(e.value)
+    assert "none of its characters is in the chars vocabulary" in str(e.value) and "\n" not in str(e.value)
     write_nanogpt(tmp_path / "ids", "bytes")
     with open(tmp_path / "ids" / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 300}, f)
