@@ -395,12 +395,15 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None
     return cross_entropy_ref(x @ weight[:classes].T, targets, ignore_index, softcap, z_loss, reduction)
 
 
-def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss):
-    """Per-row loss and dlogits of a chunk in plain PyTorch (the non-Triton path); mirrors _ce_fwd/_ce_bwd_kernel."""
+def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
+    """Per-row loss and dlogits of a chunk in plain PyTorch (the non-Triton path); mirrors _ce_fwd/_ce_bwd_kernel.
+    The padding columns, from `classes` on, are set to -inf (in place: z is the chunk's own buffer), so they take no
+    probability and no gradient; the rows stay contiguous, on which softmax runs 1.6x faster than on a slice."""
     zf = z.float()
     if softcap:
         th = torch.tanh(zf / softcap)
         zf = softcap * th
+    zf[:, classes:] = float("-inf")
     lse = torch.logsumexp(zf, -1)
     valid = t != ignore_index
     ti = torch.where(valid, t, 0)
@@ -423,7 +426,8 @@ CHUNK_LOGITS = 1 << 27  # logits per chunk of rows (256 MB in bf16): matmuls lar
 def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
     """Per-row loss (N,) fp32 and, when row_grad (N,) is given, dx and dweight (w's dtype) of sum(row_grad * loss)
     over the first V rows of w, the classes. Each chunk's logits become their own grads in place; dweight accumulates
-    in place (addmm_, as Liger's kernel)."""
+    in place (addmm_, as Liger's kernel). The matmuls keep w's padded width: on a CPU too a width of 4,353 runs
+    1.35x slower than 4,416."""
     N, d = x.shape
     chunk = 1 << max(0, (CHUNK_LOGITS // w.shape[0]).bit_length() - 1)  # a power of two of rows
     use_triton = _use_triton(x)
@@ -432,16 +436,19 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
     dw = torch.zeros_like(w) if row_grad is not None else None
     for i in range(0, N, chunk):
         xc, tc = x[i:i + chunk], t[i:i + chunk]
-        z = (xc @ w.T)[:, :V]  # (chunk, V) of the whole matmul, whose padded width keeps it fast
+        z = xc @ w.T  # (chunk, rows of w)
         g = row_grad[i:i + chunk] if row_grad is not None else None
-        if use_triton:
-            loss[i:i + chunk], lse = _ce_fwd(z, tc, ignore_index, softcap, z_loss)
-            dz = _ce_bwd(z, tc, lse, g.contiguous(), ignore_index, softcap, z_loss, out=z) if g is not None else None
+        if use_triton:  # the kernels read the first V columns of each row
+            loss[i:i + chunk], lse = _ce_fwd(z[:, :V], tc, ignore_index, softcap, z_loss)
+            if g is not None:  # the grads overwrite the logits, and the padding columns become 0
+                _ce_bwd(z[:, :V], tc, lse, g.contiguous(), ignore_index, softcap, z_loss, out=z[:, :V])
+                z[:, V:] = 0.0
+            dz = z if g is not None else None
         else:
-            loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g)
-        if dz is not None:
-            torch.mm(dz, w[:V], out=dx[i:i + chunk])
-            dw[:V].addmm_(dz.T, xc)  # the padding rows get no gradient
+            loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g, V)
+        if dz is not None:  # the padding columns of dz are 0: the padding rows of w get no gradient
+            torch.mm(dz, w, out=dx[i:i + chunk])
+            dw.addmm_(dz.T, xc)
     return loss, dx, dw
 
 
@@ -514,8 +521,8 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=None, z_
     neither probability nor gradient (a vocabulary of 50,257 padded to 50,304: zero rows would take logit 0, far
     above a trained model's)."""
     classes = weight.shape[0] if classes is None else classes
-    if not _use_triton(x) and x.shape[0] * weight.shape[0] <= SMALL_LOGITS:
-        return _ce_torch(x @ weight[:classes].T, targets, ignore_index, softcap, z_loss, reduction)
+    if not _use_triton(x) and classes == weight.shape[0] and x.shape[0] * weight.shape[0] <= SMALL_LOGITS:
+        return _ce_torch(x @ weight.T, targets, ignore_index, softcap, z_loss, reduction)  # padding: the chunks mask it
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # eval: loss only
     return _lce_op(x, weight, targets, ignore_index, float(softcap or 0.0), float(z_loss), reduction, need_grad,
                    classes)[0]
