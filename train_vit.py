@@ -146,11 +146,6 @@ def run_layout(c, world_size, data_info):
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
 
-def data_info_of(ckpt):
-    """The data facts of a checkpoint's run_layout (checkpoints before 2026-11-23 kept them in ckpt["data"])."""
-    return ckpt.get("data_info") or ckpt["data"]["info"]
-
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -682,14 +677,15 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, ema), max_steps, time_budget,
-              images_per_step, "img", raw.flops_per_image() * images_per_step)
+    clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
+    log = Log(cfg, rank, clock, device, dtype, images_per_step, "img", raw.flops_per_image() * images_per_step)
+    ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard, ema=ema)
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
-    run.begin()
+    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
+    log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes | "
           f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
           f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
@@ -697,12 +693,12 @@ def train(cfg, stop):
           f"lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
-    run.start()
-    while not run.done():
+    clock.start()
+    while not clock.done():
         # augmentation and stochastic depth draw from the global RNG, seeded by (seed, step, rank): a resumed run
         # draws the same numbers as an uninterrupted one, and the checkpoint needs no RNG state
-        torch.manual_seed(cfg.seed + 1000003 * (run.step + 1) + 7919 * rank)
-        mult = lr_mult(cfg, run.step, run.progress())
+        torch.manual_seed(cfg.seed + 1000003 * (clock.step + 1) + 7919 * rank)
+        mult = lr_mult(cfg, clock.step, clock.progress())
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
@@ -721,47 +717,48 @@ def train(cfg, stop):
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        loss, gnorm = run.agree(loss_sum, gnorm, stop)  # every rank sees the same loss, grad norm, clock and signal
+        loss, gnorm = clock.agree(loss_sum, gnorm, stop)  # every rank sees the same loss, grad norm, clock and signal
         overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
-        reason = None if overflow else guard.check(run.step + 1, loss, gnorm)
+        reason = None if overflow else guard.check(clock.step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
                 scaler.step(opt)  # which skips it when fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
-        run.step += 1
+        clock.step += 1
 
-        if reason and run.skip(reason, loss, gnorm):  # rolled back to a checkpoint
+        if reason and roll_back_if_due(reason, loss, gnorm, ckpts):  # rolled back to a checkpoint
             continue
-        if run.step % cfg.log_every == 0 or run.done():
-            run.log(loss, gnorm, cfg.lr * mult, epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+        if clock.step % cfg.log_every == 0 or clock.done():
+            log.line(loss, gnorm, cfg.lr * mult, epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
         if cfg.benchmark:
+            bench.mark(clock)  # timing starts after the warm-up; --profile traces the steps after the timed ones
             continue
-        with run.paused():  # evals and saves are not training time
-            if run.final() or (cfg.eval_every and run.step % cfg.eval_every == 0):
-                rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, run.step,
-                                                run.final())
-                run.record(**rec)
-                run.history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
-            if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
-                run.save(data=train_loader.state(), data_info=data_info, data_meta={k: meta[k] for k in (
+        with clock.paused():  # evals and saves are not training time
+            if clock.final() or (cfg.eval_every and clock.step % cfg.eval_every == 0):
+                rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, clock.step,
+                                                clock.final())
+                log.record(**rec)
+                log.history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
+            if clock.done() or (cfg.save_every and clock.step % cfg.save_every == 0):
+                ckpts.save(data=train_loader.state(), data_info=data_info, data_meta={k: meta[k] for k in (
                     "classes", "num_classes", "image_size", "channels", "mean", "std")})
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results and plots
-    if cfg.benchmark or run.stopped:
-        return run.finish(f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} {dtype} "
-                          f"compile={compiled}", {"params": n_params})
+    if cfg.benchmark or clock.stopped:
+        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} "
+                      f"{dtype} compile={compiled}", {"params": n_params})
     if rank == 0:
-        side_path("writing the plots", plot_results, cfg.out_dir, run.history, conf, meta["classes"])
+        side_path("writing the plots", plot_results, cfg.out_dir, log.history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
-    return run.finish(f"done: {run.step} steps, {run.step * images_per_step / len(train_loader.y):.1f} epochs in "
-                      f"{run.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% ({'EMA' if best else 'raw'} "
-                      f"weights) | weakest: " + ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%"
-                                                        for i in worst)
-                      + f" | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}",
-                      {**rec, "train_loss": loss, "images": run.step * images_per_step, "params": n_params},
-                      f"{best}val_acc")
+    return finish(log, ckpts, bench, f"done: {clock.step} steps, {clock.step * images_per_step / len(train_loader.y):.1f}"
+                  f" epochs in {clock.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% "
+                  f"({'EMA' if best else 'raw'} weights) | weakest: " + ", ".join(
+                      f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
+                  + f" | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}",
+                  {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params},
+                  f"{best}val_acc")
 
 
 def load_image(path, size, channels):
@@ -825,12 +822,13 @@ def side_path(what, fn, *args):
               file=sys.stderr)
 
 def field_comments(cls):
-    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take. A subclass of a Config
+    (a companion's: finetune_gpt.py) adds its fields' comments to its base's, and its own win."""
+    return {k: v for c in reversed(cls.__mro__[:-1])  # [:-1]: object has no source
+            for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
 
 def check_choices(cfg):
-    """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark, --offload
-    FSDP."""
+    """A field commented with choices (a|b|c) holds one of them; --profile needs --benchmark, --offload FSDP."""
     for name, comment in field_comments(type(cfg)).items():
         m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
         if m and str(getattr(cfg, name)) not in m[0].split("|"):
@@ -887,7 +885,8 @@ def setup_dist(device_arg="auto"):
         # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
         store, _, _ = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size)
     if rank:
         sys.stdout = open(os.devnull, "w")
     return rank, world_size, device
@@ -909,23 +908,17 @@ def cpu_has_bf16():
     """Whether bf16 matmuls beat fp32 on this CPU: it lists AVX512-BF16 or AMX in /proc/cpuinfo, and a 512x512 matmul
     runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
     AVX512-BF16 ran bf16 matmuls 3-5x faster and 0.6x as fast as fp32 (BENCHMARKS.md, "CPU recipe")."""
+    import timeit
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
+            if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
+                return False
     except OSError:
         return False
-    if not flags & {"avx512_bf16", "amx_bf16"}:
-        return False
-
-    def seconds(a):  # the fastest of 5 products, after one to warm up (about 50 ms in all)
-        times = []
-        for _ in range(6):
-            t0 = time.perf_counter()
-            a @ a
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    return seconds(a) > 1.5 * seconds(a.bfloat16())
+    # each the fastest of 5 products after one to warm up, about 50 ms in all
+    fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
+    return fp32 > 1.5 * bf16
 
 def setup_precision(device, dtype_arg="auto"):
     """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
@@ -934,9 +927,8 @@ def setup_precision(device, dtype_arg="auto"):
         if device.type == "cuda":
             dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         else:
-            fast = device.type == "cpu" and cpu_has_bf16()
+            fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
             if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-                fast = torch.tensor(int(fast))
                 dist.all_reduce(fast, op=dist.ReduceOp.MIN)
             dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
@@ -955,9 +947,9 @@ def wrap_model(raw, cfg, device, dtype, world_size):
         if dtype == torch.float16:
             die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # grads averaged in fp32
-                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else
-                  OffloadPolicy())  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
+                  offload_policy=offload)  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()
@@ -975,36 +967,21 @@ def grad_sync(model, sync):
         model.set_requires_gradient_sync(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
-              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+class Clock:
+    """A run's step and training time (evals and saves do not count) against its budget of steps or seconds. Each
+    step's one all-reduce agrees on them, and on a stop signal, across ranks: every rank decides alike."""
 
-def fmt_rate(x):
-    """3.66M, 812k, 95: rates readable at any scale."""
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-
-class Run:
-    """A run's progress, clock, log and checkpoints; parts = (raw model, optimizers, scaler, guard, EMA or None) is what
-    a checkpoint holds besides. train_time counts training only (not evals or saves), agreed across ranks."""
-
-    def __init__(self, cfg, rank, world_size, device, dtype, parts, max_steps, time_budget, per_step, unit, flops):
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
-        self.cfg, self.master, self.world_size, self.device, self.parts = cfg, rank == 0, world_size, device, parts
-        self.max_steps, self.time_budget, self.per_step, self.unit = max_steps, time_budget, per_step, unit
-        self.mfu = lambda dt: flops / dt / peak if peak else None  # model FLOPs utilisation, dt seconds per step
-        self.step, self.train_time, self.history, self.stopped, self.signal = 0, 0.0, [], False, None
-        self.tries, self.writer, self.error, self.bench0, self.wall0 = {}, None, None, 0.0, time.perf_counter()
-        self.bench1, self.profiler, self.group = None, None, None  # group: the sharded writes' own (gloo)
-        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder: every rank writes its shards
-        self.files, self.wandb = rank == 0 and not cfg.benchmark, None  # rank 0 writes; a benchmark writes nothing
+    def __init__(self, world_size, max_steps, time_budget):
+        self.world_size, self.max_steps, self.time_budget = world_size, max_steps, time_budget
+        self.step, self.train_time, self.stopped, self.signal = 0, 0.0, False, None
         self.start()
 
     def start(self):
-        """(Re)start the clock, and the averages of the next log line."""
-        self.t_last, self.logged = time.perf_counter(), (self.step, self.train_time)
+        """Time from now on (after set-up, a resume or a rollback); the next lap starts here too."""
+        self.t_last, self.lapped = time.perf_counter(), (self.step, self.train_time)
 
     def progress(self):
-        """The fraction of the budget spent: of the time budget if there is one (the LR schedule follows it), else of steps."""
+        """The fraction of the budget spent: of the time budget if there is one (the LR schedule follows it)."""
         return self.train_time / self.time_budget if self.time_budget else self.step / self.max_steps
 
     def done(self):
@@ -1014,21 +991,20 @@ class Run:
         return self.progress() >= 1.0 and not self.stopped
 
     def agree(self, loss_sum, gnorm, stop):
-        """(loss, grad norm) from the step's one all-reduce (and host sync), which also agrees on the clock and on a
-        signal to any rank: every rank takes the same decisions and stops at the same step."""
-        now = time.perf_counter()
-        local = torch.stack([loss_sum.float(), full(gnorm).float(), loss_sum.new_tensor(float(stop.received is not None)),
-                             loss_sum.new_tensor(self.train_time + now - self.t_last)])
+        """(loss, grad norm) averaged over ranks in one all-reduce (the step's one host sync), which also carries the
+        training time and whether any rank's `stop` received a signal."""
+        now, t = time.perf_counter(), loss_sum.new_tensor
+        local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(stop.received is not None)),
+                             t(self.train_time + now - self.t_last)])
         loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
         self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
-        if self.cfg.benchmark and self.step == 4:  # 5 warm-up steps (compile, allocator) done: time the rest
-            self.bench0 = self.train_time
-            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
-        if self.cfg.profile and self.step == 4 + self.cfg.bench_steps:  # timed steps done: profile 3 more
-            self.bench1, self.profiler = self.train_time, torch.profiler.profile(activities=[
-                torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (self.device.type == "cuda"))
-            self.profiler.start()
         return loss, gnorm
+
+    def lap(self):
+        """Seconds per step since the last lap."""
+        dt = (self.train_time - self.lapped[1]) / max(self.step - self.lapped[0], 1)
+        self.lapped = (self.step, self.train_time)
+        return dt
 
     @contextlib.contextmanager
     def paused(self):
@@ -1036,6 +1012,28 @@ class Run:
         t = time.perf_counter()
         yield
         self.t_last += time.perf_counter() - t
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+def fmt_rate(x):
+    """3.66M, 812k, 95: rates readable at any scale."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+class Log:
+    """What a run says: its config, a line per logged step, every value in out_dir/metrics.jsonl (and wandb). Rank 0
+    writes the files, and a benchmark none. history (losses and evals) goes into checkpoints."""
+
+    def __init__(self, cfg, rank, clock, device, dtype, per_step, unit, flops):
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
+        self.cfg, self.clock, self.device, self.per_step, self.unit, self.flops = cfg, clock, device, per_step, unit, flops
+        self.master, self.files, self.wandb, self.history = rank == 0, rank == 0 and not cfg.benchmark, None, []
+        self.wall0 = time.perf_counter()
+
+    def mfu(self, dt):
+        """Model FLOPs utilisation at dt seconds a step, if the GPU's peak is known."""
+        return self.flops / dt / self.peak if self.peak else None
 
     def begin(self):
         """Print the config; rank 0 writes it to out_dir/config.json and opens wandb if asked."""
@@ -1061,112 +1059,160 @@ class Run:
             if self.wandb:
                 self.wandb.log(kv, step=kv.get("step"))
 
-    def log(self, loss, gnorm, lr, **extra):
-        """A log line and record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
-        dt = (self.train_time - self.logged[1]) / max(self.step - self.logged[0], 1)
-        rec = {"step": self.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{self.unit}_s": self.per_step / dt,
-               "mfu": self.mfu(dt), "train_time": self.train_time, **extra}
+    def line(self, loss, gnorm, lr, **extra):
+        """A step's line and record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
+        c, dt = self.clock, self.clock.lap()
+        rec = {"step": c.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3,
+               f"{self.unit}_s": self.per_step / dt, "mfu": self.mfu(dt), "train_time": c.train_time, **extra}
         self.record(**rec)
-        self.history.append({"step": self.step, "loss": loss})
-        self.logged = (self.step, self.train_time)
-        total = f"{self.train_time:.0f}/{self.time_budget:.0f}s" if self.time_budget else f"{self.max_steps:05d}"
-        print(f"step {self.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu " + (f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-")
-              + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
+        self.history.append({"step": c.step, "loss": loss})
+        total = f"{c.train_time:.0f}/{c.time_budget:.0f}s" if c.time_budget else f"{c.max_steps:05d}"
+        mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-"
+        print(f"step {c.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu {mfu}" + "".join(f" | {k} {v:.2f}"
+                                                                                  for k, v in extra.items()))
 
-    def resume(self, layout, loader):
-        """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart), the loader's place
-        too, and return it; None for a new run. Never overwrites an earlier run, nor continues one of another layout."""
-        cfg, restarts = self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-        if found and not (cfg.resume or restarts):
-            die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-        ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
-        if found and ckpt is None:
-            die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
-        if ckpt is None:
-            return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
-        with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-            saved = run_layout(ckpt["config"], ckpt["world_size"], data_info_of(ckpt))
-            diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-            if diff:
-                die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use "
-                    f"a new --out_dir")
-            self.restore(ckpt)
-            loader.load_state(ckpt["data"])
-        if self.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
-            die(f"--resume: the run in {cfg.out_dir} is complete at step {self.step}; raise its budget (--max_steps, "
-                f"--time_budget, ...) to train on")
-        print(f"resumed from {path} at step {self.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-        return ckpt
+BENCH_WARMUP, PROFILE_STEPS = 5, 3  # --benchmark leaves its first steps untimed (compile, autotuning, the allocator)
 
-    def restore(self, ckpt):
-        """Progress, weights, optimizers, scaler, guard and EMA from a checkpoint (each rank its shard under FSDP). A
-        sharded one's tensors are read here: each rank only the parts it holds, resharded by DCP if the ranks changed."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-        (raw, opts, scaler, guard, ema), options = self.parts, StateDictOptions(full_state_dict="shards" not in ckpt)
-        if "shards" in ckpt:
-            ckpt = {**ckpt, **read_shards(ckpt["shards"], self.state(full=False))}
-        set_state_dict(raw, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
-        if ema:  # the EMA weights go through the model, to be sharded as it is, and swap places with the weights
-            ema.swap()
-            set_model_state_dict(raw, ckpt["ema"], options=options)
-            ema.swap()
-            ema.t = int(ckpt["ema_t"])
-        scaler.load_state_dict(ckpt["scaler"])
-        guard.load_state(ckpt.get("guard", guard.state()))  # checkpoints from before the guards have none
-        self.step, self.train_time, self.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
-        if not all(isinstance(h, dict) for h in self.history):
-            raise ValueError("its history is not a list of records")
-        self.start()
+class Benchmark:
+    """--benchmark: the time of cfg.bench_steps steps after BENCH_WARMUP; --profile traces PROFILE_STEPS more."""
+
+    def __init__(self, cfg, device):
+        self.cfg, self.device, self.t0, self.t1, self.profiler = cfg, device, 0.0, None, None
+
+    @staticmethod
+    def steps(cfg):
+        return BENCH_WARMUP + cfg.bench_steps + PROFILE_STEPS * cfg.profile
+
+    def mark(self, clock):
+        """After each step: timing starts once the warm-up is over, the profiler once the timed steps are."""
+        if clock.step == BENCH_WARMUP:
+            self.t0 = clock.train_time
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
+        if self.cfg.profile and clock.step == BENCH_WARMUP + self.cfg.bench_steps:
+            cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self.t1, self.profiler = clock.train_time, torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU] + cuda)
+            self.profiler.start()
+
+    def report(self, log, what, mem):
+        """(figures, line); with --profile, a Chrome trace (chrome://tracing, ui.perfetto.dev) and the top ops."""
+        dt = ((self.t1 or log.clock.train_time) - self.t0) / self.cfg.bench_steps
+        if self.profiler:
+            self.profiler.stop()
+        if self.profiler and log.master:
+            os.makedirs(self.cfg.out_dir, exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(self.cfg.out_dir, "trace.json"))
+            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+            print(f"profile of {PROFILE_STEPS} steps: {self.cfg.out_dir}/trace.json")
+        figures = {f"{log.unit}_s": log.per_step / dt, "ms_per_step": dt * 1e3, "mfu": log.mfu(dt)}
+        mfu = f"{100 * figures['mfu']:.1f}%" if figures["mfu"] else "-"
+        return figures, (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(log.per_step / dt)} "
+                         f"{log.unit}/s | {dt * 1e3:.1f} ms/step | mfu {mfu} | peak mem {mem:.2f} GB")
+
+def finish(log, ckpts, bench, what, result, metric=None):
+    """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv beside out_dir (the
+    experiment log of every script). Prints `what`, leaves the process group, returns the result."""
+    cfg, clock = log.cfg, log.clock
+    ckpts.wait()
+    mem = (torch.cuda.max_memory_allocated(log.device) if log.device.type == "cuda" else  # else the peak RSS
+           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
+    result = {"steps": clock.step, "train_time": clock.train_time, "wall_time": time.perf_counter() - log.wall0,
+              "peak_mem_gb": mem, **result}
+    if cfg.benchmark and clock.stopped:
+        die(f"--benchmark stopped by {clock.signal} at step {clock.step}; nothing measured")
+    if cfg.benchmark:
+        figures, what = bench.report(log, what, mem)
+        result.update(figures)
+    elif clock.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
+        result = {"preempted": True, "steps": clock.step, "train_time": clock.train_time}
+        what = (f"stopped by {clock.signal} at step {clock.step}: checkpoint saved in {cfg.out_dir}; run the same "
+                f"command with --resume to continue")
+    elif log.files:
+        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
+               f"{result[metric]:.4f}", f"{mem:.2f}", f"{result['wall_time']:.0f}", cfg.description.replace("\t", " ")]
+        with open(os.path.join(os.path.dirname(os.path.abspath(cfg.out_dir)), "results.tsv"), "a") as f:
+            f.write(("" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
+                    + "\t".join(row) + "\n")
+    print(what)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
+
+class Checkpoints:
+    """Saves and restores all a run needs to go on exactly: the model's weights, the optimizers, the loss scaler, the
+    guard, the EMA (None: no EMA), the clock, the log's history, and what save() is given (the loader's place). One
+    file from rank 0, or under FSDP a folder of every rank's shards (DCP); --async_save writes in the background."""
+
+    def __init__(self, cfg, rank, world_size, clock, log, *, model, opts, scaler, guard, ema=None):
+        self.cfg, self.master, self.world_size, self.clock, self.log = cfg, rank == 0, world_size, clock, log
+        self.model, self.opts, self.scaler, self.guard, self.ema = model, opts, scaler, guard, ema
+        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder: every rank writes its shards
+        self.writer, self.error, self.group, self.rollbacks = None, None, None, {}  # rollbacks: to each step
 
     def state(self, full):
-        """{model, optim, ema}: the full state dicts on the CPU (gathered: a collective under FSDP, every rank calls
-        this), or this rank's shards of them."""
+        """{model, optim, ema}: the full state dicts on the CPU (a collective under FSDP), or this rank's shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-        (raw, opts, _, _, ema), options = self.parts, StateDictOptions(full_state_dict=full, cpu_offload=full)
-        sd = dict(zip(("model", "optim"), get_state_dict(raw, opts, options=options)), ema=None)
-        if ema:  # a copy: on CPU the state dict holds the live tensors, which the swap back overwrites
-            ema.swap()
-            sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(raw, options=options).items()}
-            ema.swap()
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        sd = dict(zip(("model", "optim"), get_state_dict(self.model, self.opts, options=options)), ema=None)
+        if self.ema:  # through the model, to be sharded as it is; a copy, since on CPU the live tensors swap back
+            self.ema.swap()
+            sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(self.model, options=options).items()}
+            self.ema.swap()
         return sd
 
+    def restore(self, ckpt):
+        """Everything from a checkpoint; a sharded one's tensors are read here, each rank only the parts it holds
+        (resharded by DCP if the ranks changed)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        options = StateDictOptions(full_state_dict="shards" not in ckpt)
+        if "shards" in ckpt:
+            ckpt = {**ckpt, **read_shards(ckpt["shards"], self.state(full=False))}
+        set_state_dict(self.model, self.opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
+                       options=options)
+        if self.ema:
+            self.ema.swap()
+            set_model_state_dict(self.model, ckpt["ema"], options=options)
+            self.ema.swap()
+            self.ema.t = int(ckpt["ema_t"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.guard.load_state(ckpt["guard"])
+        self.clock.step, self.clock.train_time, self.log.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        if not all(isinstance(h, dict) for h in self.log.history):
+            raise ValueError("its history is not a list of records")
+        self.clock.start()
+
     def save(self, **extra):
-        """Checkpoint the state with extra (every rank calls this): rank 0 writes a file, or under FSDP every rank its
-        own shards into a folder (DCP). --async_save writes in the background from a CPU copy, so training goes on."""
-        (_, _, scaler, guard, ema), shards = self.parts, None
-        ckpt = {**self.state(full=not self.sharded), "ema_t": ema.t if ema else 0, "scaler": scaler.state_dict(),
-                "guard": guard.state(), "step": self.step, "train_time": self.train_time, "history": self.history,
-                "config": dataclasses.asdict(self.cfg), "world_size": self.world_size, **extra}
+        """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
+        shards, in a gloo group of their own (on the training's, they could interleave with its all-reduces)."""
+        ckpt = {**self.state(full=not self.sharded), "ema_t": self.ema.t if self.ema else 0, "guard": self.guard.state(),
+                "scaler": self.scaler.state_dict(), "step": self.clock.step, "train_time": self.clock.train_time,
+                "history": self.log.history, "config": dataclasses.asdict(self.cfg), "world_size": self.world_size,
+                **extra}
         self.wait()  # one write at a time
+        shards = None
         if self.sharded:
-            ckpt, shards = self.shard_writer(ckpt)
+            import torch.distributed.checkpoint as dcp
+            path = os.path.join(self.cfg.out_dir, f"ckpt_{self.clock.step:07d}")
+            if self.master:  # a torn or abandoned folder of this step: none of its files may mix with these
+                shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
+            sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
+            ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
+            self.group = self.group or dist.new_group(backend="gloo")
+            kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
+            shards = (dcp.async_save(dcp_part(sd), **kw).result if self.cfg.async_save  # a CPU copy now, then a thread
+                      else functools.partial(dcp.save, dcp_part(sd), **kw))
         if self.master or shards:
             ckpt = copy.deepcopy(ckpt) if self.cfg.async_save else ckpt
             self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self, shards))
             self.writer.start()
             self.wait() if not self.cfg.async_save else None
-
-    def shard_writer(self, ckpt):
-        """(ckpt less its tensors, a function that writes them into out_dir/ckpt_STEP/, each rank its own shards, with
-        DCP; with --async_save DCP copies them to the CPU now and writes in a thread, and the function waits for it).
-        The rest, param groups included, goes into the folder's state.pt: DCP's files hold tensors only. The writes
-        run off the main thread, so DCP's collectives take a gloo group of their own: on the training's group they
-        could interleave with its all-reduces (and NCCL would want the thread's CUDA device set)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        path = os.path.join(self.cfg.out_dir, f"ckpt_{self.step:07d}")
-        if self.master:  # a torn or abandoned folder of this step: none of its files may mix with these
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-        flat, mapping = flatten_state_dict({k: ckpt.pop(k) for k in ("model", "optim", "ema")})
-        tensors = {k: v for k, v in flat.items() if torch.is_tensor(v)}
-        ckpt["shards"] = {"plain": {k: v for k, v in flat.items() if k not in tensors}, "mapping": mapping}
-        self.group, writer = self.group or dist.new_group(backend="gloo"), dcp.FileSystemWriter(path)
-        if self.cfg.async_save:
-            return ckpt, dcp.async_save(tensors, storage_writer=writer, process_group=self.group).result
-        return ckpt, functools.partial(dcp.save, tensors, storage_writer=writer, process_group=self.group)
 
     def wait(self):
         """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
@@ -1176,89 +1222,68 @@ class Run:
         if self.error:
             die(self.error)
 
-    def skip(self, reason, loss, gnorm):
-        """Record an update the guard skipped. After too many, roll back to the newest intact checkpoint from before
-        the first of them and return it (the loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
-        guard, out = self.parts[3], self.cfg.out_dir
-        self.record(step=self.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
-        print(f"step {self.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
-        if not guard.rollback_due():
-            return None
-        first_bad, guard.bad = guard.bad[0], []
-        self.wait()
-        if self.world_size > 1:
-            dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
-        ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
-        if ckpt is None:
-            return print(f"step {self.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
-        self.tries[ckpt["step"]] = self.tries.get(ckpt["step"], 0) + 1
-        if self.tries[ckpt["step"]] > 3:
-            die(f"bad steps go on after 3 rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps" +
-                (f", or look at the data ranges in {out}/skipped.tsv" if os.path.exists(f"{out}/skipped.tsv") else ""))
-        for s, p in list_checkpoints(out) if self.master else []:  # the abandoned timeline: nothing may resume it
-            (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
-        print(f"step {self.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-        self.record(step=self.step, event="rollback", to_step=ckpt["step"])
-        self.restore(ckpt)
-        return ckpt
+def resume(ckpts, layout, loader):
+    """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and the loader's place,
+    if there is one. Never overwrites an earlier run, nor goes on with another layout."""
+    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
+    if found and not (cfg.resume or restarts):
+        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+    ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
+    if found and ckpt is None:
+        die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+    if ckpt is None:
+        return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
+        if diff:
+            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
+                f"new --out_dir")
+        ckpts.restore(ckpt)
+        loader.load_state(ckpt["data"])
+    if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
+        die(f"--resume: the run in {cfg.out_dir} is complete at step {ckpts.clock.step}; raise its budget (--max_steps, "
+            f"--time_budget, ...) to train on")
+    print(f"resumed from {path} at step {ckpts.clock.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
-    def finish(self, what, result, metric=None):
-        """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv beside out_dir (the
-        experiment log of every script) and the summary line `what`. Leaves the process group."""
-        self.wait()
-        mem = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else  # else the peak RSS
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
-        result = {"steps": self.step, "train_time": self.train_time, "wall_time": time.perf_counter() - self.wall0,
-                  "peak_mem_gb": mem, **result}
-        if self.cfg.benchmark:
-            if self.stopped:
-                die(f"--benchmark stopped by {self.signal} at step {self.step}; nothing measured")
-            dt = ((self.bench1 or self.train_time) - self.bench0) / self.cfg.bench_steps
-            if self.profiler:
-                self.profile()
-            result.update({f"{self.unit}_s": self.per_step / dt, "ms_per_step": dt * 1e3, "mfu": self.mfu(dt)})
-            what = (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(self.per_step / dt)} {self.unit}/s | "
-                    f"{dt * 1e3:.1f} ms/step | mfu " + (f"{100 * result['mfu']:.1f}%" if result["mfu"] else "-")
-                    + f" | peak mem {mem:.2f} GB")
-        elif self.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
-            result = {"preempted": True, "steps": self.step, "train_time": self.train_time}
-            what = (f"stopped by {self.signal} at step {self.step}: checkpoint saved in {self.cfg.out_dir}; run the same "
-                    f"command with --resume to continue")
-        elif self.files:
-            path = os.path.join(os.path.dirname(os.path.abspath(self.cfg.out_dir)), "results.tsv")
-            git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                         text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-            row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
-                   f"{result[metric]:.4f}", f"{mem:.2f}", f"{result['wall_time']:.0f}", self.cfg.description.replace("\t", " ")]
-            head = "" if os.path.exists(path) else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-            with open(path, "a") as f:
-                f.write(head + "\t".join(row) + "\n")
-        print(what)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return result
+def roll_back_if_due(reason, loss, gnorm, ckpts):
+    """Log an update the guard skipped. Once it counts too many bad steps, restore the newest intact checkpoint from
+    before the first of them, deleting the newer ones (a timeline nothing may resume), and return True: the loader
+    keeps its place, so the batches read since are skipped (PaLM 5.1)."""
+    guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
+    log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
+    print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
+    if not guard.rollback_due():
+        return False
+    first_bad, guard.bad = guard.bad[0], []
+    ckpts.wait()
+    if ckpts.world_size > 1:
+        dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+    ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
+    if ckpt is None:
+        return print(f"step {clock.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+    ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
+    if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps")
+    for s, p in list_checkpoints(out) if ckpts.master else []:
+        (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
+    print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+    log.record(step=clock.step, event="rollback", to_step=ckpt["step"])
+    ckpts.restore(ckpt)
+    return True
 
-    def profile(self):
-        """--profile: stop the profiler, write its Chrome trace (chrome://tracing, ui.perfetto.dev) and print the top ops."""
-        self.profiler.stop()
-        if self.master:
-            os.makedirs(self.cfg.out_dir, exist_ok=True)
-            self.profiler.export_chrome_trace(os.path.join(self.cfg.out_dir, "trace.json"))
-            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-            print(f"profile of 3 steps: {self.cfg.out_dir}/trace.json")
-
-def write_checkpoint(cfg, ckpt, run=None, shards=None):
-    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent. Sharded (shards writes the
-    tensors, or waits for DCP's async write of them): the folder ckpt_STEP/ is complete once its state.pt is there, which
-    rank 0 writes the same way, last, with the size of every other file. Then rank 0 prunes the older ones but for the
-    newest keep_last and every multiple of milestone_every. A failed write sets run.error."""
+def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent. Sharded (shards() writes
+    the tensors, or waits for DCP's async write): the folder ckpt_STEP/ is complete once rank 0 has written its
+    state.pt so, last, with the size of every other file. Then rank 0 prunes older ones but for the newest keep_last
+    and every multiple of milestone_every. A failed write sets ckpts.error (or, without ckpts, stops)."""
     path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
         if shards:
             shards()  # DCP gathers every rank's result: once rank 0's returns, all the shards are on disk
-            if not run.master:
+            if not ckpts.master:
                 return
             ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -1268,30 +1293,31 @@ def write_checkpoint(cfg, ckpt, run=None, shards=None):
         os.replace(tmp, path)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the failure is reported
         e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's error
-        run.error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
-        return os.path.exists(tmp) and os.remove(tmp)
+        error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
+        os.remove(tmp) if os.path.exists(tmp) else None
+        return setattr(ckpts, "error", error) if ckpts else die(error)
     # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
     # and never count among the keep_last that protect the good ones
     found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
     older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
-    for s, p in [(s, p) for s, p in found if s > ckpt["step"]] + [(s, p) for s, p in older if not (every and s % every == 0)]:
+    for s, p in [c for c in found if c[0] > ckpt["step"]] + [c for c in older if not (every and c[0] % every == 0)]:
         shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 def list_checkpoints(out_dir):
     """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another
     name) and ckpt_STEP/ folders of shards (complete or not: load_checkpoint tells)."""
-    found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(os.path.join(out_dir, "ckpt_*"))]
+    found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(f"{out_dir}/ckpt_*")]
     return sorted((int(m[1]), p) for m, p in found if m)
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of a file or folder, or of the newest intact checkpoint in a directory (falling back past bad
-    ones), optionally the newest from before step `before`; (None, None) if there is none. Intact: every CRC-32 checksum
-    of the zip file torch.save writes matches, and it holds only tensors and plain data (weights_only), so a truncated
-    file is never used and a crafted one cannot run code; a folder of shards, once its state.pt (written last) is intact
-    and every other file has the size it lists. Its tensors are read whole, or with whole=False left to Run.restore,
-    where each rank reads its own. A checkpoint named on its own must load, or the run stops."""
+    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (optionally from before step
+    `before`), falling back past bad ones; (None, None) if none. Intact: every CRC-32 of torch.save's zip matches and
+    it holds only tensors and plain data (weights_only: a crafted file cannot run code); a folder, once its state.pt
+    (written last) is intact and every other file has the size it lists. A folder's tensors are read whole, or with
+    whole=False by Checkpoints.restore, each rank its own. A checkpoint named on its own must load, or the run stops."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
-    for _, path in reversed([c for c in ([(0, where)] if one else list_checkpoints(where)) if before is None or c[0] < before]):
+    found = [(0, where)] if one else list_checkpoints(where)
+    for _, path in reversed([c for c in found if before is None or c[0] < before]):
         try:
             file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
             if not os.path.exists(file):
@@ -1317,41 +1343,43 @@ def load_checkpoint(where, before=None, whole=True):
             print(f"warning: skipping checkpoint {path}, truncated or corrupt: {why}", file=sys.stderr)
     return None, None
 
+def dcp_part(sd):
+    """The tensors of {model, optim, ema}, which DCP writes: the optimizers' param groups go into state.pt."""
+    return {k: {"state": v["state"]} if k == "optim" else v for k, v in sd.items() if v is not None}
+
 def read_shards(shards, into=None):
-    """{model, optim, ema} of a sharded checkpoint (shards: its folder's path, plain data and key paths, from its
-    state.pt), read in place into `into` (state dicts of this rank's shards: each rank reads only its own parts), or
-    whole, in one process. DCP reads the folder's .metadata with pickle.load, which runs whatever a crafted one asks
-    for; here MetadataUnpickler reads it, and every file it names must lie in the folder."""
+    """{model, optim, ema} of a sharded checkpoint (shards: from its state.pt, with the folder's path), read in place
+    into `into` (this rank's shards: each rank reads its own parts), or whole. DCP would unpickle the folder's
+    .metadata, which runs what a crafted one asks: MetadataUnpickler reads it, and its files must be in the folder."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     with open(os.path.join(shards["path"], ".metadata"), "rb") as f:
         meta = MetadataUnpickler(f).load()
-    if any(s.relative_path != os.path.basename(s.relative_path) or s.transform_descriptors for s in meta.storage_data.values()):
+    if any(s.relative_path != os.path.basename(s.relative_path) or s.transform_descriptors
+           for s in meta.storage_data.values()):
         raise ValueError("its .metadata names files outside its folder")
-    reader = dcp.FileSystemReader(shards["path"])
+    reader, sd = dcp.FileSystemReader(shards["path"]), dcp_part(into) if into else {}
     reader.read_metadata = lambda *args, **kw: meta
-    flat = {k: v for k, v in flatten_state_dict(into)[0].items() if torch.is_tensor(v)} if into else {}
     try:
-        _load_state_dict(flat, storage_reader=reader, planner=None if into else _EmptyStateDictLoadPlanner(),
+        _load_state_dict(sd, storage_reader=reader, planner=None if into else _EmptyStateDictLoadPlanner(),
                          no_dist=not (into and dist.is_initialized()))
     except dcp.CheckpointException as e:  # a BaseException, which wraps each rank's error
         raise ValueError(next(iter(e.failures.values()))[0]) from None
-    return unflatten_state_dict({**flat, **shards["plain"]}, shards["mapping"])
+    return {"ema": None, **sd, "optim": {**sd["optim"], "param_groups": shards["param_groups"]}}
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles the .metadata of a sharded checkpoint allowing only the plain classes DCP writes there. Not
-    BytesStorageMetadata, the entries DCP would unpickle with weights_only=False: ours hold tensors only."""
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
-        ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                                               "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    """Unpickles the .metadata of a sharded checkpoint allowing only the plain classes DCP writes there for tensors
+    (not BytesStorageMetadata, whose entries DCP unpickles with weights_only=False: ours hold tensors only)."""
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+        ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta",
+            "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED or module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"its .metadata asks for {module}.{name}, which DCP's metadata does not hold: refused")
+        raise pickle.UnpicklingError(f"its .metadata asks for {module}.{name}, which DCP's metadata does not hold")
 
 @contextlib.contextmanager
 def reading(path, fix):
@@ -1378,8 +1406,8 @@ class Guard:
         return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
 
     def load_state(self, s):
-        self.n, self.bad, (self.mean, self.var) = int(s["n"]), [int(b) for b in s["bad"]], ([float(v) for v in s[k][:2]]
-                                                                                            for k in ("mean", "var"))
+        self.n, self.bad = int(s["n"]), [int(b) for b in s["bad"]]
+        self.mean, self.var = ([float(v) for v in s[k][:2]] for k in ("mean", "var"))
 
     def clip(self, max_norm):
         """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
@@ -1388,7 +1416,8 @@ class Guard:
 
     def check(self, step, loss, gnorm):
         """None if the update is safe, else the reason; good values update the running statistics."""
-        reason = None if math.isfinite(loss) and math.isfinite(gnorm) else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
+        finite = math.isfinite(loss) and math.isfinite(gnorm)
+        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
         for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
             std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
             if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:

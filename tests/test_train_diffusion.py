@@ -85,13 +85,6 @@ def test_model_shapes_and_zero_init(K):
     assert (model.y_emb is None) == (K == 0) and model.flops_per_image() > 0
 
 
-def test_a_config_from_before_predict_is_a_velocity_model():
-    """Checkpoints written before --predict existed predicted v, and --resume compares their layout as such."""
-    old = {k: v for k, v in vars(td.Config(predict="v")).items() if k != "predict"}
-    assert td.run_layout(old, 1, {}) == td.run_layout(vars(td.Config(predict="v")), 1, {})
-    assert td.run_layout(old, 1, {}) != td.run_layout(vars(td.Config()), 1, {})  # the default now predicts x
-
-
 def test_patches_round_trip_in_image_layout():
     """With identity patch embedding and output layer, the model returns each 4x4 patch RMS-normalised in place:
     patchify and unpatchify agree on the layout."""
