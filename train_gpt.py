@@ -1359,7 +1359,7 @@ def check_choices(cfg):
 def parse_args(cls, argv):
     """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
     import argparse
-    module, names, yes = sys.modules[cls.__module__], [f.name for f in dataclasses.fields(cls)], ("1", "true", "yes", "on")
+    module, yes = sys.modules[cls.__module__], ("1", "true", "yes", "on")
 
     def to_bool(s):  # a bare --flag is true
         if s.lower() not in (*yes, "0", "false", "no", "off"):
@@ -1372,11 +1372,11 @@ def parse_args(cls, argv):
     comments = field_comments(cls)  # once: it parses the file (0.1 s), which per field made each start take seconds
     for f in dataclasses.fields(cls):
         b = f.type is bool
-        p.add_argument(f"--{f.name}", type=to_bool if b else f.type, nargs="?" if b else None, const=True if b else None,
-                       metavar=f.name.upper(), help=f"{comments.get(f.name, '')} (default: {f.default!r})")
+        p.add_argument(f"--{f.name}", type=to_bool if b else f.type, nargs="?" if b else None, metavar=f.name.upper(),
+                       const=True if b else None, help=f"{comments.get(f.name, '')} (default: {f.default!r})")
     args, unknown = p.parse_known_args(argv)
     for u in unknown:
-        near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), names, n=1)
+        near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), [f.name for f in dataclasses.fields(cls)], n=1)
         die(f"unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
     preset = vars(args).get("preset", "")
     if preset and preset not in module.PRESETS:
@@ -1418,7 +1418,7 @@ def all_mean(x, world_size):
     return x
 
 def full(t):
-    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank must call it); other tensors as they are."""
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank calls it); other tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 @functools.cache  # timed once per process: every run in it (tests run many) takes the same precision
@@ -1467,7 +1467,7 @@ def wrap_model(raw, cfg, device, dtype, world_size):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
         kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
-                  offload_policy=offload)  # params: shards, grads and optimizer state in CPU memory, the step on the CPU
+                  offload_policy=offload)  # params: shards, grads, optimizer state and the step on the CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()
@@ -1545,9 +1545,9 @@ class Log:
     def __init__(self, cfg, rank, clock, device, dtype, per_step, unit, flops):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
         self.peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
-        self.cfg, self.clock, self.device, self.per_step, self.unit, self.flops = cfg, clock, device, per_step, unit, flops
-        self.master, self.files, self.wandb, self.history = rank == 0, rank == 0 and not cfg.benchmark, None, []
-        self.wall0 = time.perf_counter()
+        self.cfg, self.clock, self.device, self.unit, self.master = cfg, clock, device, unit, rank == 0
+        self.per_step, self.flops, self.wall0 = per_step, flops, time.perf_counter()
+        self.files, self.wandb, self.history = rank == 0 and not cfg.benchmark, None, []
 
     def mfu(self, dt):
         """Model FLOPs utilisation at dt seconds a step, if the GPU's peak is known."""
@@ -1670,7 +1670,7 @@ class Checkpoints:
     def __init__(self, cfg, rank, world_size, clock, log, *, model, opts, scaler, guard, ema=None):
         self.cfg, self.master, self.world_size, self.clock, self.log = cfg, rank == 0, world_size, clock, log
         self.model, self.opts, self.scaler, self.guard, self.ema = model, opts, scaler, guard, ema
-        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder: every rank writes its shards
+        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder of every rank's shards
         self.writer, self.error, self.group, self.rollbacks = None, None, None, {}  # rollbacks: to each step
 
     def state(self, full):
@@ -1700,18 +1700,19 @@ class Checkpoints:
             self.ema.t = int(ckpt["ema_t"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.guard.load_state(ckpt["guard"])
-        self.clock.step, self.clock.train_time, self.log.history = ckpt["step"], ckpt["train_time"], ckpt["history"]
+        c = self.clock  # int, float, list: a crafted checkpoint fails here, in one line, not later in a traceback
+        c.step, c.train_time, self.log.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
         if not all(isinstance(h, dict) for h in self.log.history):
             raise ValueError("its history is not a list of records")
-        self.clock.start()
+        c.start()
 
     def save(self, **extra):
         """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
         shards, in a gloo group of their own (on the training's, they could interleave with its all-reduces)."""
-        ckpt = {**self.state(full=not self.sharded), "ema_t": self.ema.t if self.ema else 0, "guard": self.guard.state(),
-                "scaler": self.scaler.state_dict(), "step": self.clock.step, "train_time": self.clock.train_time,
-                "history": self.log.history, "config": dataclasses.asdict(self.cfg), "world_size": self.world_size,
-                **extra}
+        ema_t, c = self.ema.t if self.ema else 0, self.clock
+        ckpt = {**self.state(full=not self.sharded), "ema_t": ema_t, "scaler": self.scaler.state_dict(),
+                "guard": self.guard.state(), "step": c.step, "train_time": c.train_time, "history": self.log.history,
+                "config": dataclasses.asdict(self.cfg), "world_size": self.world_size, **extra}
         self.wait()  # one write at a time
         shards = None
         if self.sharded:
@@ -1761,8 +1762,8 @@ def resume(ckpts, layout, loader):
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
     if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
-        die(f"--resume: the run in {cfg.out_dir} is complete at step {ckpts.clock.step}; raise its budget (--max_steps, "
-            f"--time_budget, ...) to train on")
+        die(f"--resume: the run in {cfg.out_dir} is complete at step {ckpts.clock.step}; raise its budget "
+            f"(--max_steps, --time_budget, ...) to train on")
     print(f"resumed from {path} at step {ckpts.clock.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
 def roll_back_if_due(reason, loss, gnorm, ckpts):
@@ -1783,7 +1784,8 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
         return print(f"step {clock.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
     ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
     if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise --warmup_steps")
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise "
+            f"--warmup_steps")
     for s, p in list_checkpoints(out) if ckpts.master else []:
         (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
     print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
@@ -1843,10 +1845,10 @@ def load_checkpoint(where, before=None, whole=True):
             bad = zipfile.ZipFile(file).testzip()
             if bad:
                 raise ValueError(f"the checksum of {bad} does not match")
-            ckpt = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(ckpt, dict) or not {"config", "step", "model" if file == path else "shards"} <= ckpt.keys():
+            ckpt, sharded = torch.load(file, map_location="cpu", weights_only=True), file != path
+            if not isinstance(ckpt, dict) or not {"config", "step", "shards" if sharded else "model"} <= ckpt.keys():
                 raise ValueError("not a checkpoint of these scripts")
-            if file != path:
+            if sharded:
                 for name, size in ckpt["shards"].pop("sizes").items():
                     if os.path.getsize(os.path.join(path, name)) != size:
                         raise ValueError(f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not {size}")
