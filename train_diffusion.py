@@ -745,7 +745,8 @@ def train(cfg, stop):
     max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
-    log = Log(cfg, rank, clock, device, dtype, images_per_step, "img", raw.flops_per_image() * images_per_step)
+    log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
+              flops=raw.flops_per_image() * images_per_step)  # per step, for throughput and MFU
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard, ema=ema)
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
@@ -1089,7 +1090,7 @@ class Log:
     """What a run says: its config, a line per logged step, every value in out_dir/metrics.jsonl (and wandb). Rank 0
     writes the files, and a benchmark none. history (losses and evals) goes into checkpoints."""
 
-    def __init__(self, cfg, rank, clock, device, dtype, per_step, unit, flops):
+    def __init__(self, cfg, rank, clock, device, dtype, *, per_step, unit, flops):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
         self.peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
         self.cfg, self.clock, self.device, self.unit, self.master = cfg, clock, device, unit, rank == 0
