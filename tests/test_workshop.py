@@ -74,7 +74,8 @@ def test_the_recommendation_map_names_real_code():
     for r in rows:
         assert re.search(r"\| (done|partly|not done|n/a) \|", r), r
     names = {}
-    for f in ("train_gpt.py", "train_vit.py", "train_diffusion.py", "kernels.py", "scaling.py", "prepare_data.py"):
+    for f in ("train_gpt.py", "finetune_gpt.py", "train_vit.py", "train_diffusion.py", "kernels.py", "scaling.py",
+              "prepare_data.py"):
         tree, found = ast.parse(open(os.path.join(ROOT, f)).read()), set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
