@@ -1,13 +1,13 @@
 """
 finetune_gpt.py: train_gpt.py's GPT from other weights (GPT-2, a checkpoint), fine-tuned whole or with LoRA, distilled
-from a teacher, trained on the INT8 grid (QAT), exported as int8. It imports train_gpt.py and runs its loop (every
-train_gpt.py flag works here), adding only where a run starts (FineTune) and what follows.
+from a teacher, trained on the INT8 grid (QAT), exported as int8 or as a Hugging Face GPT-2. It imports train_gpt.py
+and runs its loop (every train_gpt.py flag works here), adding only where a run starts (FineTune) and what follows.
 
   python finetune_gpt.py --sample --init_from=gpt2 --prompt="The meaning of life is"
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 [--lora_rank=8 --lr=1e-3]  # GPT-2 on your text
   python finetune_gpt.py --teacher=out/gpt --n_layer=2 --out_dir=out/student      # distil into a smaller model
   python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat                           # train on the int8 grid
-  python finetune_gpt.py --export=int8 --ckpt=out/gpt --out_dir=out/gpt_int8     # val loss before/after
+  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/finetune_hf  # GPT2LMHeadModel loads it
   torchrun --nproc_per_node=8 finetune_gpt.py --preset=finetune --init_from=gpt2-xl --data_dir=data/mine_gpt2
   python finetune_gpt.py -h                                  # every flag, with its default
 """
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors.torch import load_file  # the format's own reader: other people's files, parsed safely
+from safetensors.torch import load_file, save_file  # the format's own reader: other people's files, parsed safely
 
 import train_gpt as tg
 
@@ -45,7 +45,7 @@ class Config(tg.Config):
     distill_temp: float = 2.0          # T: both softmaxes at this temperature
     qat: int = 0                       # QAT: hidden weights on a grid of this many bits (8: --export=int8's); 0 = off
     merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
-    export: str = ""                   # int8: write --ckpt with int8 hidden weights to --out_dir, val loss before/after
+    export: str = ""                   # write --ckpt to --out_dir as int8 (val loss before/after) or hf (Hugging Face)
 
 
 PRESETS = {
@@ -65,8 +65,8 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not targets <= {"attn", "mlp"}:
         tg.die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, "
                f"--init_from=WEIGHTS to adapt, and targets among attn,mlp")
-    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
-        tg.die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
+    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8", "hf"):
+        tg.die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8 or hf")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
         tg.die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
 
@@ -372,7 +372,7 @@ def sample_main(cfg):
 
 
 def export_main(cfg):
-    """--merge_lora or --export=int8: --ckpt as a plain model (LoRA merged in) in --out_dir; with int8, the hidden
+    """--merge_lora, --export=int8 or hf: --ckpt as a plain model (LoRA merged in) in --out_dir; with int8, the hidden
     matrices as int8 with an fp32 scale per output channel (the rest as it was), and both models' val loss."""
     flag, what = ("--export", cfg.export) if cfg.export else ("--merge_lora", "merged")
     ckpt, path = tg.load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
@@ -383,6 +383,8 @@ def export_main(cfg):
         tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
         sd = out = plain_weights(ckpt)
+        if cfg.export == "hf":
+            return export_hf(cfg, ckpt, path, sd)
         if cfg.export:
             out = dict(sd)
             for k in (k for k, v in sd.items() if k.startswith("blocks.") and v.ndim == 2):  # most bytes; robust to it
@@ -405,6 +407,31 @@ def export_main(cfg):
         f" | {k.replace('_', ' ')} {result['float_' + k]:.4f} -> {result['int8_' + k]:.4f}"
         for k in ("val_loss", "val_bpb") if "int8_" + k in result))
     return result
+
+
+def export_hf(cfg, ckpt, path, sd):
+    """--export=hf: a GPT-2-shaped checkpoint (sd: its plain weights) as a Hugging Face folder, config.json and
+    model.safetensors, that GPT2LMHeadModel.from_pretrained loads with the same logits: the vocab_size real rows of the
+    embedding (ours is padded to a multiple of 64), Conv1D's (in, out) weights."""
+    c, vocab = {**dataclasses.asdict(tg.Config()), **ckpt["config"]}, tg.data_info_of(ckpt)["vocab_size"]
+    off = [f"{k}={c[k]!r} (GPT-2: {v!r})" for k, v in {**GPT2_ARCH, "window": 0}.items() if c[k] != v]
+    off += [f"n_kv_head={c['n_kv_head']} (GPT-2: {c['n_head']} or 0)"] if c["n_kv_head"] not in (0, c["n_head"]) else []
+    if off:
+        tg.die(f"--export=hf: {path} is not GPT-2's architecture, which GPT2LMHeadModel computes: {', '.join(off)}")
+    hf = {theirs: conv1d(theirs, sd[ours]) for theirs, ours in gpt2_names(c["n_layer"]).items()}
+    hf["wte.weight"] = hf["wte.weight"][:vocab]
+    eot = ckpt["tokenizer"].get("eot_id")
+    conf = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=vocab, n_positions=c["seq_len"],
+                n_embd=c["n_embd"], n_layer=c["n_layer"], n_head=c["n_head"], layer_norm_epsilon=c["norm_eps"],
+                activation_function="gelu_new", tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    save_file({f"transformer.{k}": v.float().contiguous() for k, v in hf.items()},  # format pt: transformers wants it
+              os.path.join(cfg.out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
+    print(f"wrote {path} as a Hugging Face GPT-2 in {cfg.out_dir} (config.json, model.safetensors): {c['n_layer']} "
+          f"layers, width {c['n_embd']}, {c['seq_len']} positions, {vocab} {ckpt['tokenizer']['tokenizer']} tokens")
+    return {"path": cfg.out_dir}
 
 
 def main(cfg):

@@ -1,6 +1,6 @@
 """finetune_gpt.py: GPT-2's weights in (logits against the published equations and, where installed, Hugging Face's
-own model), fine-tuning from GPT-2 or from a checkpoint, LoRA, distillation, INT8 and QAT, and the bad input around
-them."""
+own model) and out (--export=hf), fine-tuning from GPT-2 or from a checkpoint, LoRA, distillation, INT8 and QAT, and
+the bad input around them."""
 import json
 import math
 import os
@@ -347,3 +347,47 @@ def test_resume_shares_the_adapters(gpt2_corpus, tmp_path):
     with pytest.raises(SystemExit, match=r"lora_rank=2 \(now None\)"):
         tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True))
     assert ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True, **kw))["steps"] == 3
+
+
+def test_export_hf_round_trips_with_equal_logits(corpus, gpt2_corpus, tmp_path):
+    """--export=hf of GPT-2 fine-tuned with LoRA on the 4-bit grid (QAT) writes config.json and model.safetensors
+    with the 320 real vocabulary rows, not the 384 padded ones; imported back as GPT-2, its logits are those of the
+    model as it trained (adapters beside the frozen rounded weights). Another architecture stops in one line."""
+    from safetensors.torch import load_file
+    gpt2_folder(tmp_path / "gpt2")
+    ft.main(ft_tiny(gpt2_corpus, tmp_path / "run", init_from=str(tmp_path / "gpt2"), lora_rank=2, qat=4, max_steps=3,
+                    lr=1e-2, batch_size=2))
+    r = ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "run"), out_dir=str(tmp_path / "hf")))
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (conf["model_type"], conf["vocab_size"], conf["n_positions"], conf["n_layer"]) == ("gpt2", 320, 32, 2)
+    assert load_file(tmp_path / "hf" / "model.safetensors")["transformer.wte.weight"].shape == (320, GPT2["n_embd"])
+    ckpt, _ = tg.load_checkpoint(str(tmp_path / "run"))
+    cfg = ft.Config(**ckpt["config"])
+    trained = tg.build_model(cfg, 320, torch.device("cpu"))  # the model as it trained: QAT layers inside LoRA
+    ft.swap_layers(trained, ("attn", "mlp"), lambda layer: ft.QATLinear(layer, 4))
+    ft.add_lora(trained, cfg).load_state_dict(ckpt["model"])
+    back = ft.from_pretrained(r["path"])
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert back.cfg.seq_len == 32 and (back(idx) - trained.eval()(idx)).abs().max() < 1e-5
+        assert (back(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1))
+    with pytest.raises(SystemExit) as e:
+        ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "rope"), out_dir=str(tmp_path / "hf2")))
+    assert "is not GPT-2's architecture" in str(e.value) and "pos_emb='rope' (GPT-2: 'learned')" in str(e.value)
+    assert "qk_norm=True (GPT-2: False)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_export_hf_loads_in_transformers(gpt2_corpus, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only oracle, not installed here")
+    gpt2_folder(tmp_path / "gpt2")
+    ft.main(ft_tiny(gpt2_corpus, tmp_path / "run", init_from=str(tmp_path / "gpt2"), max_steps=2, lr=1e-2,
+                    optimizer="adamw", batch_size=2))
+    ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "run"), out_dir=str(tmp_path / "hf")))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = ft.load_model(str(tmp_path / "run"), torch.device("cpu"))[0]
+    idx = torch.randint(0, GPT2["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        diff = ours(idx) - theirs(idx).logits
+        assert diff.abs().max() < 1e-4
+        assert (ours(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
