@@ -410,10 +410,10 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
     loss = torch.where(valid, lse - zf.gather(1, ti[:, None]).squeeze(1) + z_loss * lse * lse, 0.0)
     if dloss is None:
         return loss, None
-    # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t), times the row's grad; in place on one
-    # (chunk, V) buffer, since on CPU each extra temporary of that size costs about as much as the matmul
+    # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t), times the row's grad; in place in zf, the
+    # chunk's own (chunk, V) buffer: on CPU each extra pass or temporary of that size costs about a matmul's time
     dl = torch.where(valid, dloss, 0.0)
-    g = torch.softmax(zf, -1).mul_(((1 + 2 * z_loss * lse) * dl)[:, None])
+    g = zf.sub_(lse[:, None]).exp_().mul_(((1 + 2 * z_loss * lse) * dl)[:, None])
     g.scatter_add_(1, ti[:, None], -dl[:, None])
     if softcap:  # chain rule through cap*tanh(x/cap): 1 - tanh^2, in place
         g.mul_(th.square_().neg_().add_(1))

@@ -1,0 +1,47 @@
+"""Any CPU: no default depends on bf16 hardware. On a CPU without fast bf16 (cpu_has_bf16 patched to False, so
+nothing is timed), no step of any trainer, its optimizers included, multiplies in bf16; on a CPU with it, the GPT's
+matmuls and Muon's iterations do, which shows the check sees bf16 where it is."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_diffusion as td
+import train_gpt as tg
+import train_vit as tv
+from test_train_gpt import tiny as gpt_tiny
+from test_train_vit import shapes, tiny as vit_tiny  # noqa: F401 - shapes is a fixture
+from test_train_diffusion import tiny as dit_tiny
+
+aten = torch.ops.aten
+MATMULS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addmv, aten.mv, aten.dot, aten.convolution,
+           aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_attention_math}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix product, and of the ops each optimizer's step runs, below autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in MATMULS:
+            self.seen.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+@pytest.mark.parametrize("script", ["gpt", "vit", "diffusion"])
+def test_no_bf16_matmul_without_bf16_hardware(script, fast_bf16, corpus, shapes, tmp_path, monkeypatch):  # noqa: F811
+    mod, cfg = {"gpt": (tg, gpt_tiny(corpus, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
+                "vit": (tv, vit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
+                "diffusion": (td, dit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto"))}[script]
+    monkeypatch.setattr(mod, "cpu_has_bf16", lambda: fast_bf16)
+    with MatmulDtypes() as mode:
+        assert mod.main(cfg)["steps"] == 2
+    assert torch.float32 in mode.seen
+    if not fast_bf16:
+        assert torch.bfloat16 not in mode.seen, f"{script}: a bf16 matmul on a CPU without bf16 hardware"
+    elif script == "gpt":
+        assert torch.bfloat16 in mode.seen
+
