@@ -4,6 +4,7 @@ tests/test_workshop.py (WORKSHOP.md) and tests/test_readme.py (README.md and doc
 form is taught here once."""
 import codecs
 import contextlib
+import importlib
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ from faults import inject, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = {"train_gpt.py": train_gpt, "train_vit.py": train_vit, "train_diffusion.py": train_diffusion}
+COMPANIONS = ("finetune_gpt.py",)  # take train_gpt.py's flags and run as a trainer does; imported when a command names one
 # appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
 # (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
 TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
@@ -82,10 +84,13 @@ def split_env(argv):
 
 
 def workshop_tiny(script, args):
-    """The flags appended to a command that runs (they win over its own): TINY for a trainer, TINY_SCALING for a
-    scaling.py subcommand that trains or plans from its own fit, a small val split for shapes."""
+    """The flags appended to a command that runs (they win over its own): TINY for a trainer (train_gpt.py's for a
+    companion), TINY_SCALING for a scaling.py subcommand that trains or plans from its own fit, a small val split for
+    shapes."""
     if script in TRAINERS:
         return TINY[TRAINERS[script]].split()
+    if script in COMPANIONS:
+        return TINY[train_gpt].split()
     if script == "scaling.py":
         return [] if "--published" in args else TINY_SCALING.get(args[0], [])
     if script == "prepare_data.py":
@@ -147,8 +152,9 @@ def run_command(argv, execute, tiny=workshop_tiny):
         spec, script, args = args[0], args[1], args[2:]
         parse(spec)
     extra = tiny(script, args) if execute else []
-    if script in TRAINERS:
-        mod = TRAINERS[script]
+    if script in TRAINERS or script in COMPANIONS:
+        # a companion is imported here, not at the top, so the other commands run where it does not exist yet
+        mod = TRAINERS.get(script) or importlib.import_module(script[:-3])
         cfg = mod.parse_args(mod.Config, args + extra)
         if execute:
             with inject(mod, spec) if argv[1] == "tests/faults.py" else contextlib.nullcontext():
