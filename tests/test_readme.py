@@ -3,6 +3,7 @@ output shows) parses under its script's own parser, and every one a CPU can run 
 in order, on small data this test makes. WORKSHOP.md is tests/test_workshop.py's."""
 import glob
 import os
+import re
 import shlex
 import shutil
 import traceback
@@ -35,7 +36,8 @@ KNOWN_FAILURES = {
 }
 # the modes of each trainer that read a run instead of starting one
 NOT_TRAINING = {"train_gpt": ("resume", "sample", "export", "merge_lora", "consolidate", "benchmark"),
-                "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
+                "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark"),
+                "finetune_gpt": ("resume", "sample", "export", "merge_lora")}
 
 
 def why_parse_only(argv):
@@ -75,7 +77,7 @@ def readme_tiny(script, args):
         extra = [] if "--published" in args else SCALING.get(args[0], [])
         return extra + (["--models=1x16,1x32", "--tokens=8e3"] if any(a.startswith("--models") for a in args) else [])
     extra = list(workshop_tiny(script, args))
-    if script == "train_gpt.py":  # a length warmup grows in multiples of 64, from 64
+    if script in ("train_gpt.py", "finetune_gpt.py"):  # a length warmup grows in multiples of 64, from 64
         extra += ["--max_steps=6", "--eval_every=3", "--sample_tokens=8", "--max_new_tokens=16"] + (
             ["--seq_len=128"] if any(a.startswith("--seq_len_warmup") for a in args) else [])
     elif script == "prepare_data.py" and any(a.startswith("--tokenizer=bpe") for a in args):
@@ -151,7 +153,7 @@ def test_the_cpu_commands_run_shrunk(scratch, monkeypatch):
         name, error = shlex.join(argv), None
         try:
             cfg = run_command(argv, execute=False)
-            if cfg is not None and not any(getattr(cfg, k) for k in NOT_TRAINING[type(cfg).__module__]):
+            if cfg is not None and not any(getattr(cfg, k, None) for k in NOT_TRAINING[type(cfg).__module__]):
                 shutil.rmtree(cfg.out_dir, ignore_errors=True)
             run_command(argv, execute=True, tiny=readme_tiny)
             ran += 1
@@ -166,3 +168,26 @@ def test_the_cpu_commands_run_shrunk(scratch, monkeypatch):
             failed.append(f"{where}: {name}\n    {error}")
     assert not failed, "\n".join(failed)
     assert ran >= len(COMMANDS) // 2, f"only {ran} of {len(COMMANDS)} commands ran: is why_parse_only too wide?"
+
+
+def slug(heading):
+    """The #anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_exists():
+    """Every relative link `](path)` and `](path#anchor)` of the docs (images too) names a file that exists, and an
+    anchor names a heading of that file: a page that moves or a heading that is renamed fails here."""
+    broken = []
+    for doc in DOCS + ["WORKSHOP.md", "BENCHMARKS.md"]:
+        text = open(os.path.join(ROOT, doc)).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path)) if path else os.path.join(ROOT, doc)
+            if not os.path.exists(full):
+                broken.append(f"{doc}: ({target}): no such file")
+            elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.+)$", open(full).read(), re.M)}:
+                broken.append(f"{doc}: ({target}): no heading with that anchor")
+    assert not broken, "\n".join(broken)
