@@ -3,6 +3,7 @@ output shows) parses under its script's own parser, and every one a CPU can run 
 in order, on small data this test makes. WORKSHOP.md is tests/test_workshop.py's."""
 import glob
 import os
+import re
 import shlex
 import shutil
 import traceback
@@ -167,3 +168,26 @@ def test_the_cpu_commands_run_shrunk(scratch, monkeypatch):
             failed.append(f"{where}: {name}\n    {error}")
     assert not failed, "\n".join(failed)
     assert ran >= len(COMMANDS) // 2, f"only {ran} of {len(COMMANDS)} commands ran: is why_parse_only too wide?"
+
+
+def slug(heading):
+    """The #anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_exists():
+    """Every relative link `](path)` and `](path#anchor)` of the docs (images too) names a file that exists, and an
+    anchor names a heading of that file: a page that moves or a heading that is renamed fails here."""
+    broken = []
+    for doc in DOCS + ["WORKSHOP.md", "BENCHMARKS.md"]:
+        text = open(os.path.join(ROOT, doc)).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path)) if path else os.path.join(ROOT, doc)
+            if not os.path.exists(full):
+                broken.append(f"{doc}: ({target}): no such file")
+            elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.+)$", open(full).read(), re.M)}:
+                broken.append(f"{doc}: ({target}): no heading with that anchor")
+    assert not broken, "\n".join(broken)
