@@ -4,12 +4,15 @@ from a teacher, trained on the INT8 grid (QAT), exported as int8 or as a Hugging
 and runs its loop (every train_gpt.py flag works here), adding only where a run starts (FineTune) and what follows.
 
   python finetune_gpt.py --sample --init_from=gpt2 --prompt="The meaning of life is"
-  python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 [--lora_rank=8 --lr=1e-3]  # GPT-2 on your text
+  python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2              # GPT-2 on your text: out/finetune
+  python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 --lora_rank=8 --lr=1e-3 --out_dir=out/lora
+  python finetune_gpt.py --merge_lora --ckpt=out/lora --out_dir=out/lora_merged   # the adapters merged in
   python finetune_gpt.py --teacher=out/gpt --n_layer=2 --out_dir=out/student      # distil into a smaller model
-  python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat                           # train on the int8 grid
-  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/finetune_hf  # GPT2LMHeadModel loads it
+  python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat                            # train on the int8 grid
+  python finetune_gpt.py --export=int8 --ckpt=out/gpt_qat --out_dir=out/gpt_int8  # int8 weights; val loss before/after
+  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf         # a folder GPT2LMHeadModel loads
   torchrun --nproc_per_node=8 finetune_gpt.py --preset=finetune --init_from=gpt2-xl --data_dir=data/mine_gpt2
-  python finetune_gpt.py -h                                  # every flag, with its default
+  python finetune_gpt.py -h                                                       # every flag, with its default
 """
 import contextlib
 import dataclasses
@@ -61,8 +64,7 @@ ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # a resume sh
 def check_config(cfg):
     """train_gpt.py's checks, then the fine-tuning flags', each a one-line message that names the fix."""
     tg.check_config(cfg)
-    targets = set(cfg.lora_targets.split(","))
-    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not targets <= {"attn", "mlp"}:
+    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or set(cfg.lora_targets.split(",")) - {"attn", "mlp"}:
         tg.die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, "
                f"--init_from=WEIGHTS to adapt, and targets among attn,mlp")
     if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8", "hf"):
@@ -207,8 +209,7 @@ def quantize(w, bits=8):
 
 def rounded(w, bits):
     """w on quantize()'s grid, in floats: the weights that --qat trains through and --export=int8 stores."""
-    q, scale = quantize(w, bits)
-    return q * scale
+    return torch.mul(*quantize(w, bits))  # integers x their row's scale
 
 
 def dequantize(sd):
@@ -364,8 +365,7 @@ def load_model(where, device):
 
 def sample_main(cfg):
     """--sample: continue --prompt from GPT-2 or a checkpoint, with temperature / top-k sampling and a KV cache."""
-    _, _, device = tg.setup_dist(cfg.device)
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.init_from or cfg.out_dir, device)
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.init_from or cfg.out_dir, tg.setup_dist(cfg.device)[2])
     ids, text = tg.sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}

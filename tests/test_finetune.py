@@ -4,6 +4,7 @@ the bad input around them."""
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -391,3 +392,13 @@ def test_export_hf_loads_in_transformers(gpt2_corpus, tmp_path):
         diff = ours(idx) - theirs(idx).logits
         assert diff.abs().max() < 1e-4
         assert (ours(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+
+
+def test_the_docstring_commands_parse():
+    """Every command finetune_gpt.py's docstring shows parses under its parser (torchrun's too): a flag renamed or
+    gone fails here, as the README's commands do in test_readme."""
+    from commands import run_command
+    lines = [ln.split("  #")[0] for ln in ft.__doc__.splitlines() if ln.startswith(("  python", "  torchrun"))]
+    assert len(lines) >= 9, lines
+    for argv in (shlex.split(ln) for ln in lines if not ln.rstrip().endswith(" -h")):
+        assert run_command(argv, execute=False) is not None, argv
