@@ -398,7 +398,7 @@ UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of ea
 
 
 def prepare_gpt2(args):
-    """GPT-2's weights from the Hugging Face hub (config.json and model.safetensors), for train_gpt.py --init_from."""
+    """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
     out = Path(args.data_dir or f"models/{args.model}")
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -409,7 +409,7 @@ def prepare_gpt2(args):
         if not any(out.iterdir()):  # nothing came: no empty folder is left behind (a partial download stays, to resume)
             out.rmdir()
         raise
-    print(f"{args.model} is in {out}: python train_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
+    print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
 
 def shape_mask(k, u, v):
@@ -712,7 +712,7 @@ def main(argv=None):
     p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
     p.add_argument("--data_dir", default="data/fineweb10B")
     p.set_defaults(run=prepare_fineweb)
-    p = commands.add_parser("gpt2", help="GPT-2's weights, for train_gpt.py --init_from (downloads 0.5-6 GB)",
+    p = commands.add_parser("gpt2", help="GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)",
                             allow_abbrev=False)
     p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
     p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")

@@ -891,8 +891,10 @@ def side_path(what, fn, *args):
               file=sys.stderr)
 
 def field_comments(cls):
-    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take."""
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take. A subclass of a Config
+    (a companion's: finetune_gpt.py) adds its fields' comments to its base's, and its own win."""
+    return {k: v for c in reversed(cls.__mro__[:-1])  # [:-1]: object has no source
+            for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
 
 def check_choices(cfg):
     """A field whose comment starts with choices (a|b|c) must hold one of them; --profile needs --benchmark, --offload

@@ -22,7 +22,7 @@ def test_shared_fences_are_byte_identical():
 
 def test_importing_scripts_has_no_side_effects(tmp_path):
     """Import every script from an empty working dir: nothing is printed, no file is written."""
-    names = [p.stem for p in SCRIPTS] + ["prepare_data", "scaling"]
+    names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "prepare_data", "scaling"]
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + "; ".join(f"import {n}" for n in names)
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
