@@ -1,5 +1,6 @@
 """
-scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compute-optimal plan, and muP checks.
+scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compute-optimal plan, muP checks, and
+tools that read finished runs (their curves, the sharpness of a checkpoint).
 
   python scaling.py sweep                       # IsoFLOP profiles: 5 model sizes at each of 3e11, 1e12, 3e12 FLOPs
   python scaling.py fit                         # L(N, D) = E + A/N^alpha + B/D^beta, intervals, plots
@@ -7,6 +8,7 @@ scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compu
   python scaling.py coord_check                 # muP: activation size against width, flat under muP (a plot)
   python scaling.py lr_transfer                 # loss against LR at several widths, standard vs muP (a plot)
   python scaling.py compare out/a out/b --metric=val_loss   # any runs' metrics against step, one plot
+  python scaling.py sharpness --ckpt=out/gpt --batches=4  # top Hessian eigenvalue of the loss at a checkpoint
   python scaling.py sweep --flops=1e12,1e13 --sizes=7 --optimizer=adamw  # any train_gpt.py flag passes through
 
 `sweep` runs train_gpt.py in this process, once per (N, D), each in its own out_dir, and appends a row to a TSV as
@@ -700,24 +702,28 @@ def plot_lr_transfer(out_dir, res):
     fig.savefig(os.path.join(out_dir, "lr_transfer.png"), dpi=110)
     plt.close(fig)
 
+
 def cmd_compare(args):
-    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot."""
+    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot: by default
+    train and val loss, a colour per run and a line style per metric."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    metrics = args.metric.split(",")
-    for run, metric in itertools.product(args.runs, metrics):
+    metrics = (args.metric or "loss,val_loss").split(",")
+    for (i, run), (j, metric) in itertools.product(enumerate(args.runs), enumerate(metrics)):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.exists(path):
             die(f"{path} not found: pass the out_dir of a run")
         rows = list(map(json.loads, open(path)))
         pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
-        if not pts:
+        if not pts and (args.metric or j == 0):  # the default's val loss may be missing (a benchmark has none)
             keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))} - {"step"})
             die(f"{path} has no '{metric}'; pick --metric from {', '.join(keys)}")
+        if not pts:
+            continue
         label = os.path.basename(os.path.normpath(run)) + (f" {metric}" if len(metrics) > 1 else "")
-        ax.plot(*zip(*pts), marker=".", markersize=4, label=label)
+        ax.plot(*zip(*pts), ("-", "--", ":", "-.")[j % 4], color=f"C{i % 10}", marker=".", markersize=4, label=label)
         print(f"{run}: {metric} {pts[-1][1]:.4f} at step {pts[-1][0]}")
     ax.set(xlabel="step", ylabel=", ".join(metrics), title=os.path.basename(args.out))
     ax.legend(fontsize=8)
@@ -725,6 +731,68 @@ def cmd_compare(args):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
+
+
+# -----------------------------------------------------------------------------
+# Sharpness: the top Hessian eigenvalue of the loss at a checkpoint
+
+
+def sharpness(loss_fn, params, iters=10, seed=0):
+    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
+    backward, so the fused loss kernel needs no second derivative. loss_fn() returns the loss; params end unchanged."""
+    norm = lambda ts: math.sqrt(sum(t.float().square().sum().item() for t in ts))  # noqa: E731
+    w0 = [p.detach().clone() for p in params]
+    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: the global RNG stays untouched
+    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
+    eps, lam = 1e-3 * norm(w0), 0.0
+    for _ in range(iters):
+        n = norm(v)
+        v, grads = [t / n for t in v], []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w, t in zip(params, w0, v):
+                    p.copy_(w + sign * eps * t)
+            for p in params:
+                p.grad = None
+            loss_fn().backward()
+            grads.append([p.grad.float() for p in params])
+        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
+        lam = sum((a * b).sum().item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
+        v = hv
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+            p.grad = None
+    return lam
+
+
+def cmd_sharpness(args):
+    """The top Hessian eigenvalue of a train_gpt.py checkpoint's training loss (z-loss included) on --batches batches
+    of its data, one estimate per batch: their spread shows how much a mini-batch's sharpness varies."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if min(args.batches, args.iters) < 1:
+        die("--batches and --iters must be at least 1")
+    model, _, step, path = tg.load_model(args.ckpt, device)  # fp32: a finite difference of bf16 gradients is noise
+    c = model.cfg
+    data_dir, B = args.data_dir or c.data_dir, args.batch_size or c.batch_size
+    meta = tg.load_meta(data_dir)
+    if meta["vocab_size"] > model.vocab_size:
+        die(f"{data_dir} has {meta['vocab_size']} tokens but {path} reads {model.vocab_size}; pass its --data_dir")
+    loader = tg.TokenLoader(tg.find_shards(data_dir, args.split), B, c.seq_len, 0, 1, device, meta["eot_id"],
+                            lanes=B, vocab_size=model.vocab_size)  # a lane per row: far-apart documents
+    params = [p for p in model.parameters() if p.requires_grad]
+    lams = []
+    for i in range(args.batches):
+        x, y = loader.next()
+        lams.append(sharpness(lambda: model(x, y, c.z_loss), params, args.iters, seed=i))
+        print(f"sharpness of {path} (step {step}) | {args.split} batch {i + 1}/{args.batches} of {B}x{c.seq_len} "
+              f"tokens | top Hessian eigenvalue {lams[-1]:.4g}")
+    mean = sum(lams) / len(lams)
+    print(f"mean {mean:.4g} over {len(lams)} batch(es); for plain gradient descent 2/lr = {2 / c.lr:.4g} is the edge "
+          f"of stability (Adam's bound is on the preconditioned Hessian, which this does not compute)")
+    return {"sharpness": mean, "per_batch": lams, "step": step}
 
 
 # -----------------------------------------------------------------------------
@@ -781,9 +849,19 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="runs averaged per width")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     p.add_argument("--out_dir", default="out/scaling")
-    p = sub.add_parser("compare", help="one metric of several runs against step, in one plot", allow_abbrev=False)
+    p = sub.add_parser("sharpness", help="top Hessian eigenvalue of the loss at a train_gpt.py checkpoint",
+                       allow_abbrev=False)
+    p.add_argument("--ckpt", required=True, help="a checkpoint, or a run's out_dir (its newest checkpoint)")
+    p.add_argument("--data_dir", default="", help="token shards (default: the checkpoint's own --data_dir)")
+    p.add_argument("--split", default="train", choices=("train", "val"), help="the loss trained on, or held out")
+    p.add_argument("--batches", type=int, default=1, help="batches, one estimate each, read from the split's start")
+    p.add_argument("--batch_size", type=int, default=0, help="sequences per batch (default: the checkpoint's)")
+    p.add_argument("--iters", type=int, default=20, help="power iterations, two forward-backward passes each")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    p = sub.add_parser("compare", help="metrics of several runs against step, in one plot", allow_abbrev=False)
     p.add_argument("runs", nargs="+", metavar="OUT_DIR", help="the out_dirs of train_gpt/vit/diffusion.py runs")
-    p.add_argument("--metric", default="loss", help="keys of metrics.jsonl, comma-separated: loss, val_loss, val_acc, ...")
+    p.add_argument("--metric", default="", help="keys of metrics.jsonl, comma-separated: loss, val_loss, val_acc, ... "
+                   "(default: loss and, where a run has it, val_loss)")
     p.add_argument("--out", default="out/compare.png")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("sweep", "lr_transfer"):
@@ -792,7 +870,8 @@ def main(argv=None):
         return cmd_sweep(args, extra)
     if args.command == "lr_transfer":
         return cmd_lr_transfer(args, extra)
-    return {"fit": cmd_fit, "plan": cmd_plan, "coord_check": cmd_coord_check, "compare": cmd_compare}[args.command](args)
+    return {"fit": cmd_fit, "plan": cmd_plan, "coord_check": cmd_coord_check, "compare": cmd_compare,
+            "sharpness": cmd_sharpness}[args.command](args)
 
 
 if __name__ == "__main__":
