@@ -64,7 +64,7 @@ MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # + the IDX file n
 FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c shard header: 256 int32
 EOT = "<|endoftext|>"
-# GPT-4's (cl100k) pre-split: no merge crosses a chunk, so a token stays in a word, 3 digits, punctuation or spaces
+# GPT-4's (cl100k) pre-split: no merge crosses a chunk: a word, up to 3 digits, a run of punctuation or of whitespace
 PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
        r"""\s+(?!\S)|\s""")
 
@@ -508,12 +508,12 @@ class CifarUnpickler(pickle.Unpickler):
 def source_cifar(args):
     """CIFAR-10 or CIFAR-100 from the official python-format .tar.gz, read in place: nothing is extracted to disk."""
     ten = args.command == "cifar10"
-    url, meta_file, labels = (CIFAR10_URL, "batches.meta", "") if ten else (CIFAR100_URL, "meta", f"{args.labels}_")
+    url, meta_file, prefix = (CIFAR10_URL, "batches.meta", "") if ten else (CIFAR100_URL, "meta", f"{args.labels}_")
     path = Path(args.data_dir) / url.rsplit("/", 1)[1]
     download(url, path, OFFLINE_IMAGES)
     files = ({"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]} if ten else
              {"train": ["train"], "val": ["test"]})
-    labels, names = f"{labels}labels".encode(), f"{labels}label_names".encode()  # CIFAR-100: fine_ or coarse_
+    labels, names = f"{prefix}labels".encode(), f"{prefix}label_names".encode()  # CIFAR-100: fine_ or coarse_
     with reading(path), tarfile.open(path, "r:gz") as tar:
         # one pass over the gzip stream (a .tar.gz has no index to seek in), then on to its end, where gzip checks
         # its CRC: a flipped bit fails here, not as wrong pixels

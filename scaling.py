@@ -725,8 +725,8 @@ def cmd_compare(args):
 
 def sharpness(loss_fn, params, iters=10, seed=0):
     """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
-    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
-    backward, which the fused loss has none of. loss_fn() returns the loss; params and their .grad end unchanged."""
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e, so the fused
+    loss needs no double backward (it has none). loss_fn() returns the loss; params and their .grad end unchanged."""
     norm = lambda ts: math.sqrt(sum(t.float().square().sum().item() for t in ts))  # noqa: E731
     w0 = [p.detach().clone() for p in params]
     gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: the global RNG stays untouched
