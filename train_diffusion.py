@@ -390,80 +390,6 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 # Data
 
 
-def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
-        meta = json.load(f)
-        if meta["format"] != "trainsuite-image-1":
-            raise ValueError(f"format {meta['format']!r} is not an image dataset")
-        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
-                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
-        if not isinstance(meta.get("flip_ok", False), bool):
-            raise ValueError("flip_ok must be true or false")
-        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
-                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
-    for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
-            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside 0..{meta['num_classes'] - 1});"
-                f" re-run prepare_data.py for this data dir")
-    return meta, arrays
-
-
-
-def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
-    if cfg.flip != "auto":
-        return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
-    return meta["flip_ok"], "the data's flip_ok"
-
-class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
-
-    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
-    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
-    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
-    """
-
-    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
-        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
-        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
-        if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
-        self.load_state({"epoch": 0, "pos": 0})
-
-    def state(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state(self, s):
-        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
-
-    def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
-            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
-        if self.order is None:
-            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
-        self.pos += step
-        return self.x[idx], self.y[idx]
-
-
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
     return x.float() / 127.5 - 1
@@ -495,30 +421,6 @@ def lr_mult(cfg, step, progress):
         f = cfg.final_lr_frac
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
     return warm
-
-
-class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates or samples with either."""
-
-    def __init__(self, params, decay, model=None):
-        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
-        self.shadow = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self):
-        self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
-
-    @torch.no_grad()
-    def swap(self):
-        for p, s in zip(self.params, self.shadow):
-            tmp = p.detach().clone()
-            p.copy_(s)
-            s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
-            self.model.reshard()
 
 # -----------------------------------------------------------------------------
 # Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
@@ -715,26 +617,10 @@ def train(cfg, stop):
     images_per_step = B * accum * world_size
 
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    if cfg.benchmark:
-        size = cfg.image_size or 32
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "flip_ok": True}
-        g = torch.Generator().manual_seed(0)
-        arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (4 * B,), generator=g).numpy())}
-    else:
-        prepare_default_data(cfg, rank, world_size, "shapes", "the upright shapes dataset", "--rotate=off")
-        meta, arrays = load_image_data(cfg.data_dir)
+    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the upright shapes dataset",
+                                                  "--rotate=off")
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
-    if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
-    train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
-    if not cfg.benchmark:
-        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     alpha_bar = cosine_alpha_bar()
     judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and rank == 0 \
@@ -872,6 +758,133 @@ def sample_main(cfg):
         res.update(judge.score(samples, K))
     print(f"wrote {out} in {res['sample_s']:.1f} s" + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
+
+# -----------------------------------------------------------------------------
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks). A prepared image dir,
+# checked; the train split's loader; the EMA of the weights.
+
+# === shared: images ===
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
+            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        meta = json.load(f)
+        if meta["format"] != "trainsuite-image-1":
+            raise ValueError(f"format {meta['format']!r} is not an image dataset")
+        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
+        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
+                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
+                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
+                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+    return meta, arrays
+
+
+def image_data(cfg, rank, world_size, device, what, *flags):
+    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
+    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
+    if cfg.benchmark:
+        size, n = cfg.image_size or 32, 4 * cfg.batch_size
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
+                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        g = torch.Generator().manual_seed(0)
+        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
+                            torch.randint(0, 10, (n,), generator=g).numpy())}
+    else:
+        prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
+        meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
+            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % cfg.patch_size:
+        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
+    return meta, loader, *val
+
+
+def flips(cfg, meta):
+    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
+    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+    return meta["flip_ok"], "the data's flip_ok"
+
+
+class ImageLoader:
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
+
+    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
+    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
+    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
+    """
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
+                f"{B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
+
+    def next(self):
+        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        n, step = len(self.y), self.B * self.world_size
+        if self.pos + step > n:
+            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+            self.order = torch.randperm(n, generator=g).to(self.x.device)
+        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        self.pos += step
+        return self.x[idx], self.y[idx]
+
+
+class EMA:
+    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
+    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+
+    def __init__(self, params, decay, model=None):
+        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+            self.model.reshard()
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
