@@ -9,7 +9,7 @@ warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the guards of t
 offline: the held-out denoising loss on a fixed timestep grid and, given a train_vit.py classifier, how often it
 recognises each sample's class and the Frechet distance in its feature space.
 
-  python train_diffusion.py                            # CPU demo: makes upright shapes, trains 7 min, writes samples.png
+  python train_diffusion.py                            # CPU demo: upright shapes, 7 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
   python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
@@ -53,8 +53,8 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
-    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv goes beside it
+    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, mnist, imagefolder...)
+    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
@@ -70,9 +70,9 @@ class Config:
     class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
     # objective
     objective: str = "flow"            # flow|ddpm: rectified-flow velocity, or DDPM epsilon on a cosine schedule
-    t_mean: float = 0.8                # flow: timesteps t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
+    t_mean: float = 0.8                # flow: t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
     t_std: float = 0.8                 # flow: see t_mean
-    predict: str = "x"                 # x|v: flow's network outputs the clean image (the velocity follows) or the velocity
+    predict: str = "x"                 # x|v: flow's network outputs the clean image (and the velocity follows) or v
     min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
     # sampling
     sampler: str = "auto"              # auto|euler|heun|ddim (auto: euler for flow, ddim for ddpm)
@@ -101,14 +101,14 @@ class Config:
     eval_images: int = 500             # val images in the denoising loss (each at 8 timesteps); 0 = all
     eval_samples: int = 200            # samples drawn at each periodic eval (the grid and the classifier metrics)
     final_samples: int = 500           # samples drawn at the final eval and by --sample with --eval_classifier
-    eval_classifier: str = ""          # a train_vit.py checkpoint on the same data: its accuracy on samples, Frechet distance
-    fid_weights: str = ""              # Inception TorchScript file (clean-fid's inception-2015-12-05.pt) for FID; optional
+    eval_classifier: str = ""          # a train_vit.py checkpoint on this data: accuracy on samples, Frechet distance
+    fid_weights: str = ""              # optional Inception TorchScript (clean-fid's inception-2015-12-05.pt) for FID
     log_every: int = 50                # steps between log lines
     save_every: int = 0                # steps between checkpoints; 0 = only at the end
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
     # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
@@ -116,10 +116,10 @@ class Config:
     gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA or bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -131,7 +131,7 @@ class Config:
     # sampling from a checkpoint
     sample: bool = False               # write a sample grid from --ckpt's EMA weights (and score it) and exit
     ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
-    sample_out: str = ""               # PNG written by --sample; empty = a name from the sampler settings, beside the checkpoint
+    sample_out: str = ""               # PNG written by --sample; empty = named after the sampler, beside the checkpoint
 
 
 PRESETS = {
@@ -177,7 +177,8 @@ def check_config(cfg):
         die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
             "guard flags must be >= 0")
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
-        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: euler|heun sample flow, ddim samples ddpm")
+        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
+            "euler|heun sample flow, ddim samples ddpm")
     if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
@@ -417,9 +418,9 @@ def build_optimizers(cfg, raw, device):
 def lr_mult(cfg, step, progress):
     """LR multiplier: linear warmup over warmup_steps, then constant or cosine decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
-        f = cfg.final_lr_frac
-        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
     return warm
 
 # -----------------------------------------------------------------------------
@@ -434,7 +435,7 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # the same for any B, ranks
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # for any B and ranks
     for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
         i = (it * world_size + rank) * B
         i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
@@ -503,9 +504,9 @@ class Judge:
             die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
         with reading(where, "pass a checkpoint written by train_vit.py"):
             m = ckpt["data_meta"]
-            if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
-                die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
-                    f"train it with train_vit.py on this --data_dir")
+            if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
+                die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
+                    f"{m['image_size']}); train it with train_vit.py on this --data_dir")
             known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
             self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
@@ -562,7 +563,8 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
                   meta["classes"] if K else None)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
-    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}" + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
+    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+          + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
           + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
           + (f" | FD-ViT {rec['fd_vit']:.2f}" if judge else "") + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
           + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
@@ -610,7 +612,7 @@ def main(cfg):
 
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
@@ -634,7 +636,8 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = (cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark
+                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, ema), max_steps, time_budget,
               images_per_step, "img", raw.flops_per_image() * images_per_step)
@@ -645,8 +648,8 @@ def train(cfg, stop):
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective}"
           + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "") + " | "
-          f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (
-              f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (f"{time_budget:.0f} s"
+          if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g} | "
           f"flips {'on' if flip else 'off'} ({why})")
 
@@ -754,9 +757,10 @@ def sample_main(cfg):
         _, arrays = load_image_data(trained.data_dir, ("val",)) if os.path.exists(trained.data_dir) else (None, None)
         if arrays is None:
             die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its val images")
-        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, torch.from_numpy(np.array(arrays["val"][0])).to(device))
-        res.update(judge.score(samples, K))
-    print(f"wrote {out} in {res['sample_s']:.1f} s" + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
+        val_x = torch.from_numpy(np.array(arrays["val"][0])).to(device)
+        res.update(Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x).score(samples, K))
+    print(f"wrote {out} in {res['sample_s']:.1f} s"
+          + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
 
 # -----------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 """
-train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file you can read top to bottom.
+train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file to read top to bottom.
 
 Patch embedding, 2-D sin-cos positions, pre-norm blocks (flash attention, RMSNorm, QK-norm, GELU or SwiGLU, LayerScale,
-stochastic depth, optional register tokens), average pooling; trained with augmentation on the device (random
-translation, flip, mixup/cutmix, label smoothing), Muon (AdamW with --optimizer=adamw) with warmup + cosine, an EMA of
-the weights evaluated alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of
-train_gpt.py.
+stochastic depth, optional registers), average pooling; augmentation on the device (translation, flip, mixup/cutmix,
+label smoothing), Muon (or AdamW) with warmup + cosine, an EMA of the weights evaluated alongside, bf16/fp16,
+torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
 
   python train_vit.py                                  # CPU demo: generates the shapes dataset, trains for ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
@@ -51,7 +50,7 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
+    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, imagefolder...)
     out_dir: str = "out/vit"           # checkpoints, metrics.jsonl, config.json, plots; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     # model
@@ -92,7 +91,7 @@ class Config:
     translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
-    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, one of the two per batch
+    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, either per batch
     label_smoothing: float = 0.1       # target mass spread evenly over all classes
     # eval, logging, checkpoints
     eval_every: int = 400              # steps between evals; 0 = only at the end
@@ -103,7 +102,7 @@ class Config:
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
     # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
@@ -111,10 +110,10 @@ class Config:
     gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA or bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -133,8 +132,9 @@ PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
     # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
-                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512, lr=2e-3,
-                    warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
+                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512,
+                    lr=2e-3, warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000,
+                    tta_flip=True),
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
                "registers", "layer_scale")
@@ -166,8 +166,8 @@ def check_config(cfg):
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
     if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
            cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the guard "
-            "flags must be >= 0")
+        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
+            "guard flags must be >= 0")
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
@@ -217,19 +217,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.kind = cfg.mlp
-        hidden = int(cfg.mlp_ratio * cfg.n_embd)
-        if cfg.mlp == "swiglu":  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
+        self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
+        if self.swiglu:  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
             hidden = 2 * hidden // 3
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        h = self.fc(x)
-        if self.kind == "swiglu":
-            a, b = h.chunk(2, dim=-1)
+        if self.swiglu:
+            a, b = self.fc(x).chunk(2, dim=-1)
             return self.proj(F.silu(a) * b)
-        return self.proj(F.gelu(h, approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 def drop_path(x, p, training):
@@ -259,15 +257,15 @@ class Block(nn.Module):
 class ViT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes, mean, std):
         super().__init__()
-        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
-        p, d = cfg.patch_size, cfg.n_embd
+        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
         self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
             self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.extra = nn.Parameter(torch.zeros(int(cfg.pool == "cls") + cfg.registers, d)) if cfg.pool == "cls" or cfg.registers else None
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls] and registers
+        self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         self.norm = Norm(d, cfg.norm)
@@ -285,10 +283,8 @@ class ViT(nn.Module):
                 nn.init.zeros_(p)  # each block starts as the identity, the first prediction is uniform: loss ln(K)
             elif name.split(".")[-1] in ("ls1", "ls2"):
                 nn.init.constant_(p, self.cfg.layer_scale)
-            elif p.ndim == 1 and name.endswith("bias"):
-                nn.init.zeros_(p)
             elif p.ndim == 1:
-                nn.init.ones_(p)  # norm gains
+                (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)  # biases, norm gains
             else:
                 nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
         if self.cfg.pos_emb == "sincos":
@@ -303,27 +299,25 @@ class ViT(nn.Module):
         x = (x - self.mean) / self.std
         x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        n_extra = 0 if self.extra is None else self.extra.size(0)
-        if n_extra:  # [cls] and registers in front of the patches; they carry no position
+        if self.n_extra:  # [cls] and registers in front of the patches; they carry no position
             x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, n_extra:].mean(1)  # registers are dropped either way
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # registers are dropped either way
         return f if features else self.head(f)
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
-        T = self.grid ** 2 + (0 if self.extra is None else self.extra.size(0))
+        T = self.grid ** 2 + self.n_extra
         n = sum(p.numel() for n, p in self.named_parameters() if n.startswith(("patch.", "blocks.")) and p.ndim == 2)
         return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
 
 
 def build_model(cfg, meta, device):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
-    size = meta["image_size"][0]
     with torch.device("meta"):
-        model = ViT(cfg, size, meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
+        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_weights()
@@ -334,8 +328,8 @@ def build_model(cfg, meta, device):
 
 
 def augment(x, cfg, flip):
-    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image, on
-    the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, which the loop seeds per step."""
+    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image,
+    on the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, seeded per step."""
     B, H, W, _ = x.shape
     if cfg.translate:
         t = cfg.translate
@@ -412,22 +406,19 @@ def orthogonalise(x):
 
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on hidden matrices,
+    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on the blocks' matrices,
     iterating in bf16 if the run's dtype is."""
-    hidden = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in raw.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
-    decay_rest = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith(("patch.", "head."))]
-    no_decay = [p for p in rest if all(p is not q for q in decay_rest)]
-    fused = device.type == "cuda"
-    if cfg.optimizer == "muon":
-        # Newton-Schulz orthogonalised momentum (Jordan et al. 2024), update RMS matched to AdamW's (Moonlight)
-        muon = Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95,
-                    ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-        groups = [dict(params=decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        opts = [muon, torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
-    else:
-        groups = [dict(params=hidden + decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    named = list(raw.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
+    decay_rest = [p for n, p in named if p.ndim == 2 and n.startswith(("patch.", "head."))]
+    no_decay = [p for n, p in named if not (p.ndim == 2 and n.startswith(("blocks.", "patch.", "head.")))]
+    muon = cfg.optimizer == "muon"
+    groups = [dict(params=decay_rest if muon else hidden + decay_rest, weight_decay=cfg.weight_decay),
+              dict(params=no_decay, weight_decay=0.0)]
+    opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")]
+    if muon:
+        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        opts.insert(0, Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, ns_dtype=ns_dtype))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
@@ -470,7 +461,7 @@ def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_image
         conf += w * torch.bincount(y * num_classes + top[:, 0], minlength=num_classes ** 2).double()
     model.train()
     total = all_mean(torch.cat((stats, conf)), world_size) * world_size
-    return {"acc": (total[0] / n).item(), "top5": (total[1] / n).item(), "loss": (total[2] / n).item(),
+    return {"val_acc": (total[0] / n).item(), "val_top5": (total[1] / n).item(), "val_loss": (total[2] / n).item(),
             "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
 
 
@@ -478,15 +469,14 @@ def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_s
     """Evaluate the weights and their EMA on eval_images val images (all at the end). Returns the record, and the
     confusion matrix and tag ("" or "ema_") of the better of the two."""
     n = None if final else cfg.eval_images
-    res = {"": evaluate(model, val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)}
+    args = (val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+    res = {"": evaluate(model, *args)}
     if ema:
         ema.swap()
-        res["ema_"] = evaluate(model, val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+        res["ema_"] = evaluate(model, *args)
         ema.swap()
-    rec = {"step": step}
-    for tag, r in res.items():
-        rec.update({f"{tag}val_acc": r["acc"], f"{tag}val_top5": r["top5"], f"{tag}val_loss": r["loss"]})
-    best = max(res, key=lambda t: res[t]["acc"])
+    rec = {"step": step, **{tag + k: v for tag, r in res.items() for k, v in r.items() if k != "confusion"}}
+    best = max(res, key=lambda t: res[t]["val_acc"])
     conf = res[best]["confusion"]
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
     print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
@@ -501,7 +491,7 @@ def plot_results(out_dir, history, confusion, classes):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
         pts = [(h["step"], 100 * h[key]) for h in history if key in h]
         if pts:
@@ -514,25 +504,21 @@ def plot_results(out_dir, history, confusion, classes):
         ax2 = ax.twinx()
         ax2.plot(*zip(*losses), color="gray", alpha=0.5, label="train loss")
         ax2.set_ylabel("train loss")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=120)
-    plt.close(fig)
     K = len(classes)
-    fig, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
+    fig2, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
     rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # each row: where that class's images went
     ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     if K <= 30:
         ax.set_xticks(range(K), classes, rotation=90)
         ax.set_yticks(range(K), classes)
-        for i in range(K):
-            for j in range(K):
-                if confusion[i, j]:
-                    ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
-                            color="white" if rates[i, j] > 0.5 else "black")
+        for i, j in zip(*np.nonzero(confusion)):
+            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if rates[i, j] > 0.5 else "black")
     ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "confusion.png"), dpi=120)
-    plt.close(fig)
+    for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=120)
+        plt.close(fig)
 
 
 def main(cfg):
@@ -545,7 +531,7 @@ def main(cfg):
 
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
@@ -567,7 +553,8 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = (cfg.bench_steps + 5 + 3 * cfg.profile if cfg.benchmark
+                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     run = Run(cfg, rank, world_size, device, dtype, (raw, opts, scaler, guard, ema), max_steps, time_budget,
               images_per_step, "img", raw.flops_per_image() * images_per_step)
@@ -578,8 +565,8 @@ def train(cfg, stop):
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes | "
           f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
           f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
-          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} "
-          f"lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels "
+          f"{kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     run.start()
@@ -599,8 +586,10 @@ def train(cfg, stop):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()
-                    ce = lambda t: F.cross_entropy(logits, t, label_smoothing=cfg.label_smoothing)  # noqa: E731
-                    loss = (lam * ce(ya) + (1 - lam) * ce(yb) if lam < 1 else ce(ya)) / accum
+                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
+                    if lam < 1:  # a mixed batch: each partner's loss, weighted by its share
+                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
+                    loss = loss / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
@@ -640,11 +629,11 @@ def train(cfg, stop):
     if rank == 0:
         side_path("writing the plots", plot_results, cfg.out_dir, run.history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
     return run.finish(f"done: {run.step} steps, {run.step * images_per_step / len(train_loader.y):.1f} epochs in "
-                      f"{run.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% ({'EMA' if best else 'raw'} "
-                      f"weights) | weakest: " + ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%"
-                                                        for i in worst)
-                      + f" | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}",
+                      f"{run.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% "
+                      f"({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, accuracy.png and "
+                      f"confusion.png in {cfg.out_dir}",
                       {**rec, "train_loss": loss, "images": run.step * images_per_step, "params": n_params},
                       f"{best}val_acc")
 
@@ -654,7 +643,8 @@ def load_image(path, size, channels):
     from PIL import Image, ImageOps
     try:
         with Image.open(path) as im:
-            a = np.asarray(ImageOps.fit(im.convert("RGB" if channels == 3 else "L"), (size, size), Image.Resampling.BILINEAR))
+            im = im.convert("RGB" if channels == 3 else "L")
+            a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a broken file, a pixel bomb
         die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
     return a.reshape(size, size, channels)
@@ -674,8 +664,8 @@ def predict_main(cfg):
     _, _, device = setup_dist(cfg.device)
     with reading(path, "pass a checkpoint written by train_vit.py"):
         meta = ckpt["data_meta"]
-        model = build_model(Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}), meta,
-                            device)
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        model = build_model(trained, meta, device)
         model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
         size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
     model.eval()
