@@ -250,8 +250,7 @@ class Block(nn.Module):
 class DiT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
-        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
-        p, d = cfg.patch_size, cfg.n_embd
+        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
         self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
@@ -291,10 +290,9 @@ class DiT(nn.Module):
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
         x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
-            # x-prediction (Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise"): the network
-            # outputs the clean image, which lies near a low-dimensional manifold, and returns the velocity
-            # (x_t - x_0) / t that follows from it, so the loss and the samplers stay the same. The velocity and the
-            # noise fill all p*p*C dimensions of a patch; a width-d token cannot carry them once p*p*C > d.
+            # x-prediction (Li & He 2025, "Back to Basics"): the network outputs the clean image, which lies near a
+            # low-dimensional manifold, and returns the velocity (x_t - x_0) / t, so loss and samplers stay the same.
+            # The velocity and the noise fill all p*p*C dims of a patch: a width-d token cannot carry them if p*p*C > d
             x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
         return x
 
@@ -764,7 +762,7 @@ def sample_main(cfg):
     return res
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks). A prepared image dir,
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): a prepared image dir,
 # checked; the train split's loader; the EMA of the weights.
 
 # === shared: images ===
@@ -831,12 +829,10 @@ def flips(cfg, meta):
 
 
 class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
-
-    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
-    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
-    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
-    """
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
+    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
+    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
+    is the whole state: saved in checkpoints, it makes resume read the same batches."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
         self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap

@@ -683,7 +683,7 @@ def predict_main(cfg):
     return out
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks). A prepared image dir,
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): a prepared image dir,
 # checked; the train split's loader; the EMA of the weights.
 
 # === shared: images ===
@@ -750,12 +750,10 @@ def flips(cfg, meta):
 
 
 class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
-
-    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
-    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
-    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
-    """
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
+    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
+    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
+    is the whole state: saved in checkpoints, it makes resume read the same batches."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
         self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
