@@ -60,7 +60,7 @@ class Config:
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     # model
     image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens
+    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # attention heads
     n_embd: int = 128                  # model width
@@ -187,15 +187,6 @@ def check_config(cfg):
 
 # -----------------------------------------------------------------------------
 # Model
-
-
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE, DiT): half the channels encode the row, half the column, each as
-    sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
-    return torch.cat(parts, dim=1)
 
 
 def timestep_embedding(t, dim=256):
@@ -350,13 +341,11 @@ def corrupt(x0, noise, t, cfg, alpha_bar):
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
-    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32.
-
-    model(x, t, y) is the network or any function of that signature; y (B,) labels or None (unconditional). With
-    labels, guidance mixes the conditional and the unconditional (label `null`) outputs, both in one batch:
-    out = uncond + scale * (cond - uncond) (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction
-    (Karras et al. 2022); ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps.
-    """
+    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32. model(x, t, y) is the
+    network or any function of that signature; y (B,) labels or None (unconditional). With labels, guidance mixes the
+    conditional and the unconditional (label `null`) outputs, both in one batch: out = uncond + scale * (cond - uncond)
+    (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction (Karras et al. 2022); ddpm: deterministic DDIM
+    (Song et al. 2021) on an even subsequence of the T steps."""
     x, B = noise.float(), noise.size(0)
 
     def pred(x, t):
@@ -414,7 +403,7 @@ def build_optimizers(cfg, raw, device):
 
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, then constant or cosine decay over progress in [0, 1]."""
+    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
@@ -645,11 +634,11 @@ def train(cfg, stop):
     run.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective}"
-          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "") + " | "
-          f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (f"{time_budget:.0f} s"
-          if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g} | "
-          f"flips {'on' if flip else 'off'} ({why})")
+          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
+          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
+          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     run.start()
@@ -766,6 +755,15 @@ def sample_main(cfg):
 # checked; the train split's loader; the EMA of the weights.
 
 # === shared: images ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
+    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
     path = os.path.join(data_dir, "meta.json")

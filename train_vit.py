@@ -189,15 +189,6 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
 
 
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE, Beyer et al. 2022): half the channels encode the row, half the
-    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
-    return torch.cat(parts, dim=1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -426,7 +417,7 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
 
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
+    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
@@ -562,11 +553,12 @@ def train(cfg, stop):
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
     run.resume(run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
     run.begin()
-    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes | "
-          f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
-          f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
-          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels "
-          f"{kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
+          f" | {(H // cfg.patch_size) ** 2} patches"
+          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
+          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     run.start()
@@ -622,7 +614,7 @@ def train(cfg, stop):
                 run.save(data=train_loader.state(), data_info=data_info, data_meta={k: meta[k] for k in (
                     "classes", "num_classes", "image_size", "channels", "mean", "std")})
 
-    # the end: the benchmark's figures, or how to resume after a signal, or the results and plots
+    # the end: the benchmark's figures, or how to resume after a signal, or the results
     if cfg.benchmark or run.stopped:
         return run.finish(f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} {dtype} "
                           f"compile={compiled}", {"params": n_params})
@@ -630,12 +622,11 @@ def train(cfg, stop):
         side_path("writing the plots", plot_results, cfg.out_dir, run.history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
     weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
+    key = f"{best}val_acc"
     return run.finish(f"done: {run.step} steps, {run.step * images_per_step / len(train_loader.y):.1f} epochs in "
-                      f"{run.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% "
-                      f"({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, accuracy.png and "
-                      f"confusion.png in {cfg.out_dir}",
-                      {**rec, "train_loss": loss, "images": run.step * images_per_step, "params": n_params},
-                      f"{best}val_acc")
+                      f"{run.train_time:.0f} s | val acc {100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights)"
+                      f" | weakest: {weakest} | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}",
+                      {**rec, "train_loss": loss, "images": run.step * images_per_step, "params": n_params}, key)
 
 
 def load_image(path, size, channels):
@@ -687,6 +678,15 @@ def predict_main(cfg):
 # checked; the train split's loader; the EMA of the weights.
 
 # === shared: images ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
+    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
     path = os.path.join(data_dir, "meta.json")
