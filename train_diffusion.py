@@ -796,10 +796,9 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
     held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
     if cfg.benchmark:
-        size, n = cfg.image_size or 32, 4 * cfg.batch_size
+        size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
                 "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
-        g = torch.Generator().manual_seed(0)
         arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
                             torch.randint(0, 10, (n,), generator=g).numpy())}
     else:
