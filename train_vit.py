@@ -674,8 +674,8 @@ def predict_main(cfg):
     return out
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): a prepared image dir,
-# checked; the train split's loader; the EMA of the weights.
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
+# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
 
 # === shared: images ===
 def sincos_2d(h, w, dim):
