@@ -20,6 +20,14 @@ def test_shared_fences_are_byte_identical():
         assert len(set(by_file.values())) == 1, f"shared block {name!r} differs between {sorted(by_file)}"
 
 
+def test_each_fence_is_in_every_script_that_shares_it():
+    """The machinery in every trainer, the images fence in both image trainers: a fence dropped from one file would
+    escape the comparison above, and its copy would drift."""
+    fences = {p.name: set(re.findall(r"^# === shared: (\S+) ===$", p.read_text(), re.M)) for p in SCRIPTS}
+    assert all("machinery" in names for names in fences.values()), fences
+    assert {p for p, names in fences.items() if "images" in names} == {"train_vit.py", "train_diffusion.py"}, fences
+
+
 def test_importing_scripts_has_no_side_effects(tmp_path):
     """Import every script from an empty working dir: nothing is printed, no file is written."""
     names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "prepare_data", "scaling"]
