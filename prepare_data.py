@@ -398,7 +398,7 @@ UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of ea
 
 
 def prepare_gpt2(args):
-    """GPT-2's weights from the Hugging Face hub (config.json and model.safetensors), for finetune_gpt.py --init_from."""
+    """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
     out = Path(args.data_dir or f"models/{args.model}")  # download() makes it
     try:
         for name in ("config.json", "model.safetensors"):
