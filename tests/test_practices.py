@@ -177,8 +177,8 @@ def test_norm_gains_start_at_one_biases_at_zero_and_no_batchnorm():
     assert tg.Config().bias is False
     meta = {"classes": list("abc"), "num_classes": 3, "image_size": [16, 16], "channels": 3, "mean": [0.5] * 3,
             "std": [0.25] * 3}
-    models = [tg.build_model(tg.Config(**TINY), 257, CPU), tv.build_model(tv.Config(n_embd=64, patch_size=4), meta, CPU),
-              td.build_model(td.Config(patch_size=4), 16, 3, 3, CPU)]
+    models = [tg.build_model(tg.Config(**TINY), 257, CPU), td.build_model(td.Config(patch_size=4), 16, 3, 3, CPU),
+              tv.build_model(tv.Config(n_embd=64, patch_size=4), meta, CPU)]
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for model in models for m in model.modules())
 
 
@@ -499,8 +499,12 @@ def test_the_next_batch_is_read_before_the_backward(corpus, tmp_path, monkeypatc
     """The loop reads each micro-step's next batch after its forward and before its backward, while the GPU works
     through the queued kernels: the copy overlaps compute. 3 steps of 2 micro-steps."""
     events, next_, backward = [], tg.TokenLoader.next, torch.Tensor.backward
+
+    def recorded(t, *a, **kw):
+        events.append("backward")
+        return backward(t, *a, **kw)
     monkeypatch.setattr(tg.TokenLoader, "next", lambda self, *a: events.append("next") or next_(self, *a))
-    monkeypatch.setattr(torch.Tensor, "backward", lambda t, *a, **kw: events.append("backward") or backward(t, *a, **kw))
+    monkeypatch.setattr(torch.Tensor, "backward", recorded)
     training_forwards(monkeypatch, lambda model: events.append("forward"))
     tg.main(tiny(corpus, tmp_path / "o", max_steps=3, grad_accum=2))
     last = len(events) - events[::-1].index("backward")  # the final eval's reads come after
@@ -612,8 +616,8 @@ def test_predict_sees_an_image_as_training_did(tmp_path):
     probs = tv.main(tv.Config(predict=str(tmp_path / "x.png"), ckpt=str(out), device="cpu", top_k=10))
     probs = probs[str(tmp_path / "x.png")]
     ckpt, _ = tv.load_checkpoint(str(out))
-    model = tv.build_model(tv.Config(**{k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}),
-                           ckpt["data_meta"], CPU)
+    known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
+    model = tv.build_model(tv.Config(**known), ckpt["data_meta"], CPU)
     model.load_state_dict(ckpt["model"])
     with torch.no_grad():
         want = model.eval()(torch.from_numpy(image)[None].float() / 255).softmax(-1)[0]
