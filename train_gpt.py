@@ -56,7 +56,7 @@ import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on 
 class Config:
     # data and output
     data_dir: str = "data/stdlib_bpe"  # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
-    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json, loss.png; results.tsv goes beside it
+    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m (explicit flags still win)
     # model
     n_layer: int = 4                   # transformer blocks
@@ -120,7 +120,6 @@ class Config:
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
     rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
     skip_data: str = ""                # TSV of token ranges (shard, start, end) never read, e.g. a rollback's skipped.tsv
-    sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
     # system
     activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
@@ -194,8 +193,8 @@ def check_config(cfg):
     if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
             or not 0 < cfg.cooldown_frac <= 1):
         die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
-    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch, cfg.sharpness_every) < 0:
-        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after, --total_batch and --sharpness_every must be >= 0")
+    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
+        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
     if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
         die("--window, --window_pattern and --seq_len_warmup must be >= 0")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
@@ -840,54 +839,6 @@ def layer_stats(raw, x, ctx):
     return {**stats, "act_rms": torch.stack(rms).tolist()}
 
 
-def sharpness(loss_fn, params, iters=10, seed=0):
-    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
-    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
-    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
-    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
-    w0 = [p.detach().clone() for p in params]
-    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
-    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
-    eps, lam = 1e-3 * norm(w0), 0.0
-    for _ in range(iters):
-        n = norm(v)
-        v, grads = [t / n for t in v], []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, w, t in zip(params, w0, v):
-                    p.copy_(w + sign * eps * t)
-            for p in params:
-                p.grad = None
-            loss_fn().backward()
-            grads.append([p.grad.float() for p in params])
-        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
-        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
-        v = hv
-    with torch.no_grad():
-        for p, w in zip(params, w0):
-            p.copy_(w)
-            p.grad = None
-    return lam
-
-
-def plot_losses(out_dir, history):
-    """loss.png: train loss and val loss against step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("loss", "-"), ("val_loss", "o-")):
-        pts = [(h["step"], h[key]) for h in history if key in h]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=os.path.basename(os.path.abspath(out_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
-    plt.close(fig)
-
-
 class Start:
     """What train() starts from: a fresh GPT of the flags' shape on the data's vocabulary. finetune_gpt.py passes its
     own to main(), which starts from other weights and may add adapters, fake quantization or a teacher."""
@@ -931,8 +882,6 @@ def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
-    if cfg.sharpness_every and cfg.parallel == "fsdp" and world_size > 1:
-        die("--sharpness_every does not work with --parallel=fsdp; use --parallel=ddp")
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
         accum, rest = divmod(cfg.total_batch, B * T * world_size)
@@ -1031,10 +980,6 @@ def train(cfg, stop, start=Start()):
                 stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # grad/weight ratio, activation RMS
                 run.record(step=run.step, **rec, **(stats or {}))
                 run.history.append({"step": run.step, **rec})
-            if cfg.sharpness_every and run.step % cfg.sharpness_every == 0 and not run.done():
-                lam = sharpness(lambda: model(x, y, cfg.z_loss), [p for p in raw.parameters() if p.requires_grad])
-                run.record(step=run.step, sharpness=lam)
-                print(f"sharpness {run.step:05d} | top Hessian eigenvalue {lam:.4g}")
             if run.done() or (cfg.save_every and run.step % cfg.save_every == 0):
                 run.save(data=data_state, data_info=info, tokenizer=tokenizer)
 
@@ -1042,13 +987,12 @@ def train(cfg, stop, start=Start()):
     if cfg.benchmark or run.stopped:
         return run.finish(f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}",
                           {"params": n_params, "trained_params": n_trained})
-    if rank == 0:
-        side_path("writing loss.png", plot_losses, cfg.out_dir, run.history)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
     refs = "".join(f" | {t} -9 {meta[f'val_{t}_bpb']:.3f} ({'beaten' if rec['val_bpb'] < meta[f'val_{t}_bpb'] else 'not beaten'})"
                    for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
     return run.finish(f"done: {run.step} steps, {run.step * tokens_per_step / 1e6:.1f}M tokens in {run.train_time:.0f} s | "
-                      f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint and loss.png in {cfg.out_dir}",
+                      f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint in {cfg.out_dir} | "
+                      f"plot: python scaling.py compare {cfg.out_dir}",
                       {**rec, "train_loss": loss, "tokens": run.step * tokens_per_step, "params": n_params,
                        "trained_params": n_trained}, metric)
 

@@ -160,7 +160,8 @@ def run_command(argv, execute, tiny=workshop_tiny):
         return cfg
     if script == "scaling.py":
         # unless run, stop each subcommand before it does anything; sweep and lr_transfer check their train_gpt.py flags
-        names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare")
+        names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare",
+                 "cmd_sharpness")
         with contextlib.nullcontext() if execute else stubbed(
                 scaling, names, lambda a, extra=(): train_gpt.parse_args(train_gpt.Config, list(extra))):
             scaling.main(args + extra)
