@@ -356,7 +356,7 @@ def mix(x, y, cfg):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-
+# === shared: muon ===
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
     iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
@@ -394,7 +394,7 @@ def orthogonalise(x):
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
     return x.mT if tall else x
-
+# === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on the blocks' matrices,
