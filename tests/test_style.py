@@ -21,8 +21,8 @@ def test_shared_fences_are_byte_identical():
 
 
 def test_each_fence_is_in_every_script_that_shares_it():
-    """The machinery in every trainer, images in both image trainers, Muon in GPT and ViT: a fence dropped from one would
-    escape the comparison above, and its copy would drift."""
+    """The machinery in every trainer, images in both image trainers, Muon in GPT and ViT: a fence dropped from one
+    would escape the comparison above, and its copy would drift."""
     fences = {p.name: set(re.findall(r"^# === shared: (\S+) ===$", p.read_text(), re.M)) for p in SCRIPTS}
     assert all("machinery" in names for names in fences.values()), fences
     assert {p for p, names in fences.items() if "images" in names} == {"train_vit.py", "train_diffusion.py"}, fences
@@ -73,6 +73,7 @@ def test_train_loops_stay_readable():
     import ast
     for p in SCRIPTS:
         train = next(n for n in ast.parse(p.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "train")
-        assert train.end_lineno - train.lineno + 1 <= 150, f"{p.name}: train() has {train.end_lineno - train.lineno + 1}"
+        size = train.end_lineno - train.lineno + 1
+        assert size <= 150, f"{p.name}: train() has {size} lines"
         inner = [n for n in ast.walk(train) if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not train]
         assert not inner, f"{p.name}: train() defines a function at line {inner[0].lineno}"
