@@ -8,10 +8,9 @@ kernels.py: the Triton kernels shared by the trainsuite scripts, each beside a p
 
 Each public function runs Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (read at call time),
 and PyTorch's own fused ops otherwise (F.scaled_dot_product_attention, F.rms_norm, F.cross_entropy; the linear + CE
-in chunks of plain PyTorch). kernels.use() picks per op: "auto" (the default) the path measured faster end to end on
-an H100, "triton" Triton wherever it runs, "torch" PyTorch's always, to compare the two in one run; backend(device)
-names the choice in force, for log lines. Each `*_ref` is written from the math and only checks the others. The
-Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
+in chunks of plain PyTorch). kernels.use() picks: "auto" the faster per op on an H100, "triton" Triton wherever it
+runs, "torch" PyTorch's always; backend(device) names the choice in force. Each `*_ref` is written from the math and
+only checks the others. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
 
   python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory of our Triton kernels against PyTorch
   python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
@@ -80,8 +79,7 @@ def _launch(kernel, grid, *args, **meta):
     # tl.sum, tl.max, ... are @triton.jit too: made before the variable was set, they need interpreting as well
     call, JITFunction.__call__ = JITFunction.__call__, lambda self, *a, **k: InterpretedFunction(self.fn)(*a, **k)
     try:
-        meta.pop("num_warps", None)
-        meta.pop("num_stages", None)
+        meta = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}  # GPU-only launch options
         return _interpreted[fn][grid](*args, **meta)
     finally:
         JITFunction.__call__ = call
@@ -157,8 +155,7 @@ def _rms_tile(N):
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.contiguous().view(-1, x.shape[-1])  # (M, N)
     M, N = x2.shape
-    y = torch.empty_like(x2)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    y, rstd = torch.empty_like(x2), torch.empty(M, device=x.device, dtype=torch.float32)
     if M == 0:
         return y.view(x.shape), rstd
     w = weight.contiguous() if weight is not None else x2
@@ -178,8 +175,7 @@ def _(x, weight, eps):
 @torch.library.custom_op("trainsuite::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x2 = x.contiguous().view(-1, x.shape[-1])
-    dy2 = dy.contiguous().view(-1, x.shape[-1])
+    x2, dy2 = (t.contiguous().view(-1, x.shape[-1]) for t in (x, dy))
     M, N = x2.shape
     dx = torch.empty_like(x2)
     block, rows, warps = _rms_tile(N)
@@ -307,8 +303,7 @@ def _ce_block(V):
 def _ce_fwd(z, t, ignore_index, softcap, z_loss):
     """Per-row loss and logsumexp (both fp32, (N,)) of (N, V) logits whose rows are contiguous."""
     N, V = z.shape
-    loss = torch.empty(N, device=z.device, dtype=torch.float32)
-    lse = torch.empty(N, device=z.device, dtype=torch.float32)
+    loss, lse = (torch.empty(N, device=z.device, dtype=torch.float32) for _ in range(2))
     _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, z.stride(0), ignore_index, softcap, z_loss,
             SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
     return loss, lse
@@ -432,8 +427,7 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
     chunk = 1 << max(0, (CHUNK_LOGITS // w.shape[0]).bit_length() - 1)  # a power of two of rows
     use_triton = _use_triton(x)
     loss = torch.empty(N, device=x.device, dtype=torch.float32)
-    dx = torch.empty_like(x) if row_grad is not None else None
-    dw = torch.zeros_like(w) if row_grad is not None else None
+    dx, dw = (torch.empty_like(x), torch.zeros_like(w)) if row_grad is not None else (None, None)
     for i in range(0, N, chunk):
         xc, tc = x[i:i + chunk], t[i:i + chunk]
         z = xc @ w.T  # (chunk, rows of w)
@@ -458,8 +452,7 @@ def _lce_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore
             classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, weight, targets = x.contiguous(), weight.contiguous(), targets.contiguous()
     # the mean's divisor stays on the device: reading it on the host would stall the GPU at every step
-    count = (targets != ignore_index).sum().clamp(min=1) if reduction == "mean" else targets.new_ones(())
-    count = count.float()
+    count = ((targets != ignore_index).sum().clamp(min=1) if reduction == "mean" else targets.new_ones(())).float()
     if reduction == "none" or not need_grad:  # "none": dweight needs each row's upstream grad, so backward makes it
         loss, _, _ = _lce_chunks(x, weight, targets, ignore_index, softcap, z_loss, None, classes)
         loss = loss if reduction == "none" else loss.sum() / count
@@ -613,12 +606,13 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        if CAUSAL:  # key blocks wholly before this query block need no mask; the diagonal ones do; later ones are skipped
+        if CAUSAL:  # blocks left of the diagonal need no mask, the diagonal ones do, those right of it are skipped
             diag = start_m * BLOCK_M
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, 0, diag, qk_scale, T, D,
                                             CAUSAL, False, EVEN_D, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, diag,
-                                            tl.minimum(diag + BLOCK_M, T), qk_scale, T, D, CAUSAL, True, EVEN_D, BLOCK_N)
+                                            tl.minimum(diag + BLOCK_M, T), qk_scale, T, D, CAUSAL, True, EVEN_D,
+                                            BLOCK_N)
         else:
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, Kb, Vb, offs_m, offs_d, 0, T, qk_scale, T, D,
                                             CAUSAL, not EVEN_T, EVEN_D, BLOCK_N)
@@ -729,8 +723,7 @@ if triton is not None:
 
 
 def _attn_meta(T, D):
-    """Head dim padded to a power of two and the evenness flags; tile sizes come from the autotuner, except under
-    the interpreter."""
+    """Head dim padded to a power of two, the evenness flags, and tiles under the interpreter (else autotuned)."""
     bd = max(16, triton.next_power_of_2(D))
     meta = dict(BLOCK_D=bd, EVEN_T=T % 128 == 0, EVEN_D=bd == D)
     return dict(meta, BLOCK_M=16, BLOCK_N=16) if _interpret() else meta
@@ -743,9 +736,8 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     B, Hq, T, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)  # base 2
-    grid = lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq)
-    _launch(_attn_fwd_kernel, grid, q, k, v, o, lse, scale * 1.4426950408889634, T, D, Hq, Hq // k.shape[1],
-            CAUSAL=causal, **_attn_meta(T, D))
+    _launch(_attn_fwd_kernel, lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * Hq), q, k, v, o, lse,
+            scale * 1.4426950408889634, T, D, Hq, Hq // k.shape[1], CAUSAL=causal, **_attn_meta(T, D))
     return o, lse
 
 
@@ -758,12 +750,10 @@ def _(q, k, v, causal, scale):
 def _attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do, q, k, v = do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    (B, Hq, T, D), Hkv = q.shape, k.shape[1]
     delta = (o.float() * do.float()).sum(-1).contiguous()  # (B, Hq, T): rowsum(p * dp) = rowsum(o * do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # in the inputs' dtype
-    meta = _attn_meta(T, D)
-    args = (q, k, v, do, lse, delta)
+    meta, args = _attn_meta(T, D), (q, k, v, do, lse, delta)
     consts = (scale * 1.4426950408889634, scale, T, D, Hq, Hq // Hkv)
     _launch(_attn_bwd_dkdv_kernel, lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * Hkv), *args, dk, dv, *consts,
             CAUSAL=causal, **meta)
@@ -824,10 +814,7 @@ def attention(q, k, v, causal=True, scale=None, window=None):
 
 def _peak_bw(name):
     """HBM bandwidth in bytes/s by device name (H200 4.8 TB/s, H100 SXM 3.35 TB/s, A100 2.0 TB/s), else None."""
-    for key, bw in (("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12)):
-        if key in name:
-            return bw
-    return None
+    return next((bw for key, bw in (("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12)) if key in name), None)
 
 
 def bench_columns():

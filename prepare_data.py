@@ -64,9 +64,9 @@ MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # + the IDX file n
 FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c shard header: 256 int32
 EOT = "<|endoftext|>"
-# GPT-4's (cl100k) pre-split: no merge crosses a chunk, so tokens stay inside a word, a run of at most
-# 3 digits, of punctuation or of whitespace
-PAT = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+# GPT-4's (cl100k) pre-split: no merge crosses a chunk: a word, up to 3 digits, a run of punctuation or of whitespace
+PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
+       r"""\s+(?!\S)|\s""")
 
 
 def fail(message):
@@ -129,19 +129,15 @@ def merge(word, pair, new):
     """Replace each occurrence of pair in word, left to right, by the token new."""
     out, i = [], 0
     while i < len(word):
-        if i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]:
-            out.append(new)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
+        hit = i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]
+        out.append(new if hit else word[i])
+        i += 1 + hit
     return out
 
 
-def train_bpe(chunk_counts_or_text, vocab_size):
-    """Train a byte-level BPE; return tiktoken's mergeable_ranks {token bytes: rank}, ranks 0..vocab_size-2."""
+def train_bpe(counts, vocab_size):
+    """A byte-level BPE of {chunk: count} or a text, as tiktoken's mergeable_ranks {bytes: rank} (0..vocab_size-2)."""
     check_bpe_vocab(vocab_size)
-    counts = chunk_counts_or_text
     counts = Counter(regex.findall(PAT, counts)) if isinstance(counts, str) else counts
     # each unique chunk is a word of token ids weighted by its count, and a merge only visits the words
     # that hold its pair: the 4096 merges on the stdlib take seconds, not a pass over 31 MB each
@@ -207,7 +203,8 @@ def make_tokenizer(spec, train_docs, out_dir):
         ranks = train_bpe(Counter(c for d in train_docs for c in regex.findall(PAT, d)), n)
         # the format of tiktoken.load.load_tiktoken_bpe; beware that it caches any file by its path (in
         # TIKTOKEN_CACHE_DIR or /tmp/data-gym-cache), so it returns the old tokenizer after a re-train
-        (out_dir / "tokenizer.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+        (out_dir / "tokenizer.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n"
+                                                            for b, r in ranks.items()))
         enc = tiktoken.Encoding(f"bpe_{n}", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: n - 1})
         info = dict(vocab_size=n, eot_id=n - 1, pat_str=PAT, tokenizer_file="tokenizer.tiktoken")
     # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
@@ -223,6 +220,7 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
     alternatives that the error names."""
     if path.exists():
         return
+    path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     try:
@@ -286,9 +284,9 @@ def drop_junk(docs, keep):
 def source_stdlib(args):
     """The running Python's standard library, a document per .py file; installed packages left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
-    return split_files([(p.relative_to(root).as_posix(), p.read_bytes().decode(errors="replace")) for p in files],
-                       args.val_percent)
+    named = [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.py"))]
+    return split_files([(name, p.read_bytes().decode(errors="replace")) for name, p in named
+                        if not {"site-packages", "dist-packages"} & set(name.split("/"))], args.val_percent)
 
 
 def source_text(args):
@@ -310,7 +308,6 @@ def source_text(args):
 def source_shakespeare(args):
     """tinyshakespeare as one document, its last val_percent (10) % of text, cut at a line break, as val."""
     path = Path(args.data_dir) / "input.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     download(SHAKESPEARE_URL, path)
     train, val = split_tail(path.read_text(encoding="utf-8"), args.val_percent)
     return [train], [val]
@@ -326,7 +323,8 @@ def prepare_text(args):
     bad = dict(Counter(bad) + Counter(bad_val))
     if bad:
         print(f"{'kept' if args.junk == 'keep' else 'dropped'} {sum(bad.values())} pathological document(s): "
-              + ", ".join(f"{n} {r}" for r, n in bad.items()) + ("" if args.junk == "keep" else " (--junk=keep keeps them)"))
+              + ", ".join(f"{n} {r}" for r, n in bad.items())
+              + ("" if args.junk == "keep" else " (--junk=keep keeps them)"))
     random.Random(0).shuffle(train_docs)  # a fixed random order: training should not walk the sources alphabetically
     if not any(train_docs) or not any(val_docs):
         fail("the train or the val split has no text; give more text or change --val_percent")
@@ -342,7 +340,8 @@ def prepare_text(args):
             shards = [f"{split}_{i:06d}.bin" for i in range(-(-len(stream) // args.shard_tokens))]
             for i, name in enumerate(shards):
                 write_shard(stage / name, stream[i * args.shard_tokens:(i + 1) * args.shard_tokens])
-            splits[split] = dict(tokens=len(stream), bytes=sum(len(d.encode()) for d in docs), docs=len(docs), shards=shards)
+            splits[split] = dict(tokens=len(stream), bytes=sum(len(d.encode()) for d in docs), docs=len(docs),
+                                 shards=shards)
         raw = b"\n".join(d.encode() for d in val_docs)  # the baselines a trained model's val bits per byte should beat
         meta = dict(format="trainsuite-text-1", source=args.command, tokenizer=args.tokenizer, **info, splits=splits,
                     junk_docs={"found": bad, "action": args.junk},
@@ -357,7 +356,8 @@ def prepare_text(args):
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     for split, s in splits.items():
-        print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | {len(s['shards'])} shard(s)")
+        print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | "
+              f"{len(s['shards'])} shard(s)")
     print(f"val bits per byte: gzip -9 {meta['val_gzip_bpb']:.3f} | xz -9 {meta['val_xz_bpb']:.3f}")
     print(f"wrote {data_dir} ({args.tokenizer}, vocab {info['vocab_size']}) in {time.time() - t0:.1f} s")
 
@@ -367,8 +367,8 @@ def prepare_fineweb(args):
     if not 1 <= args.shards <= 103:
         fail(f"--shards={args.shards}: FineWeb-10B has train shards 1..103")
     data_dir = Path(args.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    names = {"train": [f"fineweb_train_{i:06d}.bin" for i in range(1, args.shards + 1)], "val": ["fineweb_val_000000.bin"]}
+    names = {"train": [f"fineweb_train_{i:06d}.bin" for i in range(1, args.shards + 1)],
+             "val": ["fineweb_val_000000.bin"]}
     for name in names["val"] + names["train"]:
         download(FINEWEB_URL + name, data_dir / name)
     splits = {s: dict(tokens=sum(num_tokens(data_dir / n) for n in ns), bytes=None, docs=None, shards=ns)
@@ -398,18 +398,17 @@ UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of ea
 
 
 def prepare_gpt2(args):
-    """GPT-2's weights from the Hugging Face hub (config.json and model.safetensors), for train_gpt.py --init_from."""
-    out = Path(args.data_dir or f"models/{args.model}")
-    out.mkdir(parents=True, exist_ok=True)
+    """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
+    out = Path(args.data_dir or f"models/{args.model}")  # download() makes it
     try:
         for name in ("config.json", "model.safetensors"):
-            download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name,
-                     instead="--init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
+            download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name, instead="--init_from=FOLDER with a "
+                     "Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
     except SystemExit:
         if not any(out.iterdir()):  # nothing came: no empty folder is left behind (a partial download stays, to resume)
             out.rmdir()
         raise
-    print(f"{args.model} is in {out}: python train_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
+    print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
 
 def shape_mask(k, u, v):
@@ -420,8 +419,7 @@ def shape_mask(k, u, v):
     return [lambda: r < 0.9, lambda: (r < 1) & (r > 0.55), lambda: polygon(3), lambda: polygon(4), lambda: polygon(6),
             lambda: r < 0.42 + 0.58 * np.abs(np.cos(2.5 * th)) ** 2,  # five points
             lambda: ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
-            lambda: (r < 1) & (np.hypot(u - 0.5, v) > 0.8),
-            lambda: (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0,
+            lambda: (r < 1) & (np.hypot(u - 0.5, v) > 0.8), lambda: (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0,
             lambda: ((abs(v) < 0.22) & (u > -1) & (u < 0.1)) | ((u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)),
             ][k]()
 
@@ -439,8 +437,8 @@ def make_shapes(n, size, seed, chunk=256, rotate=True):
     for i in range(0, n, chunk):
         m = min(chunk, n - i)
         par = lambda *s: rng.random((m, *s), np.float32)[:, None, None]  # noqa: E731  (m, 1, 1, *s): broadcasts on Y, X
-        ang = 2 * np.pi * par()
-        img = 0.45 * (par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None])  # dark gradient
+        ang = 2 * np.pi * par()  # the background: a dark gradient at a random angle
+        img = 0.45 * (par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None])
         for j in range(2):  # up to 2 thin lines across the image, half-transparent
             a, off, w, on = np.pi * par(), 2 * par() - 1, 0.015 + 0.025 * par(), par() < (0.8, 0.4)[j]
             line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
@@ -476,7 +474,7 @@ def source_shapes(args):
 
 
 OFFLINE_IMAGES = "'python prepare_data.py shapes' or 'python prepare_data.py imagefolder PATH'"
-FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+FASHION_CLASSES = "T-shirt/top,Trouser,Pullover,Dress,Coat,Sandal,Shirt,Sneaker,Bag,Ankle boot".split(",")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
              "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -487,7 +485,8 @@ def reading(path):
     """Turn the errors of reading a damaged, truncated or wrong file into a one-line fail() that says what to do."""
     try:
         yield
-    except (EOFError, OSError, zlib.error, tarfile.TarError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as e:
+    except (EOFError, OSError, zlib.error, tarfile.TarError, pickle.UnpicklingError, KeyError, TypeError,
+            ValueError) as e:
         fail(f"{path} is damaged or not the expected file ({type(e).__name__}: {' '.join(str(e).split())}); "
              "delete it and run the same command again")
 
@@ -499,8 +498,8 @@ class CifarUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         reconstruct = np.zeros(0).__reduce__()[0]  # numpy's _reconstruct, in numpy.core (1.x) or numpy._core (2.x)
-        allowed = {("numpy.core.multiarray", "_reconstruct"): reconstruct, ("numpy._core.multiarray", "_reconstruct"): reconstruct,
-                   ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+        allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+                   **{(m, "_reconstruct"): reconstruct for m in ("numpy.core.multiarray", "numpy._core.multiarray")}}
         if (module, name) not in allowed:
             raise pickle.UnpicklingError(f"a pickle in it asks for {module}.{name}, which no CIFAR file holds: refused")
         return allowed[module, name]
@@ -509,25 +508,25 @@ class CifarUnpickler(pickle.Unpickler):
 def source_cifar(args):
     """CIFAR-10 or CIFAR-100 from the official python-format .tar.gz, read in place: nothing is extracted to disk."""
     ten = args.command == "cifar10"
-    url = CIFAR10_URL if ten else CIFAR100_URL
+    url, meta_file, prefix = (CIFAR10_URL, "batches.meta", "") if ten else (CIFAR100_URL, "meta", f"{args.labels}_")
     path = Path(args.data_dir) / url.rsplit("/", 1)[1]
-    path.parent.mkdir(parents=True, exist_ok=True)
     download(url, path, OFFLINE_IMAGES)
-    files = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]} if ten else {"train": ["train"], "val": ["test"]}
-    meta_file = "batches.meta" if ten else "meta"
-    labels, names = (b"labels", b"label_names") if ten else (f"{args.labels}_labels".encode(), f"{args.labels}_label_names".encode())
+    files = ({"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]} if ten else
+             {"train": ["train"], "val": ["test"]})
+    labels, names = f"{prefix}labels".encode(), f"{prefix}label_names".encode()  # CIFAR-100: fine_ or coarse_
     with reading(path), tarfile.open(path, "r:gz") as tar:
         # one pass over the gzip stream (a .tar.gz has no index to seek in), then on to its end, where gzip checks
         # its CRC: a flipped bit fails here, not as wrong pixels
         raw = {Path(m.name).name: tar.extractfile(m).read() for m in tar if m.isfile()}
         tar.fileobj.read()
-        batches = {n: CifarUnpickler(io.BytesIO(raw[n]), encoding="bytes").load() for n in [meta_file, *files["train"], *files["val"]]}
+        batches = {n: CifarUnpickler(io.BytesIO(raw[n]), encoding="bytes").load()
+                   for n in [meta_file, *files["train"], *files["val"]]}
         classes = [c.decode() for c in batches[meta_file][names]]
         splits = {}
-        for split, ns in files.items():
+        for s, ns in files.items():
             # a row holds 1024 R, then 1024 G, then 1024 B values, each plane 32x32 row-major
             x = np.concatenate([np.asarray(batches[n][b"data"], np.uint8).reshape(-1, 3, 32, 32) for n in ns])
-            splits[split] = x.transpose(0, 2, 3, 1), np.concatenate([np.asarray(batches[n][labels], np.int64) for n in ns])
+            splits[s] = x.transpose(0, 2, 3, 1), np.concatenate([np.asarray(batches[n][labels], "int64") for n in ns])
     return splits, classes
 
 
@@ -546,27 +545,29 @@ def read_idx(path, magic, ndim):
 def source_idx(args):
     """MNIST or Fashion-MNIST from their four gzipped IDX files: 28x28 grayscale, 60,000 train and 10,000 val."""
     url, data_dir = MNIST_URL if args.command == "mnist" else FASHION_MNIST_URL, Path(args.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     for name in [*IDX_FILES["train"], *IDX_FILES["val"]]:
         download(url + name, data_dir / name, OFFLINE_IMAGES)
-    splits = {split: (read_idx(data_dir / images, 2051, 3)[..., None], read_idx(data_dir / labels, 2049, 1).astype(np.int64))
-              for split, (images, labels) in IDX_FILES.items()}
+    splits = {s: (read_idx(data_dir / images, 2051, 3)[..., None], read_idx(data_dir / labels, 2049, 1).astype("int64"))
+              for s, (images, labels) in IDX_FILES.items()}
     return splits, [str(d) for d in range(10)] if args.command == "mnist" else list(FASHION_CLASSES)
 
 
 def list_images(root):
     """{class: sorted image paths} of an ImageFolder-style root (root/CLASS/**/*.png etc.), hidden entries left out."""
     if not root.is_dir():
-        fail(f"{root} does not exist or is not a folder; give a folder with a subfolder of images per class (PATH/CLASS/*.png)")
+        fail(f"{root} does not exist or is not a folder; give a folder with a subfolder of images per class "
+             "(PATH/CLASS/*.png)")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
-        fail(f"{root} has no class subfolders; put the images of each class in a subfolder named after it (PATH/CLASS/*.png)")
+        fail(f"{root} has no class subfolders; put the images of each class in a subfolder named after it "
+             "(PATH/CLASS/*.png)")
     found = {}
     for c in classes:
         found[c] = [p for p in sorted((root / c).rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
                     and not any(s.startswith(".") for s in p.relative_to(root).parts)]
         if not found[c]:
-            fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the folder")
+            fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the "
+                 "folder")
     return found
 
 
@@ -579,11 +580,11 @@ def load_images(paths, size, split):
         fail("imagefolder needs Pillow: pip install Pillow")
     out, gray, shown = np.empty((len(paths), size, size, 3), np.uint8), True, 0.0
     for i, p in enumerate(paths):
-        try:
+        try:  # UnidentifiedImageError is an OSError
             with Image.open(p) as im:
                 gray &= im.mode in ("1", "L", "LA")
                 out[i] = np.asarray(ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR))
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # UnidentifiedImageError is an OSError
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             fail(f"cannot read the image {p} ({type(e).__name__}); delete or fix it")
         if time.time() - shown > 0.5 or i + 1 == len(paths):
             shown = time.time()
@@ -603,7 +604,8 @@ def source_imagefolder(args):
     if args.val:
         val = list_images(Path(args.val))
         if unknown := sorted(set(val) - set(train)):
-            fail(f"{args.val} has class folder(s) {', '.join(unknown)} that {root} lacks; a val class must also be a train class")
+            fail(f"{args.val} has class folder(s) {', '.join(unknown)} that {root} lacks; a val class must also be a "
+                 "train class")
         items = {"train": [(p, k) for k, c in enumerate(classes) for p in train[c]],
                  "val": [(p, classes.index(c)) for c, ps in val.items() for p in ps]}
     else:
@@ -673,11 +675,12 @@ def prepare_images(args):
     meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
     h, w = meta["image_size"]
     counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
-    print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, in {time.time() - t0:.1f} s")
-    print(f"flip_ok {str(flip_ok).lower()} in meta.json: the trainers' --flip=auto will " + ("flip the training images" if
-          flip_ok else "not flip them (a mirror image is not taken for its class)") + (
-          "; pass --flip_ok if a mirror image is still its class (photos, most objects)" if args.command == "imagefolder"
-          and not flip_ok else ""))
+    print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, "
+          f"in {time.time() - t0:.1f} s")
+    will = "flip the training images" if flip_ok else "not flip them (a mirror image is not taken for its class)"
+    if not flip_ok and args.command == "imagefolder":
+        will += "; pass --flip_ok if a mirror image is still its class (photos, most objects)"
+    print(f"flip_ok {str(flip_ok).lower()} in meta.json: the trainers' --flip=auto will {will}")
 
 
 # -----------------------------------------------------------------------------
@@ -690,58 +693,54 @@ class Parser(argparse.ArgumentParser):
 
 def main(argv=None):
     """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
-    # allow_abbrev=False: a typo such as --shard=5 must fail, not become --shard_tokens=5
     parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, help, **defaults):
+        """A subcommand's parser. allow_abbrev=False: a typo such as --shard=5 must fail, not be --shard_tokens=5."""
+        p = commands.add_parser(name, help=help, allow_abbrev=False)
+        p.set_defaults(**defaults)
+        return p
     for name, source, help in [("stdlib", source_stdlib, "Python's standard library .py files (no network)"),
                                ("text", source_text, "your own text files and folders"),
                                ("shakespeare", source_shakespeare, "tinyshakespeare (downloads 1.1 MB)")]:
-        p = commands.add_parser(name, help=help, allow_abbrev=False)
+        p = command(name, help, run=prepare_text, source=source)
         if name == "text":
             p.add_argument("paths", nargs="+", metavar="PATH")
         p.add_argument("--data_dir", default=f"data/{name}")
         p.add_argument("--tokenizer", type=tokenizer_spec, default="byte", help="byte | gpt2 | bpe:N (N tokens in all)")
         p.add_argument("--val_percent", type=int, default=10 if name == "shakespeare" else 1,
-                       help="percent held out for val: of the files, by path hash; of each file's text if too few files")
+                       help="percent held out for val: files by path hash, or each file's tail if too few files")
         p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard at most")
-        p.add_argument("--junk", choices=("drop", "keep"), default="drop",
-                       help="pathological documents (binary, a character repeated 1,000+ times): drop or keep them")
-        p.set_defaults(run=prepare_text, source=source)
-    p = commands.add_parser("fineweb", help="GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", allow_abbrev=False)
+        p.add_argument("--junk", choices=("drop", "keep"), default="drop", help="binary or repetitive documents")
+    p = command("fineweb", "GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", run=prepare_fineweb)
     p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
     p.add_argument("--data_dir", default="data/fineweb10B")
-    p.set_defaults(run=prepare_fineweb)
-    p = commands.add_parser("gpt2", help="GPT-2's weights, for train_gpt.py --init_from (downloads 0.5-6 GB)",
-                            allow_abbrev=False)
+    p = command("gpt2", "GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)", run=prepare_gpt2)
     p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
     p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")
-    p.set_defaults(run=prepare_gpt2)
-    p = commands.add_parser("shapes", help="procedural images of 10 shapes (no network)", allow_abbrev=False)
+    p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
     p.add_argument("--data_dir", default="data/shapes")
     p.add_argument("--image_size", type=int, default=32, help="height and width in pixels")
     p.add_argument("--train_size", type=int, default=50000, help="train images")
     p.add_argument("--val_size", type=int, default=10000, help="val images")
     p.add_argument("--seed", type=int, default=0, help="train uses seed, val seed + 1")
-    p.add_argument("--rotate", choices=("on", "off"), default="on", help="shapes at random angles, or upright (train_diffusion.py's data)")
-    p.set_defaults(run=prepare_images, source=source_shapes)
+    p.add_argument("--rotate", choices=("on", "off"), default="on", help="random angles, or upright (diffusion's data)")
     for name, help in [("cifar10", "CIFAR-10 (downloads 170 MB)"), ("cifar100", "CIFAR-100 (downloads 169 MB)"),
-                       ("mnist", "MNIST digits (downloads 12 MB)"), ("fashion_mnist", "Fashion-MNIST (downloads 31 MB)")]:
-        p = commands.add_parser(name, help=help, allow_abbrev=False)
+                       ("mnist", "MNIST (downloads 12 MB)"), ("fashion_mnist", "Fashion-MNIST (downloads 31 MB)")]:
+        p = command(name, help, run=prepare_images, source=source_cifar if name.startswith("cifar") else source_idx)
         p.add_argument("--data_dir", default=f"data/{name}", help="where the download is kept and the arrays written")
         if name == "cifar100":
-            p.add_argument("--labels", choices=("fine", "coarse"), default="fine", help="100 classes or 20 superclasses")
-        p.set_defaults(run=prepare_images, source=source_cifar if name.startswith("cifar") else source_idx)
-    p = commands.add_parser("imagefolder", help="your own images, a subfolder per class: PATH/CLASS/*.png", allow_abbrev=False)
-    p.add_argument("path", metavar="PATH", help="a folder with a subfolder of images (png, jpg, jpeg, bmp, webp) per class")
+            p.add_argument("--labels", choices=("fine", "coarse"), default="fine", help="100 fine or 20 coarse classes")
+    p = command("imagefolder", "your own images, a subfolder per class: PATH/CLASS/*.png", run=prepare_images,
+                source=source_imagefolder)
+    p.add_argument("path", metavar="PATH", help="a folder of class subfolders of images (png, jpg, jpeg, bmp, webp)")
     p.add_argument("--data_dir", default="data/imagefolder")
-    p.add_argument("--val", metavar="PATH", help="a val folder with class subfolders as PATH's (default: --val_fraction)")
+    p.add_argument("--val", metavar="PATH", help="a val folder laid out as PATH (default: --val_fraction)")
     p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
-    p.add_argument("--image_size", type=int, default=32,
-                   help="the shorter side is resized to this, then the centre square of this size cropped")
-    p.add_argument("--flip_ok", action="store_true",
-                   help="a mirror image is still a sample of its class, so the trainers may flip (not for digits or text)")
-    p.set_defaults(run=prepare_images, source=source_imagefolder)
+    p.add_argument("--image_size", type=int, default=32, help="the shorter side resized to this, the centre cropped")
+    p.add_argument("--flip_ok", action="store_true", help="a mirror image is still of its class: the trainers may flip")
     args = parser.parse_args(argv)
     args.run(args)
     return 0

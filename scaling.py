@@ -1,5 +1,6 @@
 """
-scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compute-optimal plan, and muP checks.
+scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compute-optimal plan, muP checks, and
+tools that read finished runs (their curves, the sharpness of a checkpoint).
 
   python scaling.py sweep                       # IsoFLOP profiles: 5 model sizes at each of 3e11, 1e12, 3e12 FLOPs
   python scaling.py fit                         # L(N, D) = E + A/N^alpha + B/D^beta, intervals, plots
@@ -7,6 +8,7 @@ scaling.py: scaling laws for train_gpt.py, from a sweep of small runs to a compu
   python scaling.py coord_check                 # muP: activation size against width, flat under muP (a plot)
   python scaling.py lr_transfer                 # loss against LR at several widths, standard vs muP (a plot)
   python scaling.py compare out/a out/b --metric=val_loss   # any runs' metrics against step, one plot
+  python scaling.py sharpness --ckpt=out/gpt --batches=4  # top Hessian eigenvalue of the loss at a checkpoint
   python scaling.py sweep --flops=1e12,1e13 --sizes=7 --optimizer=adamw  # any train_gpt.py flag passes through
 
 `sweep` runs train_gpt.py in this process, once per (N, D), each in its own out_dir, and appends a row to a TSV as
@@ -34,7 +36,7 @@ import train_gpt as tg
 CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022, Approach 3
 BESIROGLU = dict(E=1.82, A=482.0, B=2085.4, alpha=0.348, beta=0.366)  # the refit of Besiroglu et al. 2024
 PUBLISHED = {"chinchilla": CHINCHILLA, "besiroglu": BESIROGLU}
-# Hoffmann et al.'s grid of initial values: alpha, beta in {0, 0.5, .., 2}, e in {-1, -.5, .., 1}, a, b in {0, 5, .., 25}
+# Hoffmann et al.'s grid of initial values (4,500 starts); e, a, b are the logs of E, A, B
 PARAM_GRID = dict(e=[-1, -0.5, 0, 0.5, 1], a=[0, 5, 10, 15, 20, 25], b=[0, 5, 10, 15, 20, 25],
                   alpha=[0, 0.5, 1, 1.5, 2], beta=[0, 0.5, 1, 1.5, 2])
 NAMES = ("e", "a", "b", "alpha", "beta")  # the fitted vector: E = exp(e), A = exp(a), B = exp(b)
@@ -368,7 +370,8 @@ def diagnose(N, D, theta, param_grid, finals, boot):
             out.append(f"fewer than 3 distinct {name}: the law's {'A/alpha' if name[0] == 'm' else 'B/beta'} term is "
                        f"not determined; spread the grid")
     if len(np.unique(np.round(np.log(6 * N * D), 1))) < 2:
-        out.append("every run has the same compute: the grid is one IsoFLOP profile and cannot separate E from the rest")
+        out.append("every run has the same compute: the grid is one IsoFLOP profile and cannot separate E from the "
+                   "rest")
     if min(len(param_grid[k]) for k in NAMES) < 2:
         out.append("the start grid has a single value for some parameter: L-BFGS may stop in a local optimum; "
                    "give --param_grid several values each")
@@ -399,8 +402,8 @@ def bootstrap(N, D, L, theta, finals, n_boot, delta, seed=0, n_starts=32):
     th, fx = finals
     starts = torch.cat([theta[None], th[torch.argsort(fx)[:n_starts]]])
     rng = np.random.default_rng(seed)
-    rows = [fit_law(N, D, L, delta=delta, starts=starts,
-                    w=np.bincount(rng.integers(0, len(N), len(N)), minlength=len(N)).astype(float))[0] for _ in range(n_boot)]
+    counts = lambda: np.bincount(rng.integers(0, len(N), len(N)), minlength=len(N)).astype(float)  # noqa: E731
+    rows = [fit_law(N, D, L, delta=delta, starts=starts, w=counts())[0] for _ in range(n_boot)]
     return {k: tuple(float(v) for v in np.percentile([r[k] for r in rows], [2.5, 97.5])) for k in rows[0]}
 
 
@@ -414,7 +417,8 @@ def read_param_grid(spec):
         die(f"--param_grid={spec!r} is neither a JSON file nor JSON ({e})")
     missing = [k for k in NAMES if not isinstance(grid.get(k), list) or not grid[k]]
     if missing:
-        die(f"--param_grid needs a non-empty list for each of {', '.join(NAMES)}; missing or empty: {', '.join(missing)}")
+        die(f"--param_grid needs a non-empty list for each of {', '.join(NAMES)}; missing or empty: "
+            f"{', '.join(missing)}")
     return {k: [float(v) for v in grid[k]] for k in NAMES}
 
 
@@ -435,10 +439,8 @@ def cmd_fit(args):
         if not inside:
             warnings.append(f"the IsoFLOP profile at {C:.3g} FLOPs has its minimum at or beyond its largest or "
                             f"smallest model: add sizes on that side")
-    a2 = None
-    good = [(C, n) for C, n, _, inside in minima if inside]
-    if len(good) >= 2:  # Approach 2: N_opt ~ C^a across budgets
-        a2 = float(np.polyfit(np.log([c for c, _ in good]), np.log([n for _, n in good]), 1)[0])
+    good = [(C, n) for C, n, _, inside in minima if inside]  # Approach 2: N_opt ~ C^a across budgets
+    a2 = float(np.polyfit(*np.log(list(zip(*good))), 1)[0]) if len(good) >= 2 else None
     a3 = p["beta"] / (p["alpha"] + p["beta"])
     resid = np.log(law(p, N, D)) - np.log(L)
     res = dict(params=p, interval95=boot, n_runs=int(len(N)), rms_log_residual=float(np.sqrt(np.mean(resid ** 2))),
@@ -464,14 +466,12 @@ def cmd_fit(args):
 
 
 def plot_fit(out_dir, rows, p, minima):
-    """isoflop.png: loss against N per budget, parabolas, the law and its frontier; fit.png: the law against the data."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """isoflop.png: loss against N per budget, parabolas, the law and its frontier; fit.png: law against data."""
+    import matplotlib.figure  # a Figure of its own, no pyplot: no global state, no display, nothing to close
     N, D, L = (np.array([r[k] for r in rows]) for k in ("params", "tokens", "val_loss"))
     budgets = sorted({r["budget"] for r in rows if r["budget"]})
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
-    cmap = plt.get_cmap("viridis")
+    fig = matplotlib.figure.Figure(figsize=(12, 4.8), layout="tight")
+    (ax, bx), cmap = fig.subplots(1, 2), matplotlib.colormaps["viridis"]
     for i, C in enumerate(budgets):
         col = cmap(i / max(len(budgets) - 1, 1))
         sel = [r for r in rows if r["budget"] == C]
@@ -496,10 +496,9 @@ def plot_fit(out_dir, rows, p, minima):
     bx.set(xscale="log", yscale="log", xlabel="compute C = 6ND (FLOPs)", ylabel="compute-optimal N",
            title="Compute-optimal model size")
     bx.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "isoflop.png"), dpi=110)
-    plt.close(fig)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig = matplotlib.figure.Figure(figsize=(12, 4.8), layout="tight")
+    ax, bx = fig.subplots(1, 2)
     ng, dg = np.geomspace(N.min() / 2, N.max() * 2, 80), np.geomspace(D.min() / 2, D.max() * 2, 80)
     G = law(p, ng[None, :], dg[:, None])
     lv = np.linspace(min(L.min(), G.min()), np.percentile(G, 95), 14)
@@ -507,8 +506,7 @@ def plot_fit(out_dir, rows, p, minima):
     ax.scatter(N, D, c=L, cmap="viridis", vmin=lv[0], vmax=lv[-1], edgecolors="white", s=50)
     fig.colorbar(cs, ax=ax, label="loss: law (surface) and runs (dots)")
     cf = np.geomspace(6 * N.min() * D.min(), 6 * N.max() * D.max(), 40)
-    no, do = optimal_allocation(p, cf)
-    ax.plot(no, do, "r--", label="compute-optimal frontier")
+    ax.plot(*optimal_allocation(p, cf), "r--", label="compute-optimal frontier")
     ax.set(xscale="log", yscale="log", xlim=(ng[0], ng[-1]), ylim=(dg[0], dg[-1]), xlabel="parameters N",
            ylabel="tokens D", title="Fitted L(N, D) against the runs")
     ax.legend(fontsize=8)
@@ -517,9 +515,7 @@ def plot_fit(out_dir, rows, p, minima):
     lim = [min(pred.min(), L.min()) * 0.98, max(pred.max(), L.max()) * 1.02]
     bx.plot(lim, lim, "k--", lw=1)
     bx.set(xlabel="predicted loss", ylabel="measured val loss", title="Law against runs (colour: log10 D/N)")
-    fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "fit.png"), dpi=110)
-    plt.close(fig)
 
 # -----------------------------------------------------------------------------
 # Plan: the compute-optimal model for a budget
@@ -591,8 +587,7 @@ def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2
                 x, y = x[:, :-1], x[:, 1:]
                 layers = [("embedding", model.wte)] + [(f"block {i}", b) for i, b in enumerate(model.blocks)]
                 for t in range(steps):
-                    loss = model(x, y)
-                    loss.backward()
+                    model(x, y).backward()
                     for o in opts:
                         o.step()
                         o.zero_grad(set_to_none=True)
@@ -614,11 +609,10 @@ def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2
 
 
 def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.figure
     steps = next(iter(out["SP"].values())).shape[0]
-    fig, axes = plt.subplots(2, steps, figsize=(3.2 * steps, 6.4), sharey="row", squeeze=False)
+    fig = matplotlib.figure.Figure(figsize=(3.2 * steps, 6.4), layout="tight")
+    axes = fig.subplots(2, steps, sharey="row", squeeze=False)
     for r, param in enumerate(("SP", "muP")):
         for t in range(steps):
             ax = axes[r, t]
@@ -634,10 +628,8 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"Coordinate check ({optimizer}, lr {lr:g}): logits slope vs width at the last step "
                  f"SP {slopes['SP']['logits']:+.2f}, muP {slopes['muP']['logits']:+.2f} (flat is 0)")
-    fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     fig.savefig(os.path.join(out_dir, "coord_check.png"), dpi=110)
-    plt.close(fig)
 
 
 def cmd_coord_check(args):
@@ -673,7 +665,8 @@ def cmd_lr_transfer(args, extra):
             float(r["val_loss"])
     for param, by_w in res.items():
         best = {w: min(d, key=d.get) for w, d in sorted(by_w.items())}
-        print(f"{param:4s} best LR per width: " + ", ".join(f"{w}: {lr:.2g} ({by_w[w][lr]:.4f})" for w, lr in best.items()))
+        print(f"{param:4s} best LR per width: " + ", ".join(f"{w}: {lr:.2g} ({by_w[w][lr]:.4f})"
+                                                             for w, lr in best.items()))
     plot_lr_transfer(args.out_dir, res)
     print(f"wrote {args.out_dir}/lr_transfer.png")
     if failed:
@@ -682,10 +675,9 @@ def cmd_lr_transfer(args, extra):
 
 
 def plot_lr_transfer(out_dir, res):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    import matplotlib.figure
+    fig = matplotlib.figure.Figure(figsize=(11, 4.2), layout="tight")
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, param in zip(axes, ("SP", "muP")):
         by_w = res.get(param, {})
         for i, (w, d) in enumerate(sorted(by_w.items())):
@@ -696,35 +688,90 @@ def plot_lr_transfer(out_dir, res):
         ax.set(xscale="log", xlabel="learning rate", title=f"{param}: val loss against LR (circle: best)")
         ax.legend(fontsize=8)
     axes[0].set_ylabel("val loss")
-    fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "lr_transfer.png"), dpi=110)
-    plt.close(fig)
+
 
 def cmd_compare(args):
-    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    metrics = args.metric.split(",")
-    for run, metric in itertools.product(args.runs, metrics):
+    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot: by default
+    train and val loss, a colour per run and a line style per metric."""
+    import matplotlib.figure
+    fig = matplotlib.figure.Figure(figsize=(6.4, 4), layout="tight")
+    ax = fig.subplots()
+    metrics = (args.metric or "loss,val_loss").split(",")
+    for (i, run), (j, metric) in itertools.product(enumerate(args.runs), enumerate(metrics)):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.exists(path):
             die(f"{path} not found: pass the out_dir of a run")
         rows = list(map(json.loads, open(path)))
         pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
-        if not pts:
+        if not pts and (args.metric or j == 0):  # the default's val loss may be missing (a benchmark has none)
             keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))} - {"step"})
             die(f"{path} has no '{metric}'; pick --metric from {', '.join(keys)}")
+        if not pts:
+            continue
         label = os.path.basename(os.path.normpath(run)) + (f" {metric}" if len(metrics) > 1 else "")
-        ax.plot(*zip(*pts), marker=".", markersize=4, label=label)
+        ax.plot(*zip(*pts), ("-", "--", ":", "-.")[j % 4], color=f"C{i % 10}", marker=".", markersize=4, label=label)
         print(f"{run}: {metric} {pts[-1][1]:.4f} at step {pts[-1][0]}")
     ax.set(xlabel="step", ylabel=", ".join(metrics), title=os.path.basename(args.out))
     ax.legend(fontsize=8)
-    fig.tight_layout()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
+
+
+# -----------------------------------------------------------------------------
+# Sharpness: the top Hessian eigenvalue of the loss at a checkpoint
+
+
+def sharpness(loss_fn, params, iters=10, seed=0):
+    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
+    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e, so the fused
+    loss needs no double backward (it has none). loss_fn() returns the loss; params and their .grad end unchanged."""
+    norm = lambda ts: math.sqrt(sum(t.float().square().sum().item() for t in ts))  # noqa: E731
+    w0 = [p.detach().clone() for p in params]
+    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: the global RNG stays untouched
+    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
+    eps, lam = 1e-3 * norm(w0), 0.0
+    for _ in range(iters):
+        n = norm(v)
+        v, grads = [t / n for t in v], []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, w, t in zip(params, w0, v):
+                    p.copy_(w + sign * eps * t)
+            grads.append([g.float() for g in torch.autograd.grad(loss_fn(), params)])
+        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
+        v, lam = hv, sum((a * b).sum().item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+    return lam
+
+
+def cmd_sharpness(args):
+    """The top Hessian eigenvalue of a train_gpt.py checkpoint's training loss (z-loss included) on --batches batches
+    of its data, one estimate per batch: their spread shows how much a mini-batch's sharpness varies."""
+    if min(args.batches, args.iters) < 1:
+        die("--batches and --iters must be at least 1")
+    device = tg.setup_dist(args.device)[2]
+    model, tok, step, path = tg.load_model(args.ckpt, device)  # fp32: a finite difference of bf16 gradients is noise
+    c, data_dir, B = model.cfg, args.data_dir or model.cfg.data_dir, args.batch_size or model.cfg.batch_size
+    meta = tg.load_meta(data_dir)
+    if meta["tokenizer"] != tok["tokenizer"] or meta["vocab_size"] > model.vocab_size:
+        die(f"{data_dir} holds {meta['tokenizer']} tokens ({meta['vocab_size']}) but {path} reads {tok['tokenizer']} "
+            f"tokens ({model.vocab_size}); pass the data it was trained on with --data_dir")
+    loader = tg.TokenLoader(tg.find_shards(data_dir, args.split), B, c.seq_len, 0, 1, device, meta["eot_id"],
+                            lanes=B, vocab_size=model.vocab_size)  # a lane per row: far-apart documents
+    lams = []
+    for i in range(args.batches):
+        x, y = loader.next()
+        lams.append(sharpness(lambda: model(x, y, c.z_loss), list(model.parameters()), args.iters, seed=i))
+        print(f"sharpness of {path} (step {step}) | {args.split} batch {i + 1}/{args.batches} of {B}x{c.seq_len} "
+              f"tokens | top Hessian eigenvalue {lams[-1]:.4g}")
+    mean = sum(lams) / len(lams)
+    print(f"mean {mean:.4g} over {len(lams)} batch(es); for plain gradient descent 2/lr = {2 / c.lr:.4g} is the edge "
+          f"of stability (Adam's bound is on the preconditioned Hessian, which this does not compute)")
+    return {"sharpness": mean, "per_batch": lams, "step": step}
 
 
 # -----------------------------------------------------------------------------
@@ -741,7 +788,7 @@ def main(argv=None):
     parser = Parser(prog="scaling.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("sweep", help="train a grid of models (IsoFLOP by default); resumable", allow_abbrev=False)
+    p = sweep = sub.add_parser("sweep", help="train a grid of runs (IsoFLOP by default); resumable", allow_abbrev=False)
     p.add_argument("--flops", default="3e11,1e12,3e12", help="compute budgets C of the IsoFLOP profiles")
     p.add_argument("--sizes", type=int, default=5, help="model sizes per budget, spread over 16x in N")
     p.add_argument("--ratio", type=float, default=20.0, help="tokens per parameter at the centre of each profile "
@@ -749,16 +796,14 @@ def main(argv=None):
     p.add_argument("--min_steps", type=int, default=100, help="leave out models that would train fewer steps")
     p.add_argument("--models", default="", help="a grid instead: LAYERSxWIDTH,... (e.g. 2x64,4x128) with --tokens")
     p.add_argument("--tokens", default="", help="a grid instead: token budgets D (e.g. 1e6,4e6) with --models")
-    sweep = p
-    p = sub.add_parser("lr_transfer", help="loss against LR at several widths, SP and muP", allow_abbrev=False)
+    p = transfer = sub.add_parser("lr_transfer", help="loss vs LR at several widths, SP and muP", allow_abbrev=False)
     p.add_argument("--widths", default="32,64,128,256", help="n_embd values; the smallest is muP's base width")
     p.add_argument("--lrs", default="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", help="peak learning rates")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--n_layer", type=int, default=2)
     p.add_argument("--n_head", type=int, default=4, help="fixed, so the head dim grows with width (muP's 1/d)")
-    transfer = p
-    for p, name in ((sweep, "sweep"), (transfer, "lr_transfer")):
-        p.add_argument("--out_dir", default="out/scaling" if name == "sweep" else "out/lr_transfer")
+    for p, out in ((sweep, "out/scaling"), (transfer, "out/lr_transfer")):
+        p.add_argument("--out_dir", default=out)
         p.add_argument("--data_dir", default=tg.Config.data_dir, help="token shards from prepare_data.py")
         p.add_argument("--device", default="cpu", help="cpu, or auto for the trainer's choice")
     p = sub.add_parser("fit", help="fit L(N, D) to a sweep's runs, with intervals and plots", allow_abbrev=False)
@@ -781,18 +826,24 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="runs averaged per width")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     p.add_argument("--out_dir", default="out/scaling")
-    p = sub.add_parser("compare", help="one metric of several runs against step, in one plot", allow_abbrev=False)
+    p = sub.add_parser("sharpness", help="top Hessian eigenvalue of the loss at a checkpoint", allow_abbrev=False)
+    p.add_argument("--ckpt", required=True, help="a checkpoint, or a run's out_dir (its newest checkpoint)")
+    p.add_argument("--data_dir", default="", help="token shards (default: the checkpoint's own --data_dir)")
+    p.add_argument("--split", default="train", choices=("train", "val"), help="the loss trained on, or held out")
+    p.add_argument("--batches", type=int, default=1, help="batches, one estimate each, read from the split's start")
+    p.add_argument("--batch_size", type=int, default=0, help="sequences per batch (default: the checkpoint's)")
+    p.add_argument("--iters", type=int, default=20, help="power iterations, two forward-backward passes each")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto for the trainer's choice")
+    p = sub.add_parser("compare", help="metrics of several runs against step, in one plot", allow_abbrev=False)
     p.add_argument("runs", nargs="+", metavar="OUT_DIR", help="the out_dirs of train_gpt/vit/diffusion.py runs")
-    p.add_argument("--metric", default="loss", help="keys of metrics.jsonl, comma-separated: loss, val_loss, val_acc, ...")
+    p.add_argument("--metric", default="", help="keys of metrics.jsonl, comma-separated: loss, val_loss, val_acc, ... "
+                   "(default: loss and, where a run has it, val_loss)")
     p.add_argument("--out", default="out/compare.png")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("sweep", "lr_transfer"):
         die(f"unrecognized arguments: {' '.join(extra)} (see python scaling.py {args.command} -h)")
-    if args.command == "sweep":
-        return cmd_sweep(args, extra)
-    if args.command == "lr_transfer":
-        return cmd_lr_transfer(args, extra)
-    return {"fit": cmd_fit, "plan": cmd_plan, "coord_check": cmd_coord_check, "compare": cmd_compare}[args.command](args)
+    cmd = globals()[f"cmd_{args.command}"]  # looked up when called, so a test can stand in for one
+    return cmd(args, extra) if args.command in ("sweep", "lr_transfer") else cmd(args)
 
 
 if __name__ == "__main__":

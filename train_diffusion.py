@@ -9,7 +9,7 @@ warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the guards of t
 offline: the held-out denoising loss on a fixed timestep grid and, given a train_vit.py classifier, how often it
 recognises each sample's class and the Frechet distance in its feature space.
 
-  python train_diffusion.py                            # CPU demo: makes upright shapes, trains 7 min, writes samples.png
+  python train_diffusion.py                            # CPU demo: upright shapes, 7 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
   python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
@@ -53,14 +53,14 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
-    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv goes beside it
+    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, mnist, imagefolder...)
+    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     # model
     image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens
+    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # attention heads
     n_embd: int = 128                  # model width
@@ -70,9 +70,9 @@ class Config:
     class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
     # objective
     objective: str = "flow"            # flow|ddpm: rectified-flow velocity, or DDPM epsilon on a cosine schedule
-    t_mean: float = 0.8                # flow: timesteps t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
+    t_mean: float = 0.8                # flow: t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
     t_std: float = 0.8                 # flow: see t_mean
-    predict: str = "x"                 # x|v: flow's network outputs the clean image (the velocity follows) or the velocity
+    predict: str = "x"                 # x|v: flow's network outputs the clean image (and the velocity follows) or v
     min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
     # sampling
     sampler: str = "auto"              # auto|euler|heun|ddim (auto: euler for flow, ddim for ddpm)
@@ -101,14 +101,14 @@ class Config:
     eval_images: int = 500             # val images in the denoising loss (each at 8 timesteps); 0 = all
     eval_samples: int = 200            # samples drawn at each periodic eval (the grid and the classifier metrics)
     final_samples: int = 500           # samples drawn at the final eval and by --sample with --eval_classifier
-    eval_classifier: str = ""          # a train_vit.py checkpoint on the same data: its accuracy on samples, Frechet distance
-    fid_weights: str = ""              # Inception TorchScript file (clean-fid's inception-2015-12-05.pt) for FID; optional
+    eval_classifier: str = ""          # a train_vit.py checkpoint on this data: accuracy on samples, Frechet distance
+    fid_weights: str = ""              # optional Inception TorchScript (clean-fid's inception-2015-12-05.pt) for FID
     log_every: int = 50                # steps between log lines
     save_every: int = 0                # steps between checkpoints; 0 = only at the end
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
     # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
@@ -116,10 +116,10 @@ class Config:
     gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA or bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -131,7 +131,7 @@ class Config:
     # sampling from a checkpoint
     sample: bool = False               # write a sample grid from --ckpt's EMA weights (and score it) and exit
     ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
-    sample_out: str = ""               # PNG written by --sample; empty = a name from the sampler settings, beside the checkpoint
+    sample_out: str = ""               # PNG written by --sample; empty = named after the sampler, beside the checkpoint
 
 
 PRESETS = {
@@ -171,7 +171,8 @@ def check_config(cfg):
         die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
             "guard flags must be >= 0")
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
-        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: euler|heun sample flow, ddim samples ddpm")
+        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
+            "euler|heun sample flow, ddim samples ddpm")
     if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
@@ -180,15 +181,6 @@ def check_config(cfg):
 
 # -----------------------------------------------------------------------------
 # Model
-
-
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE, DiT): half the channels encode the row, half the column, each as
-    sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
-    return torch.cat(parts, dim=1)
 
 
 def timestep_embedding(t, dim=256):
@@ -243,8 +235,7 @@ class Block(nn.Module):
 class DiT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
-        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
-        p, d = cfg.patch_size, cfg.n_embd
+        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
         self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
@@ -284,10 +275,9 @@ class DiT(nn.Module):
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
         x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
-            # x-prediction (Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise"): the network
-            # outputs the clean image, which lies near a low-dimensional manifold, and returns the velocity
-            # (x_t - x_0) / t that follows from it, so the loss and the samplers stay the same. The velocity and the
-            # noise fill all p*p*C dimensions of a patch; a width-d token cannot carry them once p*p*C > d.
+            # x-prediction (Li & He 2025, "Back to Basics"): the network outputs the clean image, which lies near a
+            # low-dimensional manifold, and returns the velocity (x_t - x_0) / t, so loss and samplers stay the same.
+            # The velocity and the noise fill all p*p*C dims of a patch: a width-d token cannot carry them if p*p*C > d
             x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
         return x
 
@@ -345,13 +335,11 @@ def corrupt(x0, noise, t, cfg, alpha_bar):
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
-    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32.
-
-    model(x, t, y) is the network or any function of that signature; y (B,) labels or None (unconditional). With
-    labels, guidance mixes the conditional and the unconditional (label `null`) outputs, both in one batch:
-    out = uncond + scale * (cond - uncond) (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction
-    (Karras et al. 2022); ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps.
-    """
+    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32. model(x, t, y) is the
+    network or any function of that signature; y (B,) labels or None (unconditional). With labels, guidance mixes the
+    conditional and the unconditional (label `null`) outputs, both in one batch: out = uncond + scale * (cond - uncond)
+    (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction (Karras et al. 2022); ddpm: deterministic DDIM
+    (Song et al. 2021) on an even subsequence of the T steps."""
     x, B = noise.float(), noise.size(0)
 
     def pred(x, t):
@@ -384,80 +372,6 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 # Data
 
 
-def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
-        meta = json.load(f)
-        if meta["format"] != "trainsuite-image-1":
-            raise ValueError(f"format {meta['format']!r} is not an image dataset")
-        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
-                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
-        if not isinstance(meta.get("flip_ok", False), bool):
-            raise ValueError("flip_ok must be true or false")
-        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
-                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
-    for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
-            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside 0..{meta['num_classes'] - 1});"
-                f" re-run prepare_data.py for this data dir")
-    return meta, arrays
-
-
-
-def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
-    if cfg.flip != "auto":
-        return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
-    return meta["flip_ok"], "the data's flip_ok"
-
-class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
-
-    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
-    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
-    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
-    """
-
-    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
-        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
-        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
-        if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
-        self.load_state({"epoch": 0, "pos": 0})
-
-    def state(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state(self, s):
-        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
-
-    def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
-            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
-        if self.order is None:
-            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
-        self.pos += step
-        return self.x[idx], self.y[idx]
-
-
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
     return x.float() / 127.5 - 1
@@ -483,36 +397,12 @@ def build_optimizers(cfg, raw, device):
 
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, then constant or cosine decay over progress in [0, 1]."""
+    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
-        f = cfg.final_lr_frac
-        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
     return warm
-
-
-class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates or samples with either."""
-
-    def __init__(self, params, decay, model=None):
-        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
-        self.shadow = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self):
-        self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
-
-    @torch.no_grad()
-    def swap(self):
-        for p, s in zip(self.params, self.shadow):
-            tmp = p.detach().clone()
-            p.copy_(s)
-            s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
-            self.model.reshard()
 
 # -----------------------------------------------------------------------------
 # Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
@@ -526,7 +416,7 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # the same for any B, ranks
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # for any B and ranks
     for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
         i = (it * world_size + rank) * B
         i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
@@ -595,9 +485,9 @@ class Judge:
             die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
         with reading(where, "pass a checkpoint written by train_vit.py"):
             m = ckpt["data_meta"]
-            if (m["classes"], m["image_size"], m["channels"]) != (meta["classes"], meta["image_size"], meta["channels"]):
-                die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of {m['image_size']}); "
-                    f"train it with train_vit.py on this --data_dir")
+            if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
+                die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
+                    f"{m['image_size']}); train it with train_vit.py on this --data_dir")
             known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
             self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
@@ -654,7 +544,8 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
                   meta["classes"] if K else None)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
-    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}" + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
+    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+          + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
           + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
           + (f" | FD-ViT {rec['fd_vit']:.2f}" if judge else "") + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
           + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
@@ -702,33 +593,17 @@ def main(cfg):
 
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    if cfg.benchmark:
-        size = cfg.image_size or 32
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "flip_ok": True}
-        g = torch.Generator().manual_seed(0)
-        arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (4 * B,), generator=g).numpy())}
-    else:
-        prepare_default_data(cfg, rank, world_size, "shapes", "the upright shapes dataset", "--rotate=off")
-        meta, arrays = load_image_data(cfg.data_dir)
+    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the upright shapes dataset",
+                                                  "--rotate=off")
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
-    if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
-    train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
-    if not cfg.benchmark:
-        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     alpha_bar = cosine_alpha_bar()
     judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and rank == 0 \
@@ -742,7 +617,8 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = (Benchmark.steps(cfg) if cfg.benchmark
+                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
@@ -754,11 +630,11 @@ def train(cfg, stop):
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective}"
-          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "") + " | "
-          f"{images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | " + (
-              f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | lr {cfg.lr:g} | "
-          f"flips {'on' if flip else 'off'} ({why})")
+          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
+          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
+          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     clock.start()
@@ -818,18 +694,19 @@ def train(cfg, stop):
                 log.record(**rec)
                 log.history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
             if clock.done() or (cfg.save_every and clock.step % cfg.save_every == 0):
-                ckpts.save(data=train_loader.state(), data_info=data_info, num_classes=K, data_meta={k: meta[k] for k in (
-                    "classes", "num_classes", "image_size", "channels")})
+                ckpts.save(data=train_loader.state(), data_info=data_info, num_classes=K,
+                           data_meta={k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")})
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
     if cfg.benchmark or clock.stopped:
         return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} "
                       f"{dtype} compile={compiled}", {"params": n_params})
     key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
-    return finish(log, ckpts, bench, f"done: {clock.step} steps, {clock.step * images_per_step / len(train_loader.y):.1f}"
-                  f" epochs in {clock.train_time:.0f} s | " + " | ".join(f"{k} {rec[k]:.4f}" for k in (
-                      "val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid") if k in rec)
-                  + f" | checkpoint and samples.png in {cfg.out_dir}",
+    epochs = clock.step * images_per_step / len(train_loader.y)
+    metrics = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
+                         if k in rec)
+    return finish(log, ckpts, bench, f"done: {clock.step} steps, {epochs:.1f} epochs in {clock.train_time:.0f} s | "
+                  f"{metrics} | checkpoint and samples.png in {cfg.out_dir}",
                   {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params}, key)
 
 
@@ -865,10 +742,144 @@ def sample_main(cfg):
         _, arrays = load_image_data(trained.data_dir, ("val",)) if os.path.exists(trained.data_dir) else (None, None)
         if arrays is None:
             die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its val images")
-        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, torch.from_numpy(np.array(arrays["val"][0])).to(device))
-        res.update(judge.score(samples, K))
-    print(f"wrote {out} in {res['sample_s']:.1f} s" + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
+        val_x = torch.from_numpy(np.array(arrays["val"][0])).to(device)
+        res.update(Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x).score(samples, K))
+    print(f"wrote {out} in {res['sample_s']:.1f} s"
+          + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
+
+# -----------------------------------------------------------------------------
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
+# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+
+# === shared: images ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
+    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
+            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        meta = json.load(f)
+        if meta["format"] != "trainsuite-image-1":
+            raise ValueError(f"format {meta['format']!r} is not an image dataset")
+        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
+        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
+                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
+                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
+                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+    return meta, arrays
+
+
+def image_data(cfg, rank, world_size, device, what, *flags):
+    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
+    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
+    if cfg.benchmark:
+        size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
+                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
+                            torch.randint(0, 10, (n,), generator=g).numpy())}
+    else:
+        prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
+        meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
+            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % cfg.patch_size:
+        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
+    return meta, loader, *val
+
+
+def flips(cfg, meta):
+    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
+    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+    return meta["flip_ok"], "the data's flip_ok"
+
+
+class ImageLoader:
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
+    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
+    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
+    is the whole state: saved in checkpoints, it makes resume read the same batches."""
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
+                f"{B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
+
+    def next(self):
+        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        n, step = len(self.y), self.B * self.world_size
+        if self.pos + step > n:
+            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+            self.order = torch.randperm(n, generator=g).to(self.x.device)
+        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        self.pos += step
+        return self.x[idx], self.y[idx]
+
+
+class EMA:
+    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
+    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+
+    def __init__(self, params, decay, model=None):
+        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+            self.model.reshard()
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

@@ -12,6 +12,8 @@ precision, torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
   python train_gpt.py --sample --ckpt=out/gpt --prompt="def "
   python train_gpt.py --benchmark --preset=gpt2_124m
   python train_gpt.py -h                               # every flag, with its default
+
+Fine-tuning (GPT-2's weights, LoRA, distillation, INT8, export to Hugging Face) is finetune_gpt.py, which imports this.
 """
 import base64
 import contextlib
@@ -54,9 +56,8 @@ import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on 
 class Config:
     # data and output
     data_dir: str = "data/stdlib_bpe"  # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
-    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json, loss.png; results.tsv goes beside it
-    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m|finetune (explicit flags still win)
-    init_from: str = ""                # start from weights: gpt2|gpt2-medium|gpt2-large|gpt2-xl, a HF GPT-2 folder, a checkpoint
+    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json; results.tsv goes beside it
+    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m (explicit flags still win)
     # model
     n_layer: int = 4                   # transformer blocks
     n_head: int = 4                    # query heads
@@ -78,12 +79,6 @@ class Config:
     init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
     mup: bool = False                  # maximal update parametrisation: the best LR transfers across width (see GPT)
     base_width: int = 128              # muP: the n_embd at which muP equals the standard parametrisation; tune LR here
-    lora_rank: int = 0                 # LoRA adapters of this rank on --lora_targets, the rest frozen; 0 = off
-    lora_alpha: float = 16.0           # LoRA: the adapters' output is scaled by alpha / rank
-    lora_targets: str = "attn,mlp"     # LoRA: attn (qkv and out projections) and/or mlp (both matrices), comma-separated
-    teacher: str = ""                  # distil from this model (a checkpoint, a GPT-2 name or folder); empty = off
-    distill_weight: float = 0.5        # the loss is (1 - w) CE + w T^2 KL(teacher || student)
-    distill_temp: float = 2.0          # T: both softmaxes at this temperature
     # budget: max_steps, else tokens, else time_budget
     max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
     tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
@@ -124,7 +119,6 @@ class Config:
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
     rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
-    sharpness_every: int = 0           # steps between estimates of the top Hessian eigenvalue; 0 = off
     # system
     activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
@@ -139,12 +133,8 @@ class Config:
     kernels: str = "auto"              # auto|triton|torch: per op the faster (kernels.use), Triton, or PyTorch's
     # sampling
     sample: bool = False               # sample from a checkpoint instead of training
-    ckpt: str = ""                     # checkpoint file or directory to sample from (or merge); empty = out_dir
-    merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
-    export: str = ""                   # int8: write --ckpt with int8 hidden weights to --out_dir, val loss before/after
+    ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
     consolidate: str = ""              # write this sharded checkpoint (a folder of an FSDP run) as one file to --out_dir
-    qat: int = 0                       # quantization-aware training: hidden weights fake-quantized to this many bits
-                                       # in the forward pass (8 matches --export=int8); 0 = off
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
     temperature: float = 0.8           # 0 = greedy
@@ -164,15 +154,10 @@ PRESETS = {
                       data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
                       lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
                       optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
-    # GPT-2 124M on your text (--data_dir of GPT-2 tokens): AdamW at a small LR keeps what it knows; Muon's fixed-size
-    # updates at 4e-3 would overwrite it. Short rows and evals, so a CPU takes a step every few seconds
-    "finetune": dict(init_from="gpt2", optimizer="adamw", lr=3e-5, weight_decay=0.0, warmup_steps=10, seq_len=256,
-                     batch_size=4, eval_every=50, eval_tokens=8192, sample_tokens=100, out_dir="out/finetune"),
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat", "window", "window_pattern", "seq_len_warmup",
-                "seq_len_start")  # a resume shares these too; --init_from does not
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start")  # a resume shares these too
 
 
 def run_layout(c, world_size, data_info):
@@ -201,20 +186,13 @@ def check_config(cfg):
     if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
             or not 0 < cfg.cooldown_frac <= 1):
         die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
-    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch, cfg.sharpness_every) < 0:
-        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after, --total_batch and --sharpness_every must be >= 0")
-    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or not set(cfg.lora_targets.split(",")) <= {"attn", "mlp"}:
-        die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, --init_from=WEIGHTS to "
-            f"adapt, and targets among attn,mlp")
+    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
+        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
     if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
         die("--window, --window_pattern and --seq_len_warmup must be >= 0")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
         die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
             f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
-    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8"):
-        die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8")
-    if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
-        die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens and cfg.tokens != "auto":
@@ -275,29 +253,6 @@ class KVCache:
         return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
 
 
-def quantize(w, bits=8):
-    """(integers in [-(2^(bits-1) - 1), 2^(bits-1) - 1], scales (out, 1)): w (out, in) on a symmetric grid per output
-    channel, the scale set by the row's largest |w|."""
-    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / (2 ** (bits - 1) - 1)
-    return (w / scale).round(), scale
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose weight is fake-quantized in the forward pass when bits > 0 (QAT): rounded to quantize()'s
-    grid, which --export=int8 uses, while the gradient passes straight through to the float weight (STE)."""
-
-    def __init__(self, n_in, n_out, bias=False, bits=0):
-        super().__init__(n_in, n_out, bias=bias)
-        self.bits = bits
-
-    def forward(self, x):
-        if not self.bits:
-            return super().forward(x)
-        with torch.no_grad():
-            q, scale = quantize(self.weight, self.bits)
-        return F.linear(x, self.weight + (q * scale - self.weight).detach(), self.bias)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -306,8 +261,8 @@ class Attention(nn.Module):
         # muP: logits q.k / d, not / sqrt(d), since trained q and k become correlated and q.k grows like d; written
         # as 1 / sqrt(d * m) it equals the usual 1 / sqrt(d) at the base width (head dim grows with width)
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
-        self.qkv = Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, cfg.bias, cfg.qat)
-        self.proj = Linear(self.n_head * self.hd, cfg.n_embd, cfg.bias, cfg.qat)
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=cfg.bias)
         local = cfg.window and not (cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0)
         self.window = cfg.window if local else None  # e.g. pattern 3: layers 0, 1 local, 2 global, 3, 4 local, ...
         self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
@@ -335,8 +290,8 @@ class MLP(nn.Module):
         self.kind = cfg.mlp
         # SwiGLU has three matrices, so its hidden width is 2/3 of 4d to keep the parameter count (Shazeer 2020)
         hidden = 64 * math.ceil(8 * cfg.n_embd / 3 / 64) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-        self.fc = Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, cfg.bias, cfg.qat)
-        self.proj = Linear(hidden, cfg.n_embd, cfg.bias, cfg.qat)
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
         h = self.fc(x)
@@ -410,27 +365,25 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, idx, targets=None, z_loss=0.0, cache=None, teacher=None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets;
-        teacher = (model, weight W, temperature): (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015)."""
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets."""
         x, w = self.hidden(idx, cache)
-        cap = self.cfg.logit_softcap or None
-        if targets is not None:  # head and loss fused in chunks: the (B*T, V) logits never exist at once;
-            if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
-                dt = torch.get_autocast_dtype(x.device.type)
-                x, w = x.to(dt), w.to(dt)
-            # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
-            loss = kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss,
-                                                classes=self.vocab_size)  # the padding rows are never classes
-            if teacher is None:
-                return loss
-            model, weight, temp = teacher
-            with torch.no_grad():
-                xt, wt = model.hidden(idx)
-            return (1 - weight) * loss + weight * temp ** 2 * distill_kl(self, x, w, model, xt, wt, temp)
+        if targets is not None:
+            return self.loss(idx, x, w, targets, z_loss)
         if cache is not None:
             cache.pos += idx.size(1)
         return self.logits(x, w)
+
+    def loss(self, idx, x, w, targets, z_loss=0.0):
+        """The mean cross-entropy (+ z_loss term) of targets (B, T), the tokens after idx, from the final hidden states
+        x (B, T, d) and head weight w. Head and loss fused in chunks: the (B*T, V) logits never exist at once."""
+        if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dt), w.to(dt)
+        # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
+        cap = self.cfg.logit_softcap or None
+        return kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss,
+                                            classes=self.vocab_size)  # the padding rows are never classes
 
     def logits(self, x, w):
         """(..., vocab_size) logits of final hidden states x under head weight w, the padding rows cut off (the matmul
@@ -450,17 +403,6 @@ class GPT(nn.Module):
             x = block(x, cos, sin, cache)
         x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m (exactly 1 otherwise)
         return x, self.wte.weight if self.head is None else self.head.weight
-
-    @classmethod
-    def from_pretrained(cls, name_or_path, device="cpu"):
-        """GPT-2 (gpt2|gpt2-medium|gpt2-large|gpt2-xl, fetched by prepare_data.py, or a Hugging Face GPT-2 folder) in
-        eval mode; its first 50257 logits are those of Hugging Face's GPT2LMHeadModel with the same weights."""
-        folder = gpt2_folder(name_or_path)
-        cfg, vocab_size = gpt2_config(Config(seq_len=0), folder)  # 0: every position GPT-2 has
-        model = build_model(cfg, vocab_size, torch.device(device))
-        with reading(folder, "pass a Hugging Face GPT-2 folder"):
-            model.load_state_dict(gpt2_state_dict(folder, cfg, vocab_size))
-        return model.eval()
 
     def flops_per_token(self):
         """Training FLOPs per token: 6 per weight that does a matmul, plus attention (PaLM appendix B)."""
@@ -500,139 +442,14 @@ class GPT(nn.Module):
         return out
 
 
-def distill_kl(student, x, w, teacher, xt, wt, temp):
-    """KL(teacher || student) of the softmaxes at temperature temp over the real vocab, summed over it and averaged
-    over positions. In chunks of rows, each recomputed in the backward pass: the (B*T, V) logits never exist at once."""
-    x, xt = x.flatten(0, 1), xt.flatten(0, 1)
-    rows = max(1, kernels.SMALL_LOGITS // w.size(0))
-
-    def chunk(xs, xts):
-        s, t = student.logits(xs, w) / temp, teacher.logits(xts, wt) / temp
-        return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum")
-    return sum(torch.utils.checkpoint.checkpoint(chunk, x[i:i + rows], xt[i:i + rows], use_reentrant=False)
-               for i in range(0, len(x), rows)) / len(x)
-
-
-def build_model(cfg, vocab_size, device):
+def build_model(cfg, vocab_size, device, cls=GPT):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
     with torch.device("meta"):
-        model = GPT(cfg, vocab_size)
+        model = cls(cfg, vocab_size)
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_weights()
     return model
-
-
-class LoRA(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update (Hu et al. 2021): base(x) + alpha / r * x A^T B^T. B starts
-    at zero, so training starts from the base model exactly."""
-
-    def __init__(self, base, r, alpha):
-        super().__init__()
-        self.base, self.scale = base.requires_grad_(False), alpha / r
-        self.a = nn.Parameter(torch.randn(r, base.in_features, device=base.weight.device) / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
-
-    def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.a), self.b) * self.scale
-
-
-def add_lora(model, cfg):
-    """Freeze the model and wrap the --lora_targets projections of every block in LoRA adapters of --lora_rank."""
-    model.requires_grad_(False)
-    for block in model.blocks:
-        for part in cfg.lora_targets.split(","):
-            for name in ("qkv", "proj") if part == "attn" else ("fc", "proj"):
-                setattr(getattr(block, part), name, LoRA(getattr(getattr(block, part), name), cfg.lora_rank, cfg.lora_alpha))
-    return model
-
-
-def plain_weights(ckpt):
-    """A checkpoint's weights as a plain float state dict: LoRA adapters merged in, int8 weights dequantized."""
-    return dequantize(merge_lora(ckpt["model"], ckpt["config"]) if ckpt["config"].get("lora_rank") else ckpt["model"])
-
-
-def merge_lora(sd, c):
-    """A plain state dict from one with LoRA adapters (c: its config dict): W + alpha / r * B A for each adapted W."""
-    out = {k.replace(".base.", "."): v for k, v in sd.items() if not k.endswith((".a", ".b"))}
-    for k in (k for k in sd if k.endswith(".base.weight")):
-        p = k[:-len("base.weight")]
-        out[p + "weight"] = sd[k] + c["lora_alpha"] / c["lora_rank"] * (sd[p + "b"].float() @ sd[p + "a"].float()).to(sd[k].dtype)
-    return out
-
-
-GPT2_NAMES, GPT2_TOKENIZER = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), {"tokenizer": "gpt2", "eot_id": 50256}
-
-
-def is_gpt2(name):
-    """Whether --init_from names GPT-2: one of GPT2_NAMES, or a Hugging Face folder (its weights file tells)."""
-    return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in ("model.safetensors", "pytorch_model.bin"))
-
-
-def gpt2_folder(name):
-    """The folder of GPT-2 weights: models/NAME for a name (prepare_data.py fetches it the first time), else name."""
-    if name not in GPT2_NAMES:
-        return name
-    folder = os.path.join("models", name)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-    if not os.path.exists(os.path.join(folder, "model.safetensors")) and subprocess.run(
-            [sys.executable, script, "gpt2", f"--model={name}", f"--data_dir={folder}"]).returncode:
-        die(f"fetching {name} failed (see above); or pass --init_from=FOLDER, a Hugging Face GPT-2 folder")
-    return folder
-
-
-def gpt2_config(cfg, folder):
-    """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size): learned positions, biases,
-    LayerNorm, tanh GELU, a tied head, no QK-norm, attention scaled by 1/sqrt(head dim). seq_len 0 takes all of
-    GPT-2's positions; a longer one than it learned stops the run."""
-    path = os.path.join(folder, "config.json")
-    with reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
-        hf = json.load(f)
-        if hf.get("model_type") != "gpt2":
-            raise ValueError(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
-        hf = {k: hf[k] for k in ("n_layer", "n_head", "n_embd", "n_positions", "layer_norm_epsilon", "vocab_size")}
-    check_positions(cfg.seq_len, hf["n_positions"], folder)
-    return dataclasses.replace(
-        cfg, n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=0, n_embd=hf["n_embd"], mlp="gelu", bias=True,
-        seq_len=cfg.seq_len or hf["n_positions"], norm="layernorm", norm_eps=hf["layer_norm_epsilon"],
-        pos_emb="learned", qk_norm=False, tie_embeddings=True, logit_softcap=0.0, mup=False), hf["vocab_size"]
-
-
-def check_positions(seq_len, learned, where):
-    """Learned absolute positions (GPT-2's) are a table of `learned` rows: a longer --seq_len has no row to read.
-    RoPE has no such limit: its tables are built for any length."""
-    if seq_len > learned:
-        die(f"--seq_len={seq_len} is longer than the {learned} positions {where} learned (a table of learned "
-            f"positions, not RoPE, which could grow); use --seq_len={learned} or less")
-
-
-def read_safetensors(path):
-    """{name: tensor} of a .safetensors file: an 8-byte little-endian header size, a JSON header (each tensor's dtype,
-    shape and byte offsets), then the raw little-endian data. Plain data: nothing in it can run code."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    data, dtypes = np.memmap(path, np.uint8, "r", offset=8 + n), {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    return {k: torch.from_numpy(np.array(data[v["data_offsets"][0]:v["data_offsets"][1]])).view(dtypes[v["dtype"]]).reshape(v["shape"])
-            for k, v in header.items() if k != "__metadata__"}
-
-
-def gpt2_state_dict(folder, cfg, vocab_size):
-    """Our state dict of the Hugging Face GPT-2 weights in folder (model.safetensors or pytorch_model.bin): its
-    Conv1D weights are (in, out), nn.Linear's (out, in); the vocab is padded with zero rows, positions cut to seq_len."""
-    path = os.path.join(folder, "model.safetensors")
-    path = path if os.path.exists(path) else os.path.join(folder, "pytorch_model.bin")
-    with reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"):
-        hf = read_safetensors(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
-        hf = {k.removeprefix("transformer."): v.float() for k, v in hf.items()}
-        sd = {"wte.weight": F.pad(hf["wte.weight"], (0, 0, 0, 64 * math.ceil(vocab_size / 64) - vocab_size)),
-              "wpe.weight": hf["wpe.weight"][:cfg.seq_len], "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
-        for i in range(cfg.n_layer):
-            for theirs, ours in (("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
-                                 ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
-                w = hf[f"h.{i}.{theirs}.weight"]
-                sd[f"blocks.{i}.{ours}.weight"], sd[f"blocks.{i}.{ours}.bias"] = w if w.ndim == 1 else w.T, hf[f"h.{i}.{theirs}.bias"]
-    return sd
 
 # -----------------------------------------------------------------------------
 # Data
@@ -836,7 +653,7 @@ def tokenizer_info(data_dir, meta):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-
+# === shared: muon ===
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
     iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
@@ -874,7 +691,7 @@ def orthogonalise(x):
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
     return x.mT if tall else x
-
+# === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
@@ -991,68 +808,35 @@ def layer_stats(raw, x, ctx):
     return {**stats, "act_rms": torch.stack(rms).tolist()}
 
 
-def sharpness(loss_fn, params, iters=10, seed=0):
-    """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
-    Hessian-vector product is a central difference of gradients, Hv = (g(w + e v) - g(w - e v)) / 2e: no double
-    backward, so fused kernels, torch.compile and DDP all work. loss_fn() returns the loss; params end unchanged."""
-    norm = lambda ts: math.sqrt(sum(full(t.float().square().sum()).item() for t in ts))  # noqa: E731
-    w0 = [p.detach().clone() for p in params]
-    gen = torch.Generator(params[0].device).manual_seed(seed)  # its own generator: training's RNG stays untouched
-    v = [torch.randn(p.shape, device=p.device, generator=gen) for p in params]
-    eps, lam = 1e-3 * norm(w0), 0.0
-    for _ in range(iters):
-        n = norm(v)
-        v, grads = [t / n for t in v], []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, w, t in zip(params, w0, v):
-                    p.copy_(w + sign * eps * t)
-            for p in params:
-                p.grad = None
-            loss_fn().backward()
-            grads.append([p.grad.float() for p in params])
-        hv = [(a - b) / (2 * eps) for a, b in zip(*grads)]
-        lam = sum(full((a * b).sum()).item() for a, b in zip(v, hv))  # the Rayleigh quotient v.Hv, |v| = 1
-        v = hv
-    with torch.no_grad():
-        for p, w in zip(params, w0):
-            p.copy_(w)
-            p.grad = None
-    return lam
+class Start:
+    """What train() starts from: a fresh GPT of the flags' shape on the data's vocabulary. finetune_gpt.py passes its
+    own to main(), which starts from other weights and may add adapters, fake quantization or a teacher."""
+
+    def arch(self, cfg, meta, tokenizer, rank, world_size):
+        """(config of the model to build, its vocab size), from the flags and the data (tokenizer None: no data)."""
+        return cfg, cfg.vocab_size or meta["vocab_size"]
+
+    def build(self, cfg, vocab_size, device):
+        """raw: the model to train, its weights set."""
+        return build_model(cfg, vocab_size, device)
+
+    def layout(self, cfg):
+        """{name: value} that a resume must share besides run_layout's config fields."""
+        return {}
 
 
-def plot_losses(out_dir, history):
-    """loss.png: train loss and val loss against step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("loss", "-"), ("val_loss", "o-")):
-        pts = [(h["step"], h[key]) for h in history if key in h]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=os.path.basename(os.path.abspath(out_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
-    plt.close(fig)
-
-
-def main(cfg):
-    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
+def main(cfg, start=Start()):
+    """Train (or --benchmark, or --sample) per cfg, from `start`; returns a dict of final metrics."""
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
-    if cfg.merge_lora or cfg.export:
-        return export_main(cfg)
     if cfg.consolidate:
         return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         while True:
             found = list_checkpoints(cfg.out_dir)
             try:
-                return train(cfg, stop)
+                return train(cfg, stop, start)
             except torch.cuda.OutOfMemoryError:  # in one process before it saved: the same batch in smaller micro-batches
                 if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
                     raise  # an odd micro-batch cannot halve; under torchrun the other ranks are mid-step
@@ -1063,12 +847,10 @@ def main(cfg):
             torch.cuda.empty_cache()
 
 
-def train(cfg, stop):
+def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
-    if cfg.sharpness_every and cfg.parallel == "fsdp" and world_size > 1:
-        die("--sharpness_every does not work with --parallel=fsdp; use --parallel=ddp")
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
         accum, rest = divmod(cfg.total_batch, B * T * world_size)
@@ -1078,14 +860,17 @@ def train(cfg, stop):
     tokens_per_step = B * T * accum * world_size
 
     # data: token shards read in order, each rank its rows of a batch; the vocabulary comes from the data unless given
+    meta, tokenizer = {"vocab_size": cfg.vocab_size or 50257, "eot_id": None}, None  # --benchmark reads no data
     if not cfg.benchmark:
         prepare_default_data(cfg, rank, world_size, *DEFAULT_DATA)
-    meta = {"vocab_size": cfg.vocab_size or 50257, "eot_id": None} if cfg.benchmark else load_meta(cfg.data_dir)
-    cfg, init = load_init(cfg, rank, world_size) if cfg.init_from else (cfg, {})  # the architecture of the weights
-    vocab_size = init.get("vocab_size") or cfg.vocab_size or meta["vocab_size"]
+        meta = load_meta(cfg.data_dir)
+        with reading(os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json"), "re-run prepare_data.py"):
+            tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
+            load_tokenizer(tokenizer)  # a bad tokenizer file fails now, not at the first sample
+    cfg, vocab_size = start.arch(cfg, meta, tokenizer, rank, world_size)  # the flags' shape, or other weights'
     if meta["vocab_size"] > vocab_size:
-        die(f"the data has {meta['vocab_size']} tokens but " + (f"--init_from={cfg.init_from} has {vocab_size}; prepare "
-            f"the data with its tokenizer" if init else f"--vocab_size={cfg.vocab_size}; raise it or use 0 (from data)"))
+        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 "
+            f"(from data)")
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_size, device)
     else:  # a lane per row of a step; val in lanes too, so a short eval samples the whole split as the final one does
@@ -1093,21 +878,9 @@ def train(cfg, stop):
                                    lanes=B * world_size * accum, vocab_size=vocab_size)
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
                                  lanes=B * world_size, vocab_size=vocab_size)
-        with reading(os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json"), "re-run prepare_data.py"):
-            tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
-            load_tokenizer(tokenizer)  # a bad tokenizer file fails now, not at the first sample
-        if init and any(init["tokenizer"].get(k) != tokenizer.get(k) for k in ("tokenizer", "ranks", "itos")):
-            die(f"--init_from={cfg.init_from} reads {init['tokenizer']['tokenizer']} tokens but {cfg.data_dir} holds "
-                f"{tokenizer['tokenizer']} tokens; prepare the data with --tokenizer={init['tokenizer']['tokenizer']}")
 
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
-    raw = build_model(cfg, vocab_size, device)
-    if init:  # weights only: the optimizer, schedule and step start afresh
-        raw.load_state_dict(init["model"])
-    if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
-        add_lora(raw, cfg)
-    teacher = (load_teacher(cfg, device, vocab_size, None if cfg.benchmark else tokenizer), cfg.distill_weight,
-               cfg.distill_temp) if cfg.teacher else None
+    raw = start.build(cfg, vocab_size, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
@@ -1121,14 +894,14 @@ def train(cfg, stop):
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard)
 
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, {"vocab_size": vocab_size}), train_loader)
+    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config (and checkpoints)
+    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, info), train_loader)
     data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step))  # bad data stops it now
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
           f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
           f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}"
-          + (f" | LoRA rank {cfg.lora_rank} on {cfg.lora_targets}: {n_trained / 1e6:.3f}M parameters train" if cfg.lora_rank
-             else ""))
+          + (f" | {n_trained / 1e6:.3f}M of them train" if n_trained < n_params else ""))
 
     # the loop: an optimizer step (micro-steps, clip, check, update), then log, eval and save
     clock.start()
@@ -1142,7 +915,7 @@ def train(cfg, stop):
         for micro in range(accum):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
-                    loss = model(x, y, cfg.z_loss, teacher=teacher) / accum  # the mean of micro-steps: one big batch
+                    loss = model(x, y, cfg.z_loss) / accum  # the mean of micro-steps: one big batch
                 # read ahead while the GPU computes: the next micro-step's batch, maybe of the next step's length
                 data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step + (micro == accum - 1)))
                 scaler.scale(loss).backward()
@@ -1176,98 +949,50 @@ def train(cfg, stop):
                 stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # grad/weight ratio, activation RMS
                 log.record(step=clock.step, **rec, **(stats or {}))
                 log.history.append({"step": clock.step, **rec})
-            if cfg.sharpness_every and clock.step % cfg.sharpness_every == 0 and not clock.done():
-                lam = sharpness(lambda: model(x, y, cfg.z_loss), [p for p in raw.parameters() if p.requires_grad])
-                log.record(step=clock.step, sharpness=lam)
-                print(f"sharpness {clock.step:05d} | top Hessian eigenvalue {lam:.4g}")
             if clock.done() or (cfg.save_every and clock.step % cfg.save_every == 0):
-                ckpts.save(data=data_state, data_info={"vocab_size": vocab_size}, tokenizer=tokenizer)
+                ckpts.save(data=data_state, data_info=info, tokenizer=tokenizer)
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results against gzip and xz
     if cfg.benchmark or clock.stopped:
         return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}",
                       {"params": n_params, "trained_params": n_trained})
-    if rank == 0:
-        side_path("writing loss.png", plot_losses, cfg.out_dir, log.history)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
     refs = "".join(f" | {t} -9 {meta[f'val_{t}_bpb']:.3f} ({'beaten' if rec['val_bpb'] < meta[f'val_{t}_bpb'] else 'not beaten'})"
                    for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
     return finish(log, ckpts, bench, f"done: {clock.step} steps, {clock.step * tokens_per_step / 1e6:.1f}M tokens in "
-                  f"{clock.train_time:.0f} s | {metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint and "
-                  f"loss.png in {cfg.out_dir}", {**rec, "train_loss": loss, "tokens": clock.step * tokens_per_step,
-                                                "params": n_params, "trained_params": n_trained}, metric)
-
-
-def load_init(cfg, rank, world_size):
-    """--init_from: (cfg with the architecture of those weights, {model: state dict, vocab_size, tokenizer}), from
-    GPT-2 (a name or a Hugging Face folder) or from a checkpoint of this script, whose optimizer state is left behind."""
-    if is_gpt2(cfg.init_from):
-        if rank == 0:
-            gpt2_folder(cfg.init_from)  # a named GPT-2 is fetched once, while the other ranks wait
-        dist.barrier() if world_size > 1 else None
-        folder = gpt2_folder(cfg.init_from)
-        cfg, vocab_size = gpt2_config(cfg, folder)
-        init = {"model": gpt2_state_dict(folder, cfg, vocab_size), "vocab_size": vocab_size, "tokenizer": GPT2_TOKENIZER}
-        print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.seq_len}")
-        return cfg, init
-    ckpt, path = load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
-    if ckpt is None:
-        die(f"--init_from={cfg.init_from}: no checkpoint there, nor a Hugging Face GPT-2 folder (config.json and "
-            f"model.safetensors); "
-            f"give a checkpoint of train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
-    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
-        die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume to continue that run)")
-    with reading(path, "pass a checkpoint written by train_gpt.py"):
-        c = ckpt["config"]  # its architecture, but this run's --seq_len: RoPE's tables are built for any length
-        cfg = dataclasses.replace(cfg, **{k: c[k] for k in ARCH_FIELDS if k in c and k != "seq_len"})
-        init = {"model": plain_weights(ckpt), "vocab_size": ckpt["data_info"]["vocab_size"], "tokenizer": ckpt["tokenizer"]}
-        if cfg.pos_emb == "learned":
-            check_positions(cfg.seq_len, c["seq_len"], path)
-            init["model"]["wpe.weight"] = init["model"]["wpe.weight"][:cfg.seq_len]
-    print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule" +
-          (f"; context {c['seq_len']} -> {cfg.seq_len}" if cfg.seq_len != c["seq_len"] else ""))
-    return cfg, init
-
-
-def load_teacher(cfg, device, vocab_size, tokenizer):
-    """--teacher: the model to distil from, frozen in eval mode; it must read the student's tokens (None: any)."""
-    teacher, tok, _, path = load_model(cfg.teacher, device)
-    if teacher.vocab_size != vocab_size or any(tok.get(k) != (tokenizer or tok).get(k) for k in ("tokenizer", "ranks", "itos")):
-        die(f"--teacher={cfg.teacher} reads {tok['tokenizer']} tokens ({teacher.vocab_size}) but the student reads "
-            f"{(tokenizer or tok)['tokenizer']} tokens ({vocab_size}); distillation needs the one tokenizer")
-    print(f"--teacher={path}: {sum(p.numel() for p in teacher.parameters()) / 1e6:.2f}M parameters | loss "
-          f"(1 - {cfg.distill_weight:g}) CE + {cfg.distill_weight:g} x {cfg.distill_temp:g}^2 KL(teacher || student)")
-    return teacher.requires_grad_(False)
+                  f"{clock.train_time:.0f} s | {metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint in "
+                  f"{cfg.out_dir} | plot: python scaling.py compare {cfg.out_dir}",
+                  {**rec, "train_loss": loss, "tokens": clock.step * tokens_per_step, "params": n_params,
+                   "trained_params": n_trained}, metric)
 
 
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
     _, _, device = setup_dist(cfg.device)
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.init_from or cfg.out_dir, device)
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, device)
     ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
 
 
-def load_model(where, device):
-    """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or a Hugging Face folder) or of a checkpoint of this
-    script (a LoRA run's adapters merged in): what --sample and --teacher read."""
-    if is_gpt2(where):
-        return GPT.from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
+def load_model(where, device, weights=lambda ckpt: ckpt["model"]):
+    """(model in eval mode, tokenizer, step, path) of a checkpoint of this script: what --sample reads. weights(ckpt):
+    the state dict to load (finetune_gpt.py's merges LoRA adapters in and dequantizes int8)."""
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH (a checkpoint or GPT-2)")
-    with reading(path, "pass a checkpoint written by train_gpt.py"):
+        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
+    with reading(path, "pass a checkpoint written by train_gpt.py (finetune_gpt.py --sample reads LoRA and int8 ones)"):
         c = ckpt["config"]
-        model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__ and k != "lora_rank"}),
+        model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__}),
                             ckpt["data_info"]["vocab_size"], device)
-        model.load_state_dict(plain_weights(ckpt))
+        model.load_state_dict(weights(ckpt))
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
+
 def consolidate_main(cfg):
     """--consolidate: a sharded checkpoint (the folder an FSDP run writes with DCP, or that run's out_dir) as one
-    ckpt_STEP.pt in --out_dir, the file a one-process run writes, which --sample, --init_from and --export read."""
+    ckpt_STEP.pt in --out_dir, the file a one-process run writes, which --sample and finetune_gpt.py read."""
     ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
     if ckpt is None:
         die(f"--consolidate={cfg.consolidate}: no checkpoint there; pass a ckpt_STEP folder of an FSDP run, or its out_dir")
@@ -1277,51 +1002,6 @@ def consolidate_main(cfg):
     print(f"wrote {path} as one file: {list_checkpoints(cfg.out_dir)[-1][1]}")
     return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
 
-
-def dequantize(sd):
-    """A float state dict from an --export=int8 one: each int8 weight times its per-row scale."""
-    return {k: v.float() * sd[k + "_scale"] if v.dtype == torch.int8 else v for k, v in sd.items()
-            if not k.endswith("_scale")}
-
-
-def export_main(cfg):
-    """--merge_lora or --export=int8: --ckpt as a plain model (LoRA adapters merged in), with --export=int8 the hidden
-    matrices as int8 and an fp32 scale per output channel (embeddings, head and norms keep their precision), written
-    to --out_dir; for int8, then both models' val loss on --data_dir, if it is there."""
-    flag, what = ("--export", "int8") if cfg.export else ("--merge_lora", "merged")
-    ckpt, path = load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
-    if ckpt is None or not (cfg.export or ckpt["config"].get("lora_rank")):
-        die(f"{flag} needs --ckpt=PATH, a checkpoint of " + ("train_gpt.py" if cfg.export else "a LoRA run (--lora_rank)")
-            + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
-    if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
-        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
-    with reading(path, "pass a checkpoint written by train_gpt.py"):
-        sd = out = plain_weights(ckpt)
-        if cfg.export:
-            out = {}
-            for k, v in sd.items():
-                if k.startswith("blocks.") and v.ndim == 2:  # the hidden matrices: most of the bytes, and robust to it
-                    q, out[k + "_scale"] = quantize(v.float())
-                    out[k] = q.to(torch.int8)
-                else:
-                    out[k] = v
-        ckpt.update(model=out, optim=None, config={**ckpt["config"], "lora_rank": 0, "qat": 0, "out_dir": cfg.out_dir})
-    write_checkpoint(cfg, ckpt)
-    size = [sum(v.numel() * v.element_size() for v in d.values()) / 1e6 for d in (sd, out)]
-    result = {"path": list_checkpoints(cfg.out_dir)[-1][1], "float_mb": size[0], "int8_mb": size[1]}
-    if cfg.export and os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on all of val
-        meta, (_, _, device) = load_meta(cfg.data_dir), setup_dist(cfg.device)
-        for name, where in (("float", path), ("int8", result["path"])):
-            model, _, step, _ = load_model(where, device)
-            c = model.cfg
-            loader = TokenLoader(find_shards(cfg.data_dir, "val"), c.batch_size, c.seq_len, 0, 1, device, meta["eot_id"],
-                                 lanes=c.batch_size, vocab_size=model.vocab_size)
-            rec = evaluate(c, model, loader, contextlib.nullcontext(), 1, meta, step, final=True)
-            result.update({f"{name}_{k}": v for k, v in rec.items()})
-    print(f"wrote {path} as a {what} model in {result['path']}: weights {size[0]:.2f} MB -> {size[1]:.2f} MB" + "".join(
-        f" | {k.replace('_', ' ')} {result['float_' + k]:.4f} -> {result['int8_' + k]:.4f}" for k in ("val_loss", "val_bpb")
-        if "int8_" + k in result))
-    return result
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

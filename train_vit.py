@@ -1,11 +1,10 @@
 """
-train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file you can read top to bottom.
+train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file to read top to bottom.
 
 Patch embedding, 2-D sin-cos positions, pre-norm blocks (flash attention, RMSNorm, QK-norm, GELU or SwiGLU, LayerScale,
-stochastic depth, optional register tokens), average pooling; trained with augmentation on the device (random
-translation, flip, mixup/cutmix, label smoothing), Muon (AdamW with --optimizer=adamw) with warmup + cosine, an EMA of
-the weights evaluated alongside, bf16/fp16 mixed precision, torch.compile, DDP or FSDP2, exact resume and the guards of
-train_gpt.py.
+stochastic depth, optional registers), average pooling; augmentation on the device (translation, flip, mixup/cutmix,
+label smoothing), Muon (or AdamW) with warmup + cosine, an EMA of the weights evaluated alongside, bf16/fp16,
+torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
 
   python train_vit.py                                  # CPU demo: generates the shapes dataset, trains for ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
@@ -51,7 +50,7 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, fashion_mnist, imagefolder)
+    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, imagefolder...)
     out_dir: str = "out/vit"           # checkpoints, metrics.jsonl, config.json, plots; results.tsv goes beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     # model
@@ -92,7 +91,7 @@ class Config:
     translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
     flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
     mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
-    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, one of the two per batch
+    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, either per batch
     label_smoothing: float = 0.1       # target mass spread evenly over all classes
     # eval, logging, checkpoints
     eval_every: int = 400              # steps between evals; 0 = only at the end
@@ -103,7 +102,7 @@ class Config:
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
     # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
@@ -111,10 +110,10 @@ class Config:
     gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA or bf16 CPUs, else fp16/fp32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -133,8 +132,9 @@ PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
     # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
-                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512, lr=2e-3,
-                    warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
+                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512,
+                    lr=2e-3, warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000,
+                    tta_flip=True),
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
                "registers", "layer_scale")
@@ -161,8 +161,8 @@ def check_config(cfg):
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
     if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
            cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the guard "
-            "flags must be >= 0")
+        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
+            "guard flags must be >= 0")
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
@@ -184,15 +184,6 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
 
 
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE, Beyer et al. 2022): half the channels encode the row, half the
-    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
-    return torch.cat(parts, dim=1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -212,19 +203,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.kind = cfg.mlp
-        hidden = int(cfg.mlp_ratio * cfg.n_embd)
-        if cfg.mlp == "swiglu":  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
+        self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
+        if self.swiglu:  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
             hidden = 2 * hidden // 3
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        h = self.fc(x)
-        if self.kind == "swiglu":
-            a, b = h.chunk(2, dim=-1)
+        if self.swiglu:
+            a, b = self.fc(x).chunk(2, dim=-1)
             return self.proj(F.silu(a) * b)
-        return self.proj(F.gelu(h, approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 def drop_path(x, p, training):
@@ -254,15 +243,15 @@ class Block(nn.Module):
 class ViT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes, mean, std):
         super().__init__()
-        self.cfg, self.image_size, self.channels, self.num_classes = cfg, image_size, channels, num_classes
-        p, d = cfg.patch_size, cfg.n_embd
+        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
         self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
             self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.extra = nn.Parameter(torch.zeros(int(cfg.pool == "cls") + cfg.registers, d)) if cfg.pool == "cls" or cfg.registers else None
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls] and registers
+        self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         self.norm = Norm(d, cfg.norm)
@@ -280,10 +269,8 @@ class ViT(nn.Module):
                 nn.init.zeros_(p)  # each block starts as the identity, the first prediction is uniform: loss ln(K)
             elif name.split(".")[-1] in ("ls1", "ls2"):
                 nn.init.constant_(p, self.cfg.layer_scale)
-            elif p.ndim == 1 and name.endswith("bias"):
-                nn.init.zeros_(p)
             elif p.ndim == 1:
-                nn.init.ones_(p)  # norm gains
+                (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)  # biases, norm gains
             else:
                 nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
         if self.cfg.pos_emb == "sincos":
@@ -298,27 +285,25 @@ class ViT(nn.Module):
         x = (x - self.mean) / self.std
         x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        n_extra = 0 if self.extra is None else self.extra.size(0)
-        if n_extra:  # [cls] and registers in front of the patches; they carry no position
+        if self.n_extra:  # [cls] and registers in front of the patches; they carry no position
             x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, n_extra:].mean(1)  # registers are dropped either way
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # registers are dropped either way
         return f if features else self.head(f)
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
-        T = self.grid ** 2 + (0 if self.extra is None else self.extra.size(0))
+        T = self.grid ** 2 + self.n_extra
         n = sum(p.numel() for n, p in self.named_parameters() if n.startswith(("patch.", "blocks.")) and p.ndim == 2)
         return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
 
 
 def build_model(cfg, meta, device):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
-    size = meta["image_size"][0]
     with torch.device("meta"):
-        model = ViT(cfg, size, meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
+        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_weights()
@@ -328,83 +313,9 @@ def build_model(cfg, meta, device):
 # Data
 
 
-def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
-        meta = json.load(f)
-        if meta["format"] != "trainsuite-image-1":
-            raise ValueError(f"format {meta['format']!r} is not an image dataset")
-        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
-                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
-        if not isinstance(meta.get("flip_ok", False), bool):
-            raise ValueError("flip_ok must be true or false")
-        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
-                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
-    for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
-            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside 0..{meta['num_classes'] - 1});"
-                f" re-run prepare_data.py for this data dir")
-    return meta, arrays
-
-
-
-def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
-    if cfg.flip != "auto":
-        return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
-    return meta["flip_ok"], "the data's flip_ok"
-
-class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch.
-
-    Epoch e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is the next
-    B * world_size indices of it and rank r takes its r-th B. The last partial batch of an epoch is dropped. The
-    position (epoch, pos) is the whole state: saved in checkpoints, it makes resume read the same batches.
-    """
-
-    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
-        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
-        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
-        if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
-        self.load_state({"epoch": 0, "pos": 0})
-
-    def state(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state(self, s):
-        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
-
-    def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
-            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
-        if self.order is None:
-            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
-        self.pos += step
-        return self.x[idx], self.y[idx]
-
-
 def augment(x, cfg, flip):
-    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image, on
-    the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, which the loop seeds per step."""
+    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image,
+    on the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, seeded per step."""
     B, H, W, _ = x.shape
     if cfg.translate:
         t = cfg.translate
@@ -440,7 +351,7 @@ def mix(x, y, cfg):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-
+# === shared: muon ===
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
     iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
@@ -478,25 +389,22 @@ def orthogonalise(x):
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
     return x.mT if tall else x
-
+# === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on hidden matrices,
+    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on the blocks' matrices,
     iterating in bf16 if the run's dtype is."""
-    hidden = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in raw.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
-    decay_rest = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith(("patch.", "head."))]
-    no_decay = [p for p in rest if all(p is not q for q in decay_rest)]
-    fused = device.type == "cuda"
-    if cfg.optimizer == "muon":
-        # Newton-Schulz orthogonalised momentum (Jordan et al. 2024), update RMS matched to AdamW's (Moonlight)
-        muon = Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95,
-                    ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-        groups = [dict(params=decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        opts = [muon, torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
-    else:
-        groups = [dict(params=hidden + decay_rest, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+    named = list(raw.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
+    decay_rest = [p for n, p in named if p.ndim == 2 and n.startswith(("patch.", "head."))]
+    no_decay = [p for n, p in named if not (p.ndim == 2 and n.startswith(("blocks.", "patch.", "head.")))]
+    muon = cfg.optimizer == "muon"
+    groups = [dict(params=decay_rest if muon else hidden + decay_rest, weight_decay=cfg.weight_decay),
+              dict(params=no_decay, weight_decay=0.0)]
+    opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")]
+    if muon:
+        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        opts.insert(0, Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, ns_dtype=ns_dtype))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
@@ -504,7 +412,7 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
 
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
+    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
@@ -512,30 +420,6 @@ def lr_mult(cfg, step, progress):
     if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear to the final LR (Hu et al. 2024)
         return warm * (1.0 if p < 1 - cfg.cooldown_frac else f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
-
-
-class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates either."""
-
-    def __init__(self, params, decay, model=None):
-        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
-        self.shadow = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self):
-        self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
-
-    @torch.no_grad()
-    def swap(self):
-        for p, s in zip(self.params, self.shadow):
-            tmp = p.detach().clone()
-            p.copy_(s)
-            s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
-            self.model.reshard()
 
 # -----------------------------------------------------------------------------
 # Training loop
@@ -563,7 +447,7 @@ def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_image
         conf += w * torch.bincount(y * num_classes + top[:, 0], minlength=num_classes ** 2).double()
     model.train()
     total = all_mean(torch.cat((stats, conf)), world_size) * world_size
-    return {"acc": (total[0] / n).item(), "top5": (total[1] / n).item(), "loss": (total[2] / n).item(),
+    return {"val_acc": (total[0] / n).item(), "val_top5": (total[1] / n).item(), "val_loss": (total[2] / n).item(),
             "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
 
 
@@ -571,15 +455,14 @@ def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_s
     """Evaluate the weights and their EMA on eval_images val images (all at the end). Returns the record, and the
     confusion matrix and tag ("" or "ema_") of the better of the two."""
     n = None if final else cfg.eval_images
-    res = {"": evaluate(model, val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)}
+    args = (val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+    res = {"": evaluate(model, *args)}
     if ema:
         ema.swap()
-        res["ema_"] = evaluate(model, val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+        res["ema_"] = evaluate(model, *args)
         ema.swap()
-    rec = {"step": step}
-    for tag, r in res.items():
-        rec.update({f"{tag}val_acc": r["acc"], f"{tag}val_top5": r["top5"], f"{tag}val_loss": r["loss"]})
-    best = max(res, key=lambda t: res[t]["acc"])
+    rec = {"step": step, **{tag + k: v for tag, r in res.items() for k, v in r.items() if k != "confusion"}}
+    best = max(res, key=lambda t: res[t]["val_acc"])
     conf = res[best]["confusion"]
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
     print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
@@ -594,7 +477,7 @@ def plot_results(out_dir, history, confusion, classes):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
         pts = [(h["step"], 100 * h[key]) for h in history if key in h]
         if pts:
@@ -607,25 +490,21 @@ def plot_results(out_dir, history, confusion, classes):
         ax2 = ax.twinx()
         ax2.plot(*zip(*losses), color="gray", alpha=0.5, label="train loss")
         ax2.set_ylabel("train loss")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=120)
-    plt.close(fig)
     K = len(classes)
-    fig, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
+    fig2, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
     rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # each row: where that class's images went
     ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     if K <= 30:
         ax.set_xticks(range(K), classes, rotation=90)
         ax.set_yticks(range(K), classes)
-        for i in range(K):
-            for j in range(K):
-                if confusion[i, j]:
-                    ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
-                            color="white" if rates[i, j] > 0.5 else "black")
+        for i, j in zip(*np.nonzero(confusion)):
+            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
+                    color="white" if rates[i, j] > 0.5 else "black")
     ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "confusion.png"), dpi=120)
-    plt.close(fig)
+    for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=120)
+        plt.close(fig)
 
 
 def main(cfg):
@@ -638,35 +517,18 @@ def main(cfg):
 
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    if cfg.benchmark:
-        size = cfg.image_size or 32
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
-        g = torch.Generator().manual_seed(0)
-        arrays = {"train": (torch.randint(0, 256, (4 * B, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (4 * B,), generator=g).numpy())}
-    else:
-        prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
-        meta, arrays = load_image_data(cfg.data_dir)
+    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
     (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
     flip, why = flips(cfg, meta)
-    if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
-    train_loader = ImageLoader(*arrays["train"], B, rank, world_size, device, cfg.seed)
     if not cfg.n_embd:  # under 10k images width 128 stalls near chance for ~500 steps where 64 learns (README)
         cfg = dataclasses.replace(cfg, n_embd=64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
-    if not cfg.benchmark:
-        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
 
     # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
@@ -677,7 +539,8 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    max_steps = (Benchmark.steps(cfg) if cfg.benchmark
+                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
@@ -687,11 +550,12 @@ def train(cfg, stop):
     # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
     resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
     log.begin()
-    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes | "
-          f"{(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world "
-          f"{world_size}) | " + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps "
-          f"({max_steps / steps_per_epoch:.1f} epochs)") + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} "
-          f"lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
+          f" | {(H // cfg.patch_size) ** 2} patches"
+          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
+          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
     clock.start()
@@ -711,8 +575,10 @@ def train(cfg, stop):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()
-                    ce = lambda t: F.cross_entropy(logits, t, label_smoothing=cfg.label_smoothing)  # noqa: E731
-                    loss = (lam * ce(ya) + (1 - lam) * ce(yb) if lam < 1 else ce(ya)) / accum
+                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
+                    if lam < 1:  # a mixed batch: each partner's loss, weighted by its share
+                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
+                    loss = loss / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
@@ -746,20 +612,19 @@ def train(cfg, stop):
                 ckpts.save(data=train_loader.state(), data_info=data_info, data_meta={k: meta[k] for k in (
                     "classes", "num_classes", "image_size", "channels", "mean", "std")})
 
-    # the end: the benchmark's figures, or how to resume after a signal, or the results and plots
+    # the end: the benchmark's figures, or how to resume after a signal, or the results
     if cfg.benchmark or clock.stopped:
-        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} "
-                      f"{dtype} compile={compiled}", {"params": n_params})
+        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
+                      f"{device} {dtype} compile={compiled}", {"params": n_params})
     if rank == 0:
         side_path("writing the plots", plot_results, cfg.out_dir, log.history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
-    return finish(log, ckpts, bench, f"done: {clock.step} steps, {clock.step * images_per_step / len(train_loader.y):.1f}"
-                  f" epochs in {clock.train_time:.0f} s | val acc {100 * rec[f'{best}val_acc']:.2f}% "
-                  f"({'EMA' if best else 'raw'} weights) | weakest: " + ", ".join(
-                      f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
-                  + f" | checkpoint, accuracy.png and confusion.png in {cfg.out_dir}",
-                  {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params},
-                  f"{best}val_acc")
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
+    key, epochs = f"{best}val_acc", clock.step * images_per_step / len(train_loader.y)
+    return finish(log, ckpts, bench, f"done: {clock.step} steps, {epochs:.1f} epochs in {clock.train_time:.0f} s | val "
+                  f"acc {100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, "
+                  f"accuracy.png and confusion.png in {cfg.out_dir}",
+                  {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params}, key)
 
 
 def load_image(path, size, channels):
@@ -767,7 +632,8 @@ def load_image(path, size, channels):
     from PIL import Image, ImageOps
     try:
         with Image.open(path) as im:
-            a = np.asarray(ImageOps.fit(im.convert("RGB" if channels == 3 else "L"), (size, size), Image.Resampling.BILINEAR))
+            im = im.convert("RGB" if channels == 3 else "L")
+            a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a broken file, a pixel bomb
         die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
     return a.reshape(size, size, channels)
@@ -787,8 +653,8 @@ def predict_main(cfg):
     _, _, device = setup_dist(cfg.device)
     with reading(path, "pass a checkpoint written by train_vit.py"):
         meta = ckpt["data_meta"]
-        model = build_model(Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}), meta,
-                            device)
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        model = build_model(trained, meta, device)
         model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
         size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
     model.eval()
@@ -804,6 +670,139 @@ def predict_main(cfg):
             out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
             print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
     return out
+
+# -----------------------------------------------------------------------------
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
+# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+
+# === shared: images ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
+    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    return torch.cat(parts, dim=1)
+
+
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
+            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        meta = json.load(f)
+        if meta["format"] != "trainsuite-image-1":
+            raise ValueError(f"format {meta['format']!r} is not an image dataset")
+        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
+        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
+                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
+                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
+                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+    return meta, arrays
+
+
+def image_data(cfg, rank, world_size, device, what, *flags):
+    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
+    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
+    if cfg.benchmark:
+        size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
+                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
+                            torch.randint(0, 10, (n,), generator=g).numpy())}
+    else:
+        prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
+        meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
+            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % cfg.patch_size:
+        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
+    return meta, loader, *val
+
+
+def flips(cfg, meta):
+    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
+    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+    return meta["flip_ok"], "the data's flip_ok"
+
+
+class ImageLoader:
+    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
+    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
+    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
+    is the whole state: saved in checkpoints, it makes resume read the same batches."""
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
+                f"{B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
+
+    def next(self):
+        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        n, step = len(self.y), self.B * self.world_size
+        if self.pos + step > n:
+            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+            self.order = torch.randperm(n, generator=g).to(self.x.device)
+        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        self.pos += step
+        return self.x[idx], self.y[idx]
+
+
+class EMA:
+    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
+    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+
+    def __init__(self, params, decay, model=None):
+        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+            self.model.reshard()
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import finetune_gpt
 import kernels
 import prepare_data
 import scaling
@@ -21,10 +22,13 @@ from conftest import write_corpus
 from faults import inject, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = {"train_gpt.py": train_gpt, "train_vit.py": train_vit, "train_diffusion.py": train_diffusion}
+TRAINERS = {"train_gpt.py": train_gpt, "finetune_gpt.py": finetune_gpt, "train_vit.py": train_vit,
+            "train_diffusion.py": train_diffusion}
+RUNS_ON = {finetune_gpt: train_gpt}  # a companion: the trainer whose CLI shim and loop (where faults go) it uses
 # appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
 # (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
 TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
+        finetune_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
         train_vit: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=16 --max_steps=4 --eval_every=2 --eval_images=32 "
                    "--device=cpu",
         train_diffusion: "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=4 --batch_size=16 --max_steps=4 "
@@ -149,14 +153,15 @@ def run_command(argv, execute, tiny=workshop_tiny):
     extra = tiny(script, args) if execute else []
     if script in TRAINERS:
         mod = TRAINERS[script]
-        cfg = mod.parse_args(mod.Config, args + extra)
+        cfg = RUNS_ON.get(mod, mod).parse_args(mod.Config, args + extra)
         if execute:
-            with inject(mod, spec) if argv[1] == "tests/faults.py" else contextlib.nullcontext():
+            with inject(RUNS_ON.get(mod, mod), spec) if argv[1] == "tests/faults.py" else contextlib.nullcontext():
                 mod.main(cfg)
         return cfg
     if script == "scaling.py":
         # unless run, stop each subcommand before it does anything; sweep and lr_transfer check their train_gpt.py flags
-        names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare")
+        names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare",
+                 "cmd_sharpness")
         with contextlib.nullcontext() if execute else stubbed(
                 scaling, names, lambda a, extra=(): train_gpt.parse_args(train_gpt.Config, list(extra))):
             scaling.main(args + extra)

@@ -1,13 +1,16 @@
 """Any CPU: no default depends on bf16 hardware. On a CPU without fast bf16 (cpu_has_bf16 patched to False, so
-nothing is timed), no step of any trainer, its optimizers included, multiplies in bf16; on a CPU with it, the GPT's
-matmuls and Muon's iterations do, which shows the check sees bf16 where it is."""
+nothing is timed), no step of any trainer, its optimizers included, multiplies in bf16, nor does finetune_gpt.py's
+(LoRA, QAT and a teacher on train_gpt.py's step); on a CPU with it, the GPT's matmuls and Muon's iterations do, which
+shows the check sees bf16 where it is."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import finetune_gpt as ft
 import train_diffusion as td
 import train_gpt as tg
 import train_vit as tv
+from test_finetune import ft_tiny
 from test_train_gpt import tiny as gpt_tiny
 from test_train_vit import shapes, tiny as vit_tiny  # noqa: F401 - shapes is a fixture
 from test_train_diffusion import tiny as dit_tiny
@@ -31,17 +34,23 @@ class MatmulDtypes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])
-@pytest.mark.parametrize("script", ["gpt", "vit", "diffusion"])
+@pytest.mark.parametrize("script", ["gpt", "finetune", "vit", "diffusion"])
 def test_no_bf16_matmul_without_bf16_hardware(script, fast_bf16, corpus, shapes, tmp_path, monkeypatch):  # noqa: F811
-    mod, cfg = {"gpt": (tg, gpt_tiny(corpus, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
-                "vit": (tv, vit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
-                "diffusion": (td, dit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto"))}[script]
+    if script == "finetune":  # LoRA on the int8 grid, from a train_gpt.py run that also teaches it
+        tg.main(gpt_tiny(corpus, tmp_path / "base", max_steps=1))
+    mod, main, cfg = {
+        "gpt": lambda: (tg, tg.main, gpt_tiny(corpus, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
+        "finetune": lambda: (tg, ft.main, ft_tiny(corpus, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon",
+                                                 init_from=str(tmp_path / "base"), lora_rank=2, qat=8,
+                                                 teacher=str(tmp_path / "base"))),
+        "vit": lambda: (tv, tv.main, vit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto", optimizer="muon")),
+        "diffusion": lambda: (td, td.main, dit_tiny(shapes, tmp_path / "o", max_steps=2, dtype="auto"))}[script]()
     monkeypatch.setattr(mod, "cpu_has_bf16", lambda: fast_bf16)
     with MatmulDtypes() as mode:
-        assert mod.main(cfg)["steps"] == 2
+        assert main(cfg)["steps"] == 2
     assert torch.float32 in mode.seen
     if not fast_bf16:
         assert torch.bfloat16 not in mode.seen, f"{script}: a bf16 matmul on a CPU without bf16 hardware"
-    elif script == "gpt":
+    elif script in ("gpt", "finetune"):
         assert torch.bfloat16 in mode.seen
 

@@ -1,18 +1,28 @@
-"""train_gpt.py --init_from: GPT-2's weights in (logits against the published equations and, where installed,
-Hugging Face's own model), fine-tuning from GPT-2 or from a checkpoint, and the bad input around them."""
+"""finetune_gpt.py: GPT-2's weights in (logits against the published equations and, where installed, Hugging Face's
+own model) and out (--export=hf), fine-tuning from GPT-2 or from a checkpoint, LoRA, distillation, INT8 and QAT, and
+the bad input around them."""
 import json
 import math
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import finetune_gpt as ft
 import train_gpt as tg
-from test_train_gpt import losses, tiny
+from test_train_gpt import TINY, losses, tiny
 
 GPT2 = dict(vocab_size=320, n_positions=40, n_embd=48, n_layer=2, n_head=4, layer_norm_epsilon=1e-5)
+
+
+def ft_tiny(corpus, out, **kw):
+    """test_train_gpt's tiny run, as a finetune_gpt.py config."""
+    return ft.Config(**{**TINY, "data_dir": str(corpus), "out_dir": str(out), **kw})
 
 
 def write_safetensors(path, tensors):
@@ -72,7 +82,7 @@ def gpt2_reference(w, idx, conf=GPT2):
 @pytest.mark.parametrize("bin_file", [False, True])
 def test_gpt2_logits_match_the_reference(tmp_path, bin_file):
     w = gpt2_folder(tmp_path / "gpt2", bin_file)
-    model = tg.GPT.from_pretrained(str(tmp_path / "gpt2"))
+    model = ft.from_pretrained(str(tmp_path / "gpt2"))
     assert not model.training and model.cfg.seq_len == GPT2["n_positions"]
     idx = torch.randint(0, GPT2["vocab_size"], (2, GPT2["n_positions"]), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -89,7 +99,7 @@ def test_prepare_data_fetches_gpt2_from_the_hub(tmp_path, monkeypatch):
     w = gpt2_folder(tmp_path / "hub" / "gpt2" / "resolve" / "main")  # the hub's URL layout, as file:// URLs
     monkeypatch.setattr(prepare_data, "GPT2_URL", (tmp_path / "hub").as_uri() + "/")
     prepare_data.main(["gpt2", f"--data_dir={tmp_path / 'models' / 'gpt2'}"])
-    assert tg.GPT.from_pretrained(str(tmp_path / "models" / "gpt2")).wte.weight[:320].equal(w["wte.weight"])
+    assert ft.from_pretrained(str(tmp_path / "models" / "gpt2")).wte.weight[:320].equal(w["wte.weight"])
 
 
 def test_gpt2_logits_match_transformers(tmp_path):
@@ -98,7 +108,7 @@ def test_gpt2_logits_match_transformers(tmp_path):
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "gpt2")).eval()
     idx = torch.randint(0, GPT2["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        diff = (tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(idx)[..., :GPT2["vocab_size"]] - theirs(idx).logits)
+        diff = (ft.from_pretrained(str(tmp_path / "gpt2"))(idx)[..., :GPT2["vocab_size"]] - theirs(idx).logits)
     assert diff.abs().max() < 1e-4
 
 
@@ -119,25 +129,27 @@ def gpt2_corpus(corpus, tmp_path, monkeypatch):
 
 def test_init_from_gpt2_starts_from_its_loss(gpt2_corpus, tmp_path):
     gpt2_folder(tmp_path / "gpt2")
-    cfg = tg.parse_args(tg.Config, ["--preset=finetune", f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={gpt2_corpus}",
-                                    f"--out_dir={tmp_path / 'out'}", "--max_steps=2", "--batch_size=2", "--seq_len=32",
-                                    "--log_every=1", "--sample_tokens=0", "--device=cpu", "--compile=false",
+    cfg = tg.parse_args(ft.Config, ["--preset=finetune", f"--init_from={tmp_path / 'gpt2'}",
+                                    f"--data_dir={gpt2_corpus}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2",
+                                    "--batch_size=2", "--seq_len=32", "--log_every=1", "--sample_tokens=0",
+                                    "--device=cpu", "--compile=false",
                                     "--dtype=float32"])  # fp32, as the reference forward below
     assert (cfg.optimizer, cfg.lr) == ("adamw", 3e-5)  # the preset: a small AdamW step keeps what GPT-2 knows
-    r = tg.main(cfg)
+    r = ft.main(cfg)
     positions_cut = (GPT2["n_positions"] - cfg.seq_len) * GPT2["n_embd"]  # --seq_len 32 of GPT-2's 40 positions
-    assert r["params"] == sum(p.numel() for p in tg.GPT.from_pretrained(str(tmp_path / "gpt2")).parameters()) - positions_cut
+    gpt2 = ft.from_pretrained(str(tmp_path / "gpt2"))
+    assert r["params"] == sum(p.numel() for p in gpt2.parameters()) - positions_cut
     loader = tg.TokenLoader(tg.find_shards(str(gpt2_corpus), "train"), 2, cfg.seq_len, 0, 1, torch.device("cpu"), 256,
                             lanes=2)
     with torch.no_grad():  # the first step's loss is GPT-2's own loss on the first batch
-        first = tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(*loader.next()).item()
+        first = ft.from_pretrained(str(tmp_path / "gpt2"))(*loader.next()).item()
     assert losses(tmp_path / "out")[1] == pytest.approx(first, abs=1e-4)
 
 
 def test_init_from_checkpoint_starts_where_it_ended(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "a", max_steps=30, lr=1e-2, optimizer="adamw"))
     a = losses(tmp_path / "a")
-    r = tg.main(tiny(corpus, tmp_path / "b", max_steps=3, init_from=str(tmp_path / "a"), n_layer=1, n_embd=32))
+    r = ft.main(ft_tiny(corpus, tmp_path / "b", max_steps=3, init_from=str(tmp_path / "a"), n_layer=1, n_embd=32))
     b = losses(tmp_path / "b")
     assert sorted(b) == [1, 2, 3] and r["steps"] == 3  # a fresh schedule: step 1 again
     assert b[1] < a[1] - 0.6 * (a[1] - a[30])  # the weights, not the flags: n_layer and n_embd came from the checkpoint
@@ -166,16 +178,16 @@ def test_bad_init_from_gives_one_line_errors(corpus, gpt2_corpus, tmp_path, case
         meta = json.loads((data / "meta.json").read_text())
         (data / "meta.json").write_text(json.dumps({**meta, "vocab_size": 50257}))
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(data, tmp_path / "a", max_steps=2, init_from=str(init)))
+        ft.main(ft_tiny(data, tmp_path / "a", max_steps=2, init_from=str(init)))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_lora_trains_only_the_adapters_and_merges_exactly(gpt2_corpus, tmp_path):
     gpt2_folder(tmp_path / "gpt2")
-    base = tg.GPT.from_pretrained(str(tmp_path / "gpt2")).state_dict()
+    base = ft.from_pretrained(str(tmp_path / "gpt2")).state_dict()
     out = tmp_path / "lora"
-    r = tg.main(tiny(gpt2_corpus, out, init_from=str(tmp_path / "gpt2"), lora_rank=4, lora_targets="attn,mlp",
-                     max_steps=6, lr=1e-2, optimizer="adamw", batch_size=2))
+    r = ft.main(ft_tiny(gpt2_corpus, out, init_from=str(tmp_path / "gpt2"), lora_rank=4, lora_targets="attn,mlp",
+                        max_steps=6, lr=1e-2, optimizer="adamw", batch_size=2))
     d, L = GPT2["n_embd"], GPT2["n_layer"]
     assert r["trained_params"] == L * 4 * ((d + 3 * d) + (d + d) + (d + 4 * d) + (4 * d + d))  # r x (in + out) each
     ckpt, _ = tg.load_checkpoint(str(out))
@@ -186,27 +198,27 @@ def test_lora_trains_only_the_adapters_and_merges_exactly(gpt2_corpus, tmp_path)
         else:
             theirs = base[k.replace(".base.", ".")]
             assert torch.equal(v, theirs[:v.size(0)] if k == "wpe.weight" else theirs), k
-    merged = tg.main(tg.Config(merge_lora=True, ckpt=str(out), out_dir=str(tmp_path / "merged")))
+    merged = ft.main(ft.Config(merge_lora=True, ckpt=str(out), out_dir=str(tmp_path / "merged")))
     plain = tg.load_checkpoint(merged["path"])[0]
     assert plain["config"]["lora_rank"] == 0 and not any(k.endswith((".a", ".b")) for k in plain["model"])
-    cfg = tg.Config(**{k: v for k, v in ckpt["config"].items() if k in tg.Config.__dataclass_fields__})
-    adapted = tg.add_lora(tg.build_model(cfg, 320, torch.device("cpu")), cfg)
+    cfg = ft.Config(**{k: v for k, v in ckpt["config"].items() if k in ft.Config.__dataclass_fields__})
+    adapted = ft.add_lora(tg.build_model(cfg, 320, torch.device("cpu")), cfg)
     adapted.load_state_dict(sd)
-    flat = tg.build_model(tg.Config(**{**ckpt["config"], "lora_rank": 0}), 320, torch.device("cpu"))
+    flat = tg.build_model(ft.Config(**{**ckpt["config"], "lora_rank": 0}), 320, torch.device("cpu"))
     flat.load_state_dict(plain["model"])
     idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (adapted(idx) - flat(idx)).abs().max() < 1e-5
-        assert (adapted(idx) - tg.GPT.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+        assert (adapted(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
 
 
 def test_lora_resume_is_exact(gpt2_corpus, tmp_path):
     gpt2_folder(tmp_path / "gpt2")
     kw = dict(init_from=str(tmp_path / "gpt2"), lora_rank=2, lora_targets="attn", lr=1e-2, batch_size=2, keep_last=5)
-    ra = tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, **kw))
+    ra = ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, **kw))
     for _, p in tg.list_checkpoints(str(tmp_path / "a"))[-1:]:
         os.remove(p)  # back to step 4, then on to 8 again
-    rb = tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, resume=True, **kw))
+    rb = ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=8, save_every=4, resume=True, **kw))
     assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
 
 
@@ -217,7 +229,7 @@ def test_lora_resume_is_exact(gpt2_corpus, tmp_path):
 ])
 def test_bad_lora_flags_give_one_line_errors(corpus, tmp_path, kw, message):
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, **kw))
+        ft.main(ft_tiny(corpus, tmp_path / "out", max_steps=2, **kw))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -233,55 +245,55 @@ def test_distill_kl_in_chunks_equals_the_whole(monkeypatch):
     whole = (t.softmax(-1) * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1).mean()  # KL(teacher || student)
     gw, = torch.autograd.grad(whole, w, retain_graph=True)
     monkeypatch.setattr(tg.kernels, "SMALL_LOGITS", 7 * 128)  # chunks of 7 rows of 48 (the vocab pads to 128)
-    chunked = tg.distill_kl(student, x, w, teacher, xt.detach(), wt.detach(), 2.0)
+    chunked = ft.distill_kl(student, x, w, teacher, xt.detach(), wt.detach(), 2.0)
     gc, = torch.autograd.grad(chunked, w)
     assert chunked.item() == pytest.approx(whole.item(), rel=1e-5) and whole.item() > 0.01
     assert torch.allclose(gc, gw, atol=1e-6)
-    assert tg.distill_kl(student, x, w, student, x, w, 2.0).abs().item() < 1e-6  # a teacher equal to the student
+    assert ft.distill_kl(student, x, w, student, x, w, 2.0).abs().item() < 1e-6  # a teacher equal to the student
 
 
 def test_distillation_weight_zero_is_plain_training_and_a_copy_teaches_nothing(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "teacher", max_steps=6, n_layer=1))
     plain = tg.main(tiny(corpus, tmp_path / "plain", max_steps=4))
-    w0 = tg.main(tiny(corpus, tmp_path / "w0", max_steps=4, teacher=str(tmp_path / "teacher"), distill_weight=0.0))
+    w0 = ft.main(ft_tiny(corpus, tmp_path / "w0", max_steps=4, teacher=str(tmp_path / "teacher"), distill_weight=0.0))
     assert losses(tmp_path / "w0") == losses(tmp_path / "plain") and w0["val_loss"] == plain["val_loss"]
-    same = tiny(corpus, tmp_path / "same", max_steps=1, init_from=str(tmp_path / "teacher"), teacher=str(tmp_path / "teacher"),
-                distill_weight=1.0)
-    tg.main(same)
+    same = ft_tiny(corpus, tmp_path / "same", max_steps=1, init_from=str(tmp_path / "teacher"),
+                   teacher=str(tmp_path / "teacher"), distill_weight=1.0)
+    ft.main(same)
     assert abs(losses(tmp_path / "same")[1]) < 1e-5  # all KL, and the KL of a model to itself is 0
 
 
 def test_teacher_with_another_tokenizer_is_a_one_line_error(corpus, tmp_path):
     gpt2_folder(tmp_path / "gpt2")
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, teacher=str(tmp_path / "gpt2")))
+        ft.main(ft_tiny(corpus, tmp_path / "out", max_steps=2, teacher=str(tmp_path / "gpt2")))
     assert "reads gpt2 tokens (320) but the student reads byte tokens (257)" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_int8_round_trip_is_within_half_a_step():
     w = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 0, 64)[:, None]
     w[3, 7] = 40.0  # an outlier widens its own row's step only
-    q, scale = tg.quantize(w)
-    back = tg.dequantize({"x.weight": q.to(torch.int8), "x.weight_scale": scale})["x.weight"]
+    q, scale = ft.quantize(w)
+    back = ft.dequantize({"x.weight": q.to(torch.int8), "x.weight_scale": scale})["x.weight"]
     assert q.abs().max() == 127 and ((back - w).abs() <= scale / 2 * (1 + 1e-5)).all()
     assert (back - w)[torch.arange(64) != 3].abs().max() < 0.01 * w.abs().max()
 
 
 def test_export_int8_keeps_the_loss_and_samples(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2, optimizer="adamw"))
-    r = tg.main(tg.Config(export="int8", ckpt=str(tmp_path / "a"), out_dir=str(tmp_path / "q"), data_dir=str(corpus),
+    r = ft.main(ft.Config(export="int8", ckpt=str(tmp_path / "a"), out_dir=str(tmp_path / "q"), data_dir=str(corpus),
                           device="cpu"))
     assert r["float_val_loss"] < 3.0 and abs(r["int8_val_loss"] - r["float_val_loss"]) < 0.01  # measured: 1e-4
     assert r["int8_mb"] < 0.5 * r["float_mb"]  # the hidden matrices at a quarter; embedding and head as they were
     ckpt, _ = tg.load_checkpoint(r["path"])
     assert ckpt["model"]["blocks.0.attn.qkv.weight"].dtype == torch.int8 and ckpt["model"]["wte.weight"].dtype == torch.float32
-    out = tg.main(tg.Config(sample=True, ckpt=r["path"], max_new_tokens=20, device="cpu"))
+    out = ft.main(ft.Config(sample=True, ckpt=r["path"], max_new_tokens=20, device="cpu"))
     assert len(out["ids"]) == 1 + 20
 
 
 def test_qat_at_16_bits_trains_as_plain(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "plain", max_steps=8))
-    tg.main(tiny(corpus, tmp_path / "qat", max_steps=8, qat=16))  # 16-bit grid steps are far below the updates
+    ft.main(ft_tiny(corpus, tmp_path / "qat", max_steps=8, qat=16))  # 16-bit grid steps are far below the updates
     plain, qat = losses(tmp_path / "plain"), losses(tmp_path / "qat")
     assert all(qat[s] == pytest.approx(plain[s], abs=1e-4) for s in plain) and plain[8] < plain[1] - 0.5
 
@@ -293,5 +305,100 @@ def test_qat_at_16_bits_trains_as_plain(corpus, tmp_path):
 ])
 def test_bad_export_flags_give_one_line_errors(corpus, tmp_path, kw, message):
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(corpus, tmp_path / "out", max_steps=2, **kw))
+        ft.main(ft_tiny(corpus, tmp_path / "out", max_steps=2, **kw))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_of_finetune_gpt_is_train_gpts_over_its_config(capsys):
+    """finetune_gpt.py parses with train_gpt.py's shim over its Config, a subclass: -h shows both scripts' flags with
+    their comments, an unknown flag names the nearest of either, --preset knows finetune and train_gpt.py's, and the
+    choices of train_gpt.py's fields still bind."""
+    with pytest.raises(SystemExit):
+        tg.parse_args(ft.Config, ["-h"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("finetune_gpt.py: train_gpt.py's GPT from other weights") == 1
+    assert "--n_layer N_LAYER transformer blocks (default: 4)" in out and "--lora_rank LORA_RANK LoRA adapters" in out
+    assert "named overrides: finetune, or train_gpt.py's" in out  # its own comment wins over train_gpt.py's
+    for argv, message in ((["--lora_rnak=4"], "did you mean --lora_rank"), (["--n_emdb=4"], "did you mean --n_embd")):
+        with pytest.raises(SystemExit, match=message):
+            tg.parse_args(ft.Config, argv)
+    assert tg.parse_args(ft.Config, ["--preset=gpt2_124m"]).n_embd == 768
+    assert tg.parse_args(ft.Config, ["--preset=finetune"]).init_from == "gpt2"
+    with pytest.raises(SystemExit, match="unknown --preset=finetune; choose one of cpu_demo, gpt2_124m, gpt2_350m$"):
+        tg.parse_args(tg.Config, ["--preset=finetune"])
+    assert tg.field_comments(ft.Config)["mlp"].startswith("swiglu|relu2|gelu")
+    with pytest.raises(SystemExit, match="--mlp=tanh is not one of swiglu|relu2|gelu"):
+        ft.main(ft.Config(mlp="tanh"))
+    with pytest.raises(SystemExit, match="unknown flag '--lora_rank'"):  # a flag of finetune_gpt.py only
+        tg.parse_args(tg.Config, ["--lora_rank=4"])
+    p = subprocess.run([sys.executable, ft.__file__, "--lora_rnak=4"], capture_output=True, text=True)
+    want = "finetune_gpt.py: error: unknown flag '--lora_rnak'; did you mean --lora_rank?"
+    assert p.returncode and p.stderr.splitlines() == [want]
+
+
+def test_resume_shares_the_adapters(gpt2_corpus, tmp_path):
+    """A fine-tuning run resumes only with its LoRA and QAT settings (FineTune.layout), not as a train_gpt.py run."""
+    gpt2_folder(tmp_path / "gpt2")
+    kw = dict(init_from=str(tmp_path / "gpt2"), lora_rank=2, batch_size=2)
+    ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=2, **kw))
+    with pytest.raises(SystemExit, match=r"lora_alpha=16.0 \(now 8.0\)"):
+        ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True, lora_alpha=8.0, **kw))
+    with pytest.raises(SystemExit, match=r"qat=0 \(now 8\)"):
+        ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True, qat=8, **kw))
+    with pytest.raises(SystemExit, match=r"lora_rank=2 \(now None\)"):
+        tg.main(tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True))
+    assert ft.main(ft_tiny(gpt2_corpus, tmp_path / "a", max_steps=3, resume=True, **kw))["steps"] == 3
+
+
+def test_export_hf_round_trips_with_equal_logits(corpus, gpt2_corpus, tmp_path):
+    """--export=hf of GPT-2 fine-tuned with LoRA on the 4-bit grid (QAT) writes config.json and model.safetensors
+    with the 320 real vocabulary rows, not the 384 padded ones; imported back as GPT-2, its logits are those of the
+    model as it trained (adapters beside the frozen rounded weights). Another architecture stops in one line."""
+    from safetensors.torch import load_file
+    gpt2_folder(tmp_path / "gpt2")
+    ft.main(ft_tiny(gpt2_corpus, tmp_path / "run", init_from=str(tmp_path / "gpt2"), lora_rank=2, qat=4, max_steps=3,
+                    lr=1e-2, batch_size=2))
+    r = ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "run"), out_dir=str(tmp_path / "hf")))
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (conf["model_type"], conf["vocab_size"], conf["n_positions"], conf["n_layer"]) == ("gpt2", 320, 32, 2)
+    assert load_file(tmp_path / "hf" / "model.safetensors")["transformer.wte.weight"].shape == (320, GPT2["n_embd"])
+    ckpt, _ = tg.load_checkpoint(str(tmp_path / "run"))
+    cfg = ft.Config(**ckpt["config"])
+    trained = tg.build_model(cfg, 320, torch.device("cpu"))  # the model as it trained: QAT layers inside LoRA
+    ft.swap_layers(trained, ("attn", "mlp"), lambda layer: ft.QATLinear(layer, 4))
+    ft.add_lora(trained, cfg).load_state_dict(ckpt["model"])
+    back = ft.from_pretrained(r["path"])
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert back.cfg.seq_len == 32 and (back(idx) - trained.eval()(idx)).abs().max() < 1e-5
+        assert (back(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1))
+    with pytest.raises(SystemExit) as e:
+        ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "rope"), out_dir=str(tmp_path / "hf2")))
+    assert "is not GPT-2's architecture" in str(e.value) and "pos_emb='rope' (GPT-2: 'learned')" in str(e.value)
+    assert "qk_norm=True (GPT-2: False)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_export_hf_loads_in_transformers(gpt2_corpus, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only oracle, not installed here")
+    gpt2_folder(tmp_path / "gpt2")
+    ft.main(ft_tiny(gpt2_corpus, tmp_path / "run", init_from=str(tmp_path / "gpt2"), max_steps=2, lr=1e-2,
+                    optimizer="adamw", batch_size=2))
+    ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "run"), out_dir=str(tmp_path / "hf")))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = ft.load_model(str(tmp_path / "run"), torch.device("cpu"))[0]
+    idx = torch.randint(0, GPT2["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        diff = ours(idx) - theirs(idx).logits
+        assert diff.abs().max() < 1e-4
+        assert (ours(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
+
+
+def test_the_docstring_commands_parse():
+    """Every command finetune_gpt.py's docstring shows parses under its parser (torchrun's too): a flag renamed or
+    gone fails here, as the README's commands do in test_readme."""
+    from commands import run_command
+    lines = [ln.split("  #")[0] for ln in ft.__doc__.splitlines() if ln.startswith(("  python", "  torchrun"))]
+    assert len(lines) >= 9, lines
+    for argv in (shlex.split(ln) for ln in lines if not ln.rstrip().endswith(" -h")):
+        assert run_command(argv, execute=False) is not None, argv

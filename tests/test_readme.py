@@ -3,6 +3,7 @@ output shows) parses under its script's own parser, and every one a CPU can run 
 in order, on small data this test makes. WORKSHOP.md is tests/test_workshop.py's."""
 import glob
 import os
+import re
 import shlex
 import shutil
 import traceback
@@ -10,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import finetune_gpt
 import prepare_data
-import train_gpt
 from commands import FENCES, ROOT, commands, run_command, split_env, workshop_tiny, write_scratch_data
 from conftest import python_like_docs, write_corpus
 from test_finetune import GPT2, gpt2_folder
@@ -34,7 +35,8 @@ KNOWN_FAILURES = {
         "resume tests show, and a complete one stops in this one line"),
 }
 # the modes of each trainer that read a run instead of starting one
-NOT_TRAINING = {"train_gpt": ("resume", "sample", "export", "merge_lora", "consolidate", "benchmark"),
+NOT_TRAINING = {"train_gpt": ("resume", "sample", "consolidate", "benchmark"),
+                "finetune_gpt": ("resume", "sample", "export", "merge_lora", "consolidate", "benchmark"),
                 "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
 
 
@@ -50,7 +52,7 @@ def why_parse_only(argv):
         return "the test suite, which runs anyway"
     if (argv[1] == "prepare_data.py" and argv[2] in DOWNLOADS) or flags.get("tokenizer") == "gpt2":
         return "the network"  # gpt2 tokens need tiktoken's files
-    if any(flags.get(k) in train_gpt.GPT2_NAMES[1:] for k in ("init_from", "teacher")):
+    if any(flags.get(k) in finetune_gpt.GPT2_NAMES[1:] for k in ("init_from", "teacher")):
         return "the network"  # only models/gpt2 has a stand-in
     if flags.get("device") == "cuda" or flags.get("preset") in GPU_PRESETS or argv[1:] == ["kernels.py", "--bench"]:
         return "a GPU"
@@ -75,7 +77,7 @@ def readme_tiny(script, args):
         extra = [] if "--published" in args else SCALING.get(args[0], [])
         return extra + (["--models=1x16,1x32", "--tokens=8e3"] if any(a.startswith("--models") for a in args) else [])
     extra = list(workshop_tiny(script, args))
-    if script == "train_gpt.py":  # a length warmup grows in multiples of 64, from 64
+    if script in ("train_gpt.py", "finetune_gpt.py"):  # a length warmup grows in multiples of 64, from 64
         extra += ["--max_steps=6", "--eval_every=3", "--sample_tokens=8", "--max_new_tokens=16"] + (
             ["--seq_len=128"] if any(a.startswith("--seq_len_warmup") for a in args) else [])
     elif script == "prepare_data.py" and any(a.startswith("--tokenizer=bpe") for a in args):
@@ -113,7 +115,7 @@ def scratch(tmp_path_factory):
     """A working directory with small stand-ins for what the commands read: the default text and image data, a
     tiny GPT-2 at models/gpt2 and text as its tokens, your notes, a book, your images, a standard library."""
     d = write_scratch_data(tmp_path_factory.mktemp("readme"), n_val=8)  # a short val split: each run evaluates on all
-    # where train_gpt.py looks for --init_from=gpt2: GPT-2's vocabulary, and logits near -60 as the real one's
+    # where finetune_gpt.py looks for --init_from=gpt2: GPT-2's vocabulary, and logits near -60 as the real one's
     gpt2_folder(d / "models" / "gpt2", conf={**GPT2, "vocab_size": 50257}, far_below_zero=True)
     gpt2_data = write_corpus(d / "data" / "mine_gpt2", n_val=8)  # bytes relabelled as GPT-2 ids (each < 257 is one)
     (gpt2_data / "meta.json").write_text((gpt2_data / "meta.json").read_text().replace('"byte"', '"gpt2"'))
@@ -166,3 +168,26 @@ def test_the_cpu_commands_run_shrunk(scratch, monkeypatch):
             failed.append(f"{where}: {name}\n    {error}")
     assert not failed, "\n".join(failed)
     assert ran >= len(COMMANDS) // 2, f"only {ran} of {len(COMMANDS)} commands ran: is why_parse_only too wide?"
+
+
+def slug(heading):
+    """The #anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_exists():
+    """Every relative link `](path)` and `](path#anchor)` of the docs (images too) names a file that exists, and an
+    anchor names a heading of that file: a page that moves or a heading that is renamed fails here."""
+    broken = []
+    for doc in DOCS + ["WORKSHOP.md", "BENCHMARKS.md"]:
+        text = open(os.path.join(ROOT, doc)).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path)) if path else os.path.join(ROOT, doc)
+            if not os.path.exists(full):
+                broken.append(f"{doc}: ({target}): no such file")
+            elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.+)$", open(full).read(), re.M)}:
+                broken.append(f"{doc}: ({target}): no heading with that anchor")
+    assert not broken, "\n".join(broken)

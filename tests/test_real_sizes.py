@@ -1,6 +1,7 @@
 """Real sizes: the code paths users meet, at the sizes they meet them, on small models. GPT-2's vocabulary (50,257,
-not a multiple of 64) and context (1,024) on a 2-layer, 64-wide GPT-2; nanoGPT's three data layouts; --init_from
-with a longer context, resumed; and the boundaries around them, each ending in training or in one line."""
+not a multiple of 64) and context (1,024) on a 2-layer, 64-wide GPT-2 (finetune_gpt.py); nanoGPT's three data layouts;
+finetune_gpt.py --init_from with a longer context, resumed; and the boundaries around them, each ending in training or
+in one line."""
 import json
 import math
 import pickle
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import finetune_gpt as ft
 import train_gpt as tg
 from conftest import python_like_docs
-from test_finetune import gpt2_corpus, gpt2_folder, gpt2_reference  # noqa: F401 - gpt2_corpus is a fixture
+from test_finetune import ft_tiny, gpt2_corpus, gpt2_folder, gpt2_reference  # noqa: F401 - gpt2_corpus is a fixture
 from test_train_gpt import losses, tiny
 
 REAL = dict(vocab_size=50257, n_positions=1024, n_embd=64, n_layer=2, n_head=2, layer_norm_epsilon=1e-5)
@@ -30,7 +32,7 @@ def test_gpt2_loss_at_its_real_vocabulary_is_its_own(real_gpt2):
     """The padding of 50,257 to 50,304 rows never shows: logits have 50,257 columns and the loss is the reference
     forward's cross-entropy. Zero padding rows in the loss put it about 50 nats too high here."""
     path, w = real_gpt2
-    model = tg.GPT.from_pretrained(str(path))
+    model = ft.from_pretrained(str(path))
     idx = torch.randint(0, REAL["vocab_size"], (1, 1025), generator=torch.Generator().manual_seed(0))
     x, y = idx[:, :-1], idx[:, 1:]
     with torch.no_grad():
@@ -64,9 +66,9 @@ def test_fine_tuning_lora_distillation_and_export_start_from_gpt2s_loss(real_gpt
              "--sample_tokens=8"] + [f"--{k}={v}" for k, v in CPU.items()]
     for name, extra, scale in (("ft", [], 1.0), ("lora", ["--lora_rank=2"], 1.0),
                                ("kd", [f"--teacher={path}", "--distill_weight=0.5"], 0.5)):
-        tg.main(tg.parse_args(tg.Config, flags + extra + [f"--out_dir={tmp_path / name}"]))
+        ft.main(tg.parse_args(ft.Config, flags + extra + [f"--out_dir={tmp_path / name}"]))
         assert losses(tmp_path / name)[1] == pytest.approx(scale * want, abs=1e-3), name
-    r = tg.main(tg.Config(export="int8", ckpt=str(tmp_path / "ft"), out_dir=str(tmp_path / "q"),
+    r = ft.main(ft.Config(export="int8", ckpt=str(tmp_path / "ft"), out_dir=str(tmp_path / "q"),
                           data_dir=str(gpt2_corpus), device="cpu"))
     assert abs(r["float_val_loss"] - want) < 1.0 and abs(r["int8_val_loss"] - r["float_val_loss"]) < 0.05
 
@@ -123,22 +125,22 @@ def test_init_from_a_checkpoint_at_a_longer_context_resumes_exactly(corpus, tmp_
     Learned positions (GPT-2's) are a table: longer than it stops in one line, shorter cuts it."""
     tg.main(tiny(corpus, tmp_path / "a", max_steps=6))
     kw = dict(init_from=str(tmp_path / "a"), seq_len=64, save_every=3, keep_last=5)
-    ra = tg.main(tiny(corpus, tmp_path / "b", max_steps=6, **kw))
+    ra = ft.main(ft_tiny(corpus, tmp_path / "b", max_steps=6, **kw))
     (tmp_path / "b" / "ckpt_0000006.pt").unlink()  # back to step 3, then on to 6 again
-    rb = tg.main(tiny(corpus, tmp_path / "b", max_steps=6, resume=True, **kw))
+    rb = ft.main(ft_tiny(corpus, tmp_path / "b", max_steps=6, resume=True, **kw))
     assert rb["train_loss"] == ra["train_loss"] and rb["val_loss"] == ra["val_loss"]
     assert tg.load_checkpoint(str(tmp_path / "b"))[0]["config"]["seq_len"] == 64
     tg.main(tiny(corpus, tmp_path / "learned", max_steps=2, pos_emb="learned"))
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(corpus, tmp_path / "c", max_steps=2, init_from=str(tmp_path / "learned"), seq_len=64))
+        ft.main(ft_tiny(corpus, tmp_path / "c", max_steps=2, init_from=str(tmp_path / "learned"), seq_len=64))
     assert "--seq_len=64 is longer than the 32 positions" in str(e.value) and "\n" not in str(e.value)
-    r = tg.main(tiny(corpus, tmp_path / "d", max_steps=2, init_from=str(tmp_path / "learned"), seq_len=16))
+    r = ft.main(ft_tiny(corpus, tmp_path / "d", max_steps=2, init_from=str(tmp_path / "learned"), seq_len=16))
     assert r["steps"] == 2
 
 
 def test_gpt2_longer_than_its_positions_is_one_line(real_gpt2, gpt2_corpus, tmp_path):
     with pytest.raises(SystemExit) as e:
-        tg.main(tiny(gpt2_corpus, tmp_path / "o", max_steps=1, init_from=str(real_gpt2[0]), seq_len=2048))
+        ft.main(ft_tiny(gpt2_corpus, tmp_path / "o", max_steps=1, init_from=str(real_gpt2[0]), seq_len=2048))
     assert "--seq_len=2048 is longer than the 1024 positions" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -172,14 +174,14 @@ def test_data_boundaries_end_in_training_or_one_line(tmp_path):
     assert out["ids"][:2] == [17, 42] and len(out["text"].split()) == 5
 
 
-def test_a_failing_sample_plot_or_statistic_is_a_warning(corpus, tmp_path, monkeypatch, capsys):
+def test_a_failing_sample_or_statistic_is_a_warning(corpus, tmp_path, monkeypatch, capsys):
     """Side paths never end a run: each failure is one warning line, and the run trains to its end and saves."""
     def boom(*args):
         raise RuntimeError("boom")
-    for name in ("sample", "plot_losses", "layer_stats"):
+    for name in ("sample", "layer_stats"):
         monkeypatch.setattr(tg, name, boom)
     r = tg.main(tiny(corpus, tmp_path / "o", max_steps=4, eval_every=2, sample_tokens=5))
     assert r["steps"] == 4 and [s for s, _ in tg.list_checkpoints(str(tmp_path / "o"))] == [4]
     err = capsys.readouterr().err
-    for what in ("sampling", "layer statistics", "writing loss.png"):
+    for what in ("sampling", "layer statistics"):
         assert f"warning: {what} failed, training goes on: boom" in err

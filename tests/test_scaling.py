@@ -161,6 +161,53 @@ def test_coord_check_flat_under_mup_drifts_under_standard(tmp_path):
     assert abs(slopes["SP"]["embedding"]) < 0.1  # the embedding does not depend on width in either
     assert (tmp_path / "coord_check.png").stat().st_size > 10_000
 
+# ----------------------------------------------------------------------------- sharpness and compare
+
+
+def test_sharpness_matches_the_exact_hessian():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    params = list(net.parameters())
+    lam = sc.sharpness(lambda: torch.nn.functional.mse_loss(net(x), y), params, iters=50)
+    flat = torch.cat([p.detach().flatten() for p in params])
+
+    def loss_of(w):
+        ws, i = [], 0
+        for p in params:
+            ws.append(w[i:i + p.numel()].view_as(p))
+            i += p.numel()
+        return torch.nn.functional.mse_loss(torch.func.functional_call(net, dict(zip(
+            [n for n, _ in net.named_parameters()], ws)), (x,)), y)
+    eig = torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss_of, flat))
+    top = eig[eig.abs().argmax()].item()
+    assert lam == pytest.approx(top, rel=0.02), (lam, eig)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in params]), flat)  # the weights are put back
+
+
+def test_sharpness_and_compare_read_a_finished_run(corpus, tmp_path, capsys):
+    """A run ends by naming the command that plots it; compare draws its train and val loss, and sharpness gives a
+    positive top eigenvalue per batch of its data, the same on a second call (seeded, and the weights are put back)."""
+    out = tmp_path / "run"
+    tg.main(tg.Config(n_layer=1, n_head=2, n_embd=32, seq_len=32, batch_size=4, max_steps=8, time_budget=0.0,
+                      warmup_steps=2, eval_every=4, sample_tokens=0, device="cpu", compile="false",
+                      data_dir=str(corpus), out_dir=str(out)))
+    done = capsys.readouterr().out
+    assert f"checkpoint in {out} | plot: python scaling.py compare {out}" in done
+    sc.main(["compare", str(out), f"--out={tmp_path / 'c.png'}"])
+    said = capsys.readouterr().out
+    assert f"{out}: loss " in said and f"{out}: val_loss " in said and "at step 8" in said
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="has no 'val_acc'; pick --metric from"):
+        sc.main(["compare", str(out), "--metric=val_acc", f"--out={tmp_path / 'd.png'}"])
+    flags = ["sharpness", f"--ckpt={out}", "--batches=2", "--iters=8"]
+    r = sc.main(flags)
+    assert r["step"] == 8 and len(r["per_batch"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["per_batch"])
+    assert r["sharpness"] == pytest.approx(sum(r["per_batch"]) / 2) and "top Hessian eigenvalue" in capsys.readouterr().out
+    assert sc.main(flags) == r
+    assert math.isfinite(sc.main(flags[:2] + ["--split=val", "--iters=2"])["sharpness"])
+
+
 # ----------------------------------------------------------------------------- end to end on a tiny corpus
 
 
@@ -220,7 +267,11 @@ def test_bad_input_fails_with_one_line(tmp_path, corpus):
               "not LAYERSxWIDTH"),
              (["sweep", "--flops=1e6", f"--data_dir={corpus}"], "fewer than 3 ladder models"),
              (["fit", "--param_grid={\"alpha\": [0.3]}", f"--out_dir={tmp_path}"], "no sweep results"),
-             (["coord_check", "--bogus=1"], "unrecognized arguments")]
+             (["coord_check", "--bogus=1"], "unrecognized arguments"),
+             (["sharpness"], "the following arguments are required: --ckpt"),
+             (["sharpness", f"--ckpt={tmp_path}", "--iters=0"], "must be at least 1"),
+             (["sharpness", f"--ckpt={tmp_path / 'none'}"], "no complete checkpoint"),
+             (["compare", str(tmp_path)], "metrics.jsonl not found")]
     for argv, msg in cases:
         with pytest.raises(SystemExit, match=msg):
             sc.main(argv)

@@ -20,10 +20,59 @@ def test_shared_fences_are_byte_identical():
         assert len(set(by_file.values())) == 1, f"shared block {name!r} differs between {sorted(by_file)}"
 
 
+def test_each_fence_is_in_every_script_that_shares_it():
+    """The machinery in every trainer, images in both image trainers, Muon in GPT and ViT: a fence dropped from one
+    would escape the comparison above, and its copy would drift."""
+    fences = {p.name: set(re.findall(r"^# === shared: (\S+) ===$", p.read_text(), re.M)) for p in SCRIPTS}
+    assert all("machinery" in names for names in fences.values()), fences
+    assert {p for p, names in fences.items() if "images" in names} == {"train_vit.py", "train_diffusion.py"}, fences
+    assert {p for p, names in fences.items() if "muon" in names} == {"train_gpt.py", "train_vit.py"}, fences
+
+
 def test_importing_scripts_has_no_side_effects(tmp_path):
     """Import every script from an empty working dir: nothing is printed, no file is written."""
-    names = [p.stem for p in SCRIPTS] + ["prepare_data", "scaling"]
+    names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "prepare_data", "scaling"]
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + "; ".join(f"import {n}" for n in names)
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+# STYLE.md's budgets (issue 35): (budget, ceiling). Where a file is still over its budget, the ceiling is today's
+# size, so it cannot grow; lower a ceiling to its budget as soon as the file fits. The machinery's ceiling rose by 32
+# lines when its last 30 lines over 120 characters were wrapped and Run was split by duty (and the image trainers' by 30
+# and 30 with it); train_gpt.py's --skip_data went in the same change.
+BUDGETS = {"train_gpt.py": (1350, 1690), "train_vit.py": (1150, 1473), "train_diffusion.py": (1250, 1550),
+           "finetune_gpt.py": (450, 450), "kernels.py": (900, 900), "prepare_data.py": (750, 750),
+           "scaling.py": (850, 850)}
+MACHINERY = (450, 657)  # the shared machinery block of each trainer: budget, ceiling
+
+
+def machinery_span(lines):
+    """(first, last) index of the shared machinery fence's lines."""
+    start = lines.index("# === shared: machinery ===")
+    return start, lines.index("# === end shared ===", start)
+
+
+def test_files_keep_their_line_budgets():
+    """Each file within its ceiling, the machinery block within its own, and no line over 120 characters."""
+    for name, (budget, ceiling) in BUDGETS.items():
+        lines = (ROOT / name).read_text().splitlines()
+        assert len(lines) <= ceiling, f"{name}: {len(lines)} lines, over its ceiling of {ceiling} (budget {budget})"
+        long = [i + 1 for i, line in enumerate(lines) if len(line) > 120]
+        if name != "train_gpt.py":  # its recipe still has 28 long lines (issue 35's note)
+            assert not long, f"{name}: lines over 120 characters: {long[:10]}"
+    for p in SCRIPTS:
+        start, end = machinery_span(p.read_text().splitlines())
+        assert end - start + 1 <= MACHINERY[1], f"{p.name}: machinery block of {end - start + 1} lines"
+
+
+def test_train_loops_stay_readable():
+    """train() at most 150 lines, with no function defined inside it (no closures over loop state)."""
+    import ast
+    for p in SCRIPTS:
+        train = next(n for n in ast.parse(p.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+        size = train.end_lineno - train.lineno + 1
+        assert size <= 150, f"{p.name}: train() has {size} lines"
+        inner = [n for n in ast.walk(train) if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not train]
+        assert not inner, f"{p.name}: train() defines a function at line {inner[0].lineno}"

@@ -64,24 +64,64 @@ def test_each_experiment_runs_at_a_tiny_size(scratch, monkeypatch):
                 raise AssertionError(f"{title}: {shlex.join(argv)}: {e}") from None
 
 
-def test_the_recommendation_map_names_real_code():
-    """Every `file.py:Name` the map cites is a function, class or Class.method of that file, and every row has a
-    status: the map cannot point at code that was renamed or removed."""
+STATUSES = ("done", "partly", "partly (untested)", "not done", "n/a")
+SOURCES = ("registry", "stability", "cookbook", "recipes", "scaling")
+
+
+def map_rows():
+    """(text of docs/map.md, [(number, source, recommendation, status, where, shown by)] of its rows)."""
+    text = open(os.path.join(ROOT, "docs", "map.md")).read()
+    rows = [tuple(c.strip() for c in line.strip()[1:-1].split(" | ")) for line in text.splitlines()
+            if re.match(r"\| \d+ \|", line)]
+    return text, rows
+
+
+def defined(path):
+    """The functions and classes of a Python file, and Class.method for each method."""
     import ast
-    text = open(os.path.join(ROOT, "WORKSHOP.md")).read()
-    rows = [r for r in text.split("## Recommendation map", 1)[1].splitlines() if re.match(r"\| \d+ \|", r)]
-    assert len(rows) >= 80, len(rows)
+    found = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found.add(node.name)
+            found |= {f"{node.name}.{m.name}" for m in node.body if isinstance(m, ast.FunctionDef)}
+    return found
+
+
+def test_the_recommendation_map_names_real_code_and_tests():
+    """Every `file.py:Name` the map (docs/map.md, linked from WORKSHOP.md) cites is a function, class or Class.method
+    of that file, and every `tests/FILE.py::test_name` a test function of that file; every row has a status, and every
+    done row names the test that shows it: the map cannot point at code or tests that were renamed or removed."""
+    text, rows = map_rows()
+    assert len(rows) >= 80 and all(len(r) == 6 for r in rows), [r for r in rows if len(r) != 6][:3]
+    assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1))
     for r in rows:
-        assert re.search(r"\| (done|partly|not done|n/a) \|", r), r
-    names = {}
-    for f in ("train_gpt.py", "train_vit.py", "train_diffusion.py", "kernels.py", "scaling.py", "prepare_data.py"):
-        tree, found = ast.parse(open(os.path.join(ROOT, f)).read()), set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                found.add(node.name)
-                found |= {f"{node.name}.{m.name}" for m in node.body if isinstance(m, ast.FunctionDef)}
-        names[f] = found
+        assert r[1] in SOURCES and r[3] in STATUSES, r
+        assert r[3] != "done" or re.search(r"`tests/\w+\.py::test_\w+`", r[5]), f"row {r[0]} is done but names no test"
     cited = re.findall(r"`(\w+\.py):([\w.]+)`", text)
     assert len(cited) >= 50, len(cited)
+    names = {f: defined(f) for f, _ in set(cited) if os.path.exists(os.path.join(ROOT, f))}
     missing = [f"{f}:{n}" for f, n in cited if n not in names.get(f, ())]
     assert not missing, f"the map cites code that does not exist: {missing}"
+    tests = re.findall(r"`tests/(\w+\.py)::(\w+)`", text)
+    assert len(tests) >= 100, len(tests)
+    found = {f: defined(os.path.join("tests", f)) for f, _ in tests if os.path.exists(os.path.join(ROOT, "tests", f))}
+    missing = [f"tests/{f}::{n}" for f, n in tests if not (n.startswith("test_") and n in found.get(f, ()))]
+    assert not missing, f"the map names tests that do not exist: {missing}"
+
+
+def test_the_map_counts_its_rows():
+    """The table at the top of the map counts its rows by status and by document, and the README's pointer to the map
+    gives the same totals: a row whose status changes changes the counts, or this fails."""
+    text, rows = map_rows()
+    table = {line.split(" | ")[0][2:]: [int(v) for v in line.strip()[1:-1].split(" | ")[1:]]
+             for line in text.splitlines() if re.match(r"\| (done|partly|not done|n/a|all)[ (a-z)]* \| \d", line)}
+    want = {s: [sum(r[3] == s and r[1] == src for r in rows) for src in SOURCES] for s in STATUSES}
+    want["all"] = [sum(r[1] == src for r in rows) for src in SOURCES]
+    assert table == {s: v + [sum(v)] for s, v in want.items()}, table
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    m = re.search(r"\(docs/map\.md\):[^[]*? of (\d+) recommendations, (\d+) done .*?, (\d+) partly, (\d+) not done and "
+                  r"(\d+) not applicable", readme)
+    assert m, "README.md: the pointer to docs/map.md gives no counts"
+    n = {s: sum(r[3] == s for r in rows) for s in STATUSES}
+    assert [int(v) for v in m.groups()] == [len(rows), n["done"], n["partly"] + n["partly (untested)"], n["not done"],
+                                            n["n/a"]]
