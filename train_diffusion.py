@@ -147,38 +147,6 @@ PRESETS = {
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 
 
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
-
-
-def check_config(cfg):
-    """Reject impossible settings with a one-line message that names the fix."""
-    check_choices(cfg)
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "sample_steps",
-              "per_class"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
-        die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
-        die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
-    if min(cfg.num_classes + 1, cfg.min_snr, cfg.cfg_scale, cfg.epochs, cfg.image_size, cfg.eval_images,
-           cfg.eval_samples, cfg.final_samples, cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
-            "guard flags must be >= 0")
-    if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
-        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
-            "euler|heun sample flow, ddim samples ddpm")
-    if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
-        die("no training budget: set --max_steps, --epochs or --time_budget")
-    for k in ("eval_classifier", "fid_weights"):
-        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
-            die(f"--{k}={getattr(cfg, k)}: no such file or directory")
-
 # -----------------------------------------------------------------------------
 # Model
 
@@ -747,6 +715,40 @@ def sample_main(cfg):
     print(f"wrote {out} in {res['sample_s']:.1f} s"
           + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
+
+
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "sample_steps",
+              "per_class"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
+        die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
+    if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
+        die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
+    if min(cfg.num_classes + 1, cfg.min_snr, cfg.cfg_scale, cfg.epochs, cfg.image_size, cfg.eval_images,
+           cfg.eval_samples, cfg.final_samples, cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
+        die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
+            "guard flags must be >= 0")
+    if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
+        die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
+            "euler|heun sample flow, ddim samples ddpm")
+    if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --epochs or --time_budget")
+    for k in ("eval_classifier", "fid_weights"):
+        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
+            die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+
 
 # -----------------------------------------------------------------------------
 # Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,

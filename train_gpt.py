@@ -95,8 +95,8 @@ class Config:
     beta2: float = 0.95                # AdamW
     grad_clip: float = 1.0             # max global grad norm; 0 = off
     z_loss: float = 0.0                # weight of logsumexp(logits)^2 (PaLM uses 1e-4); 0 = off
-    seq_len_warmup: int = 0            # steps over which the training length grows from seq_len_start to seq_len; 0 = off
-    seq_len_start: int = 64            # the first length of --seq_len_warmup (more rows of it: the tokens per step stay)
+    seq_len_warmup: int = 0            # steps in which the training length grows from seq_len_start to seq_len; 0 = off
+    seq_len_start: int = 64            # the first length of --seq_len_warmup (more rows of it: as many tokens a step)
     schedule: str = "cosine"           # cosine|wsd|constant, after linear warmup
     warmup_steps: int = 20             # linear warmup, in optimizer steps
     cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
@@ -110,7 +110,7 @@ class Config:
     keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
     milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
     async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # continue from the newest complete checkpoint in out_dir (auto on torchrun restart)
+    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
     wandb: str = ""                    # wandb project name; empty = off
     description: str = ""              # free text for the results.tsv experiment log
     # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
@@ -118,11 +118,11 @@ class Config:
     gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
     clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps within guard_window that roll back to the last good checkpoint; 0 = never
+    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
     activation_checkpointing: str = "none"  # none|blocks|selective: recompute each block (or its MLP) in backward
     device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/fp32)
+    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA and bf16 CPUs, else fp16/32)
     compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
     parallel: str = "ddp"              # ddp|fsdp, used under torchrun
     offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
@@ -134,7 +134,7 @@ class Config:
     # sampling
     sample: bool = False               # sample from a checkpoint instead of training
     ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
-    consolidate: str = ""              # write this sharded checkpoint (a folder of an FSDP run) as one file to --out_dir
+    consolidate: str = ""              # write this sharded checkpoint (an FSDP run's folder) as one file to --out_dir
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
     temperature: float = 0.8           # 0 = greedy
@@ -159,47 +159,6 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "no
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start")  # a resume shares these too
 
-
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and the rows of a
-    step. Not the ranks or the micro-batch: the loader's place counts whole steps, so a resume on other ranks is exact."""
-    B, T = c["batch_size"], c["seq_len"]
-    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS},
-            "batch_size x grad_accum x ranks": B * accum * world_size, **data_info}
-
-
-def check_config(cfg):
-    """Reject impossible settings with a one-line message that names the fix."""
-    check_choices(cfg)
-    kv = cfg.n_kv_head or cfg.n_head
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change --n_embd or --n_head")
-    if cfg.n_head % kv:
-        die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
-    if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
-        die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
-            "drop --tie_embeddings")
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
-    if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
-            or not 0 < cfg.cooldown_frac <= 1):
-        die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
-    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
-        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
-    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
-        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
-    if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
-        die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
-            f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
-    if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
-        die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
-    if cfg.tokens and cfg.tokens != "auto":
-        try:
-            float(cfg.tokens)
-        except ValueError:
-            die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
 
 # -----------------------------------------------------------------------------
 # Model
@@ -361,7 +320,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=self.cfg.init_std / math.sqrt(width_mult(self.cfg)))
             else:
                 nn.init.normal_(p, std=self.cfg.init_std)  # the embedding: fan_in is the vocab, not the width
-        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_base, self.cos.device)
+        c = self.cfg
+        cos, sin = rope_tables(c.seq_len, c.n_embd // c.n_head, c.rope_base, self.cos.device)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
@@ -492,9 +452,10 @@ def load_meta(data_dir):
         with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
             meta = json.load(f)
             val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
-            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0 and isinstance(meta["eot_id"], (int, type(None)))
-                    and all(isinstance(v, (int, float)) for v in [val.get("tokens", 0), val.get("bytes", 0)] + [
-                        meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]) and os.path.basename(file) == file):
+            nums = [val.get("tokens", 0), val.get("bytes", 0)] + [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
+            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0 and os.path.basename(file) == file
+                    and isinstance(meta["eot_id"], (int, type(None)))
+                    and all(isinstance(v, (int, float)) for v in nums)):
                 raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout, read as nanoGPT reads it
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # no meta.pkl: GPT-2 tokens
@@ -533,7 +494,8 @@ class TokenLoader:
     """
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
-        self.files, self.B, self.T, self.rank, self.world_size, self.device, self.eot = files, B, T, rank, world_size, device, eot
+        self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
+        self.device, self.eot = device, eot
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
@@ -550,8 +512,8 @@ class TokenLoader:
         self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
         starts, self.ends = self.lane_bounds(self.shard)
         self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
-        if len(self.pos) != len(starts) or not (0 <= self.lane < len(starts) and 0 <= self.shard < len(self.shards) and all(
-                0 <= p <= len(self.shards[self.shard]) for p in self.pos)):
+        if len(self.pos) != len(starts) or not (0 <= self.lane < len(starts) and 0 <= self.shard < len(self.shards)
+                                                 and all(0 <= p <= len(self.shards[self.shard]) for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
     def lane_bounds(self, shard):
@@ -601,7 +563,8 @@ class SyntheticLoader:
     """Random tokens of the right shape, for --benchmark: no data needed."""
 
     def __init__(self, B, T, vocab_size, device):
-        self.x = torch.randint(0, vocab_size, (B, T + 1), device=device, generator=torch.Generator(device).manual_seed(0))
+        gen = torch.Generator(device).manual_seed(0)
+        self.x = torch.randint(0, vocab_size, (B, T + 1), device=device, generator=gen)
 
     def state(self):
         return {}
@@ -626,9 +589,10 @@ def load_tokenizer(tok):
             print(f"warning: cannot load the gpt2 tokenizer ({type(e).__name__}); samples will show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
-        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in (line.split(" ") for line in tok["ranks"].splitlines())}
-        if sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks) or not isinstance(tok["pat_str"], str):
-            raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")  # tiktoken would panic
+        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in map(str.split, tok["ranks"].splitlines())}
+        if sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks) or not isinstance(
+                tok["pat_str"], str):  # tiktoken would panic
+            raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
     elif name != "gpt2":  # a tokenizer we do not know (nanoGPT's meta.pkl with a vocab_size only), or cannot load: ids
@@ -703,7 +667,8 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024  # measured with Muon only
     embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
-    rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
+    rest = [p for n, p in named.items()
+            if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
     embed = [dict(params=[named["wte.weight"]], lr=embed_lr, weight_decay=0.0)] if own else []
     fused = device.type == "cuda"
     if cfg.optimizer == "muon":
@@ -718,7 +683,8 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
         # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
         groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
                   dict(params=rest, weight_decay=0.0), *embed]
-        opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+        groups = [g for g in groups if g["params"]]
+        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
@@ -837,18 +803,19 @@ def main(cfg, start=Start()):
             found = list_checkpoints(cfg.out_dir)
             try:
                 return train(cfg, stop, start)
-            except torch.cuda.OutOfMemoryError:  # in one process before it saved: the same batch in smaller micro-batches
+            except torch.cuda.OutOfMemoryError:  # one process, nothing saved: the same batch in smaller micro-batches
                 if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
                     raise  # an odd micro-batch cannot halve; under torchrun the other ranks are mid-step
                 cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
-                flags = f"--batch_size={cfg.batch_size}" + ("" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}")
-                print(f"out of GPU memory: starting again with {flags}, the same tokens per step; pass {flags} next time")
+                flags = f"--batch_size={cfg.batch_size}"
+                flags += "" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}"
+                print(f"out of GPU memory: starting again with {flags} (same tokens per step); pass {flags} next time")
             gc.collect()  # out here, where the failed attempt's tensors are no longer held by its traceback
             torch.cuda.empty_cache()
 
 
 def train(cfg, stop, start=Start()):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. stop.received is set by a signal."""
+    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
@@ -898,9 +865,10 @@ def train(cfg, stop, start=Start()):
     resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, info), train_loader)
     data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step))  # bad data stops it now
     log.begin()
-    print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x accum "
-          f"{accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
-          f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}"
+    print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x "
+          f"accum {accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
+          f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | "
+          f"{cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}"
           + (f" | {n_trained / 1e6:.3f}M of them train" if n_trained < n_params else ""))
 
     # the loop: an optimizer step (micro-steps, clip, check, update), then log, eval and save
@@ -917,7 +885,8 @@ def train(cfg, stop, start=Start()):
                 with ctx:
                     loss = model(x, y, cfg.z_loss) / accum  # the mean of micro-steps: one big batch
                 # read ahead while the GPU computes: the next micro-step's batch, maybe of the next step's length
-                data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step + (micro == accum - 1)))
+                length = seq_len_at(cfg, clock.step + (micro == accum - 1))
+                data_state, (x, y) = train_loader.state(), train_loader.next(length)
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
@@ -957,8 +926,8 @@ def train(cfg, stop, start=Start()):
         return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}",
                       {"params": n_params, "trained_params": n_trained})
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
-    refs = "".join(f" | {t} -9 {meta[f'val_{t}_bpb']:.3f} ({'beaten' if rec['val_bpb'] < meta[f'val_{t}_bpb'] else 'not beaten'})"
-                   for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb"))
+    refs = [(t, meta[f"val_{t}_bpb"]) for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb")]
+    refs = "".join(f" | {t} -9 {v:.3f} ({'beaten' if rec['val_bpb'] < v else 'not beaten'})" for t, v in refs)
     return finish(log, ckpts, bench, f"done: {clock.step} steps, {clock.step * tokens_per_step / 1e6:.1f}M tokens in "
                   f"{clock.train_time:.0f} s | {metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint in "
                   f"{cfg.out_dir} | plot: python scaling.py compare {cfg.out_dir}",
@@ -995,12 +964,54 @@ def consolidate_main(cfg):
     ckpt_STEP.pt in --out_dir, the file a one-process run writes, which --sample and finetune_gpt.py read."""
     ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
     if ckpt is None:
-        die(f"--consolidate={cfg.consolidate}: no checkpoint there; pass a ckpt_STEP folder of an FSDP run, or its out_dir")
+        die(f"--consolidate={cfg.consolidate}: no checkpoint there; pass an FSDP run's ckpt_STEP folder or out_dir")
     if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
         die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the single-file checkpoint")
     write_checkpoint(cfg, ckpt)
     print(f"wrote {path} as one file: {list_checkpoints(cfg.out_dir)[-1][1]}")
     return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
+
+
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and the rows of a
+    step. Not the ranks or the micro-batch: the loader's place counts whole steps, so a resume on new ranks is exact."""
+    B, T = c["batch_size"], c["seq_len"]
+    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
+    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS},
+            "batch_size x grad_accum x ranks": B * accum * world_size, **data_info}
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    kv = cfg.n_kv_head or cfg.n_head
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change it or --n_head")
+    if cfg.n_head % kv:
+        die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
+    if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
+        die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
+            "drop --tie_embeddings")
+    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
+            or not 0 < cfg.cooldown_frac <= 1):
+        die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
+    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
+        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
+    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
+        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
+    if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
+        die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
+            f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
+    if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
+    if cfg.tokens and cfg.tokens != "auto":
+        try:
+            float(cfg.tokens)
+        except ValueError:
+            die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
 
 
 # -----------------------------------------------------------------------------

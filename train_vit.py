@@ -140,32 +140,6 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", 
                "registers", "layer_scale")
 
 
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
-
-
-def check_config(cfg):
-    """Reject impossible settings with a one-line message that names the fix."""
-    check_choices(cfg)
-    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
-    if width % cfg.n_head or (width // cfg.n_head) % 2:
-        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "batch_size", "grad_accum", "guard_window", "top_k"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
-        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
-    if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
-        die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
-           cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
-            "guard flags must be >= 0")
-    if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
-        die("no training budget: set --max_steps, --epochs or --time_budget")
-
 # -----------------------------------------------------------------------------
 # Model
 
@@ -670,6 +644,34 @@ def predict_main(cfg):
             out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
             print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
     return out
+
+
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
+    if width % cfg.n_head or (width // cfg.n_head) % 2:
+        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+    for k in ("patch_size", "n_layer", "n_head", "batch_size", "grad_accum", "guard_window", "top_k"):
+        if getattr(cfg, k) < 1:
+            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
+        die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
+    if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
+           cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
+        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
+            "guard flags must be >= 0")
+    if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --epochs or --time_budget")
+
 
 # -----------------------------------------------------------------------------
 # Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,

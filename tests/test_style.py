@@ -40,9 +40,9 @@ def test_importing_scripts_has_no_side_effects(tmp_path):
 
 # STYLE.md's budgets (issue 35): (budget, ceiling). Where a file is still over its budget, the ceiling is today's
 # size, so it cannot grow; lower a ceiling to its budget as soon as the file fits. The machinery's ceiling rose by 32
-# lines when its last 30 lines over 120 characters were wrapped and Run was split by duty (and the image trainers' by 30
-# and 30 with it); train_gpt.py's --skip_data went in the same change.
-BUDGETS = {"train_gpt.py": (1350, 1690), "train_vit.py": (1150, 1473), "train_diffusion.py": (1250, 1550),
+# lines when its last 30 lines over 120 characters were wrapped and Run was split by duty, the image trainers' with it
+# (+32 each, with the checks moved after the loop); train_gpt.py fell by 7 (--skip_data went, 28 long lines wrapped).
+BUDGETS = {"train_gpt.py": (1350, 1683), "train_vit.py": (1150, 1475), "train_diffusion.py": (1250, 1552),
            "finetune_gpt.py": (450, 450), "kernels.py": (900, 900), "prepare_data.py": (750, 750),
            "scaling.py": (850, 850)}
 MACHINERY = (450, 657)  # the shared machinery block of each trainer: budget, ceiling
@@ -60,8 +60,7 @@ def test_files_keep_their_line_budgets():
         lines = (ROOT / name).read_text().splitlines()
         assert len(lines) <= ceiling, f"{name}: {len(lines)} lines, over its ceiling of {ceiling} (budget {budget})"
         long = [i + 1 for i, line in enumerate(lines) if len(line) > 120]
-        if name != "train_gpt.py":  # its recipe still has 28 long lines (issue 35's note)
-            assert not long, f"{name}: lines over 120 characters: {long[:10]}"
+        assert not long, f"{name}: lines over 120 characters: {long[:10]}"
     for p in SCRIPTS:
         start, end = machinery_span(p.read_text().splitlines())
         assert end - start + 1 <= MACHINERY[1], f"{p.name}: machinery block of {end - start + 1} lines"
