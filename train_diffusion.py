@@ -1224,9 +1224,9 @@ def finish(log, ckpts, bench, what, result, metric=None):
 MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
 
 class Checkpoints:
-    """Saves and restores all a run needs to go on exactly: the model's weights, the optimizers, the loss scaler, the
-    guard, the EMA (None: no EMA), the clock, the log's history, and what save() is given (the loader's place). One
-    file from rank 0, or under FSDP a folder of every rank's shards (DCP); --async_save writes in the background."""
+    """All a run needs to go on exactly: weights, optimizers, loss scaler, guard, EMA (None: none), clock, history,
+    and what save() is given (the loader's place). One file from rank 0, or under FSDP a folder of every rank's shards
+    (DCP); --async_save writes in the background."""
 
     def __init__(self, cfg, rank, world_size, clock, log, *, model, opts, scaler, guard, ema=None):
         self.cfg, self.master, self.world_size, self.clock, self.log = cfg, rank == 0, world_size, clock, log
@@ -1355,10 +1355,9 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     return True
 
 def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
-    """ckpt_STEP.pt, written to a temp file, fsynced and renamed, so it is complete or absent. Sharded (shards() writes
-    the tensors, or waits for DCP's async write): the folder ckpt_STEP/ is complete once rank 0 has written its
-    state.pt so, last, with the size of every other file. Then rank 0 prunes older ones but for the newest keep_last
-    and every multiple of milestone_every. A failed write sets ckpts.error (or, without ckpts, stops)."""
+    """ckpt_STEP.pt, written to a temp file, fsynced and renamed: complete or absent. Sharded, shards() writes the
+    tensors, and rank 0 writes state.pt last, with every file's size. Then rank 0 prunes all but the newest keep_last
+    and the milestones. A failed write sets ckpts.error (or, without ckpts, stops)."""
     path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
@@ -1391,11 +1390,10 @@ def list_checkpoints(out_dir):
     return sorted((int(m[1]), p) for m, p in found if m)
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (optionally from before step
-    `before`), falling back past bad ones; (None, None) if none. Intact: every CRC-32 of torch.save's zip matches and
-    it holds only tensors and plain data (weights_only: a crafted file cannot run code); a folder, once its state.pt
-    (written last) is intact and every other file has the size it lists. A folder's tensors are read whole, or with
-    whole=False by Checkpoints.restore, each rank its own. A checkpoint named on its own must load, or the run stops."""
+    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step `before`), past
+    bad ones; (None, None) if none. Intact: the CRC-32s of torch.save's zip match, it holds only tensors and plain data
+    (weights_only: a crafted file cannot run code), and a folder's files have the sizes its state.pt lists. whole=False
+    leaves a folder's tensors to Checkpoints.restore. A checkpoint named on its own must load, or the run stops."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
@@ -1473,11 +1471,9 @@ def reading(path, fix):
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
-    """Decides before each update whether it is safe, from the loss and the grad norm (both agreed across ranks).
-    Non-finite values are bad at once; after 10 good steps, a value more than sigma running stds above its running
-    mean (an exponential moving average over ~window good steps) is a spike. A bad step's update is skipped; max_bad
-    bad steps within window steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1). With clip_mult > 0 the
-    clipping threshold follows clip_mult x the running grad-norm mean instead of a constant."""
+    """Decides before each update whether it is safe, from the loss and grad norm agreed across ranks. Non-finite is
+    bad; after 10 good steps, so is a spike: sigma running stds over the running mean (an EMA over ~window good steps).
+    A bad step's update is skipped; max_bad in window steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
         self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
