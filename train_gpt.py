@@ -370,33 +370,25 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
         """Continue idx (B, T0) by max_new_tokens sampled tokens, with a KV cache; returns (B, T0 + max_new_tokens)."""
-        was_training = self.training
-        self.eval()
+        out, T, cache = idx, self.cfg.seq_len, None
         with torch.compiler.set_stance("force_eager"):  # compiled blocks (FSDP) would recompile for every length
-            out = self._sample(idx, max_new_tokens, temperature, top_k, generator)
-        self.train(was_training)
-        return out
-
-    def _sample(self, out, max_new_tokens, temperature, top_k, generator):
-        """The sampling loop of generate: prefill the cache with the context, then feed one token at a time."""
-        T, cache = self.cfg.seq_len, None
-        for i in range(max_new_tokens):
-            if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
-                cache = KVCache(len(self.blocks), T)
-                logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, -float("inf"))
-                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
-            out = torch.cat((out, nxt), dim=1)
-            if i + 1 < max_new_tokens and cache.pos < T:
-                logits = self(nxt, cache=cache)
-        return out
+            for i in range(max_new_tokens):
+                if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
+                    cache = KVCache(len(self.blocks), T)
+                    logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
+                logits = logits[:, -1, :]
+                if temperature == 0:
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, -float("inf"))
+                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+                out = torch.cat((out, nxt), dim=1)
+                if i + 1 < max_new_tokens and cache.pos < T:
+                    logits = self(nxt, cache=cache)
+            return out
 
 
 def build_model(cfg, vocab_size, device, cls=GPT):
