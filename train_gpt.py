@@ -474,23 +474,20 @@ class PlainUnpickler(pickle.Unpickler):
 
 class TokenLoader:
     """Reads (B, T) batches in a fixed order from memory-mapped shards; each rank takes its own B rows of a batch.
-
     Each shard is cut into `lanes` equal stretches read side by side (row i of a global batch comes from lane
     i % lanes), so one batch mixes far-apart documents instead of B windows of the same file. A row starts at a
     document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's beginning while
     at most 1/8 of the data is skipped. The position (epoch, shard, offset of every lane) is the whole state:
-    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
-    """
+    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
         self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
-        self.device, self.eot = device, eot
+        self.device, self.eot, self.lanes, self.vocab_size = device, eot, lanes, vocab_size
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
-        self.lanes, self.vocab_size = lanes, vocab_size
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -499,17 +496,13 @@ class TokenLoader:
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
         self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
-        starts, self.ends = self.lane_bounds(self.shard)
+        n = len(self.shards[self.shard])
+        k = max(1, min(self.lanes, n // (self.T + 1)))  # small shards get fewer lanes
+        starts, self.ends = [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
         self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
-        if len(self.pos) != len(starts) or not (0 <= self.lane < len(starts) and 0 <= self.shard < len(self.shards)
-                                                 and all(0 <= p <= len(self.shards[self.shard]) for p in self.pos)):
+        if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
+                                      and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
-
-    def lane_bounds(self, shard):
-        """([start of each lane], [end of each lane]) of a shard; small shards get fewer lanes."""
-        n = len(self.shards[shard])
-        k = max(1, min(self.lanes, n // (self.T + 1)))
-        return [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
 
     def _next_row(self, T):
         lane = self.lane
