@@ -643,30 +643,29 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
     embedding at --embed_lr; weight decay on the hidden matrices only. Muon iterates in bf16 if the run's dtype is."""
     named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters alone
-    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
     # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
     # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024  # measured with Muon only
     embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
-    rest = [p for n, p in named.items()
-            if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
-    embed = [dict(params=[named["wte.weight"]], lr=embed_lr, weight_decay=0.0)] if own else []
-    fused = device.type == "cuda"
+    embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
+    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks."))]
     if cfg.optimizer == "muon":
         # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
-        muon = Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
-                    ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-        groups = [g for g in [dict(params=rest), *embed] if g["params"]]  # LoRA leaves none: no AdamW then
-        opts = [muon] + ([torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
-                                            fused=fused)] if groups else [])
+        opts = [Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
+                     ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)]
+        groups = [dict(params=rest), *embed]
     else:
         # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
         # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
-                  dict(params=rest, weight_decay=0.0), *embed]
-        groups = [g for g in groups if g["params"]]
-        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+        opts = []
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)), dict(params=rest),
+                  *embed]
+    groups = [g for g in groups if g["params"]]  # LoRA under Muon leaves none: no AdamW then
+    if groups:
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
+                                      fused=device.type == "cuda"))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
