@@ -918,8 +918,7 @@ def train(cfg, stop, start=Start()):
 
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
-    _, _, device = setup_dist(cfg.device)
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, device)
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
     ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
@@ -932,8 +931,7 @@ def load_model(where, device, weights=lambda ckpt: ckpt["model"]):
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
     with reading(path, "pass a checkpoint written by train_gpt.py (finetune_gpt.py --sample reads LoRA and int8 ones)"):
-        c = ckpt["config"]
-        model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__}),
+        model = build_model(Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}),
                             ckpt["data_info"]["vocab_size"], device)
         model.load_state_dict(weights(ckpt))
         load_tokenizer(ckpt["tokenizer"])
