@@ -144,16 +144,13 @@ class Config:
 # what prepares the default data_dir: prepare_data.py's command, what it is, its flags (a BPE beats bytes by 0.23 bpb)
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
 
+# GPT-2's sizes on FineWeb: AdamW and RMSNorm, as the CPU recipe (Muon, LayerNorm) is unmeasured on GPUs
+GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0.0, tokens="auto",
+            warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, optimizer="adamw", norm="rmsnorm")
 PRESETS = {
     "cpu_demo": {},  # the defaults: 2.0M parameters, 240 s of training on a 2-core CPU
-    "gpt2_124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024, batch_size=32, total_batch=1 << 19,
-                      data_dir="data/fineweb10B", out_dir="out/gpt2_124m", time_budget=0.0, tokens="auto",
-                      lr=6e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
-                      optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
-    "gpt2_350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024, batch_size=16, total_batch=1 << 19,
-                      data_dir="data/fineweb10B", out_dir="out/gpt2_350m", time_budget=0.0, tokens="auto",
-                      lr=3e-4, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000,
-                      optimizer="adamw", norm="rmsnorm"),  # the CPU recipe is unmeasured on GPUs
+    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, batch_size=32, lr=6e-4, out_dir="out/gpt2_124m"),
+    "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4, out_dir="out/gpt2_350m"),
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
@@ -373,33 +370,25 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
         """Continue idx (B, T0) by max_new_tokens sampled tokens, with a KV cache; returns (B, T0 + max_new_tokens)."""
-        was_training = self.training
-        self.eval()
+        out, T, cache = idx, self.cfg.seq_len, None
         with torch.compiler.set_stance("force_eager"):  # compiled blocks (FSDP) would recompile for every length
-            out = self._sample(idx, max_new_tokens, temperature, top_k, generator)
-        self.train(was_training)
-        return out
-
-    def _sample(self, out, max_new_tokens, temperature, top_k, generator):
-        """The sampling loop of generate: prefill the cache with the context, then feed one token at a time."""
-        T, cache = self.cfg.seq_len, None
-        for i in range(max_new_tokens):
-            if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
-                cache = KVCache(len(self.blocks), T)
-                logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, -float("inf"))
-                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
-            out = torch.cat((out, nxt), dim=1)
-            if i + 1 < max_new_tokens and cache.pos < T:
-                logits = self(nxt, cache=cache)
-        return out
+            for i in range(max_new_tokens):
+                if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
+                    cache = KVCache(len(self.blocks), T)
+                    logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
+                logits = logits[:, -1, :]
+                if temperature == 0:
+                    nxt = logits.argmax(-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k:
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, -float("inf"))
+                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+                out = torch.cat((out, nxt), dim=1)
+                if i + 1 < max_new_tokens and cache.pos < T:
+                    logits = self(nxt, cache=cache)
+            return out
 
 
 def build_model(cfg, vocab_size, device, cls=GPT):
@@ -485,23 +474,20 @@ class PlainUnpickler(pickle.Unpickler):
 
 class TokenLoader:
     """Reads (B, T) batches in a fixed order from memory-mapped shards; each rank takes its own B rows of a batch.
-
     Each shard is cut into `lanes` equal stretches read side by side (row i of a global batch comes from lane
     i % lanes), so one batch mixes far-apart documents instead of B windows of the same file. A row starts at a
     document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's beginning while
     at most 1/8 of the data is skipped. The position (epoch, shard, offset of every lane) is the whole state:
-    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would.
-    """
+    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
         self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
-        self.device, self.eot = device, eot
+        self.device, self.eot, self.lanes, self.vocab_size = device, eot, lanes, vocab_size
         self.shards = [open_shard(f) for f in files]
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
         self.bos = [None] * len(files)  # EOT positions per shard, found on first use
-        self.lanes, self.vocab_size = lanes, vocab_size
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -510,17 +496,13 @@ class TokenLoader:
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
         self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
-        starts, self.ends = self.lane_bounds(self.shard)
+        n = len(self.shards[self.shard])
+        k = max(1, min(self.lanes, n // (self.T + 1)))  # small shards get fewer lanes
+        starts, self.ends = [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
         self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
-        if len(self.pos) != len(starts) or not (0 <= self.lane < len(starts) and 0 <= self.shard < len(self.shards)
-                                                 and all(0 <= p <= len(self.shards[self.shard]) for p in self.pos)):
+        if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
+                                      and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
-
-    def lane_bounds(self, shard):
-        """([start of each lane], [end of each lane]) of a shard; small shards get fewer lanes."""
-        n = len(self.shards[shard])
-        k = max(1, min(self.lanes, n // (self.T + 1)))
-        return [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
 
     def _next_row(self, T):
         lane = self.lane
@@ -661,30 +643,29 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
     embedding at --embed_lr; weight decay on the hidden matrices only. Muon iterates in bf16 if the run's dtype is."""
     named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters alone
-    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
     # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
     # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024  # measured with Muon only
     embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
-    rest = [p for n, p in named.items()
-            if not (p.ndim == 2 and n.startswith("blocks.")) and not (own and n == "wte.weight")]
-    embed = [dict(params=[named["wte.weight"]], lr=embed_lr, weight_decay=0.0)] if own else []
-    fused = device.type == "cuda"
+    embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
+    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks."))]
     if cfg.optimizer == "muon":
         # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
-        muon = Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
-                    ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-        groups = [g for g in [dict(params=rest), *embed] if g["params"]]  # LoRA leaves none: no AdamW then
-        opts = [muon] + ([torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
-                                            fused=fused)] if groups else [])
+        opts = [Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
+                     ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)]
+        groups = [dict(params=rest), *embed]
     else:
         # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
         # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)),
-                  dict(params=rest, weight_decay=0.0), *embed]
-        groups = [g for g in groups if g["params"]]
-        opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)]
+        opts = []
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)), dict(params=rest),
+                  *embed]
+    groups = [g for g in groups if g["params"]]  # LoRA under Muon leaves none: no AdamW then
+    if groups:
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
+                                      fused=device.type == "cuda"))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
@@ -937,8 +918,7 @@ def train(cfg, stop, start=Start()):
 
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
-    _, _, device = setup_dist(cfg.device)
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, device)
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
     ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
@@ -951,8 +931,7 @@ def load_model(where, device, weights=lambda ckpt: ckpt["model"]):
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
     with reading(path, "pass a checkpoint written by train_gpt.py (finetune_gpt.py --sample reads LoRA and int8 ones)"):
-        c = ckpt["config"]
-        model = build_model(Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__}),
+        model = build_model(Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}),
                             ckpt["data_info"]["vocab_size"], device)
         model.load_state_dict(weights(ckpt))
         load_tokenizer(ckpt["tokenizer"])
