@@ -574,8 +574,7 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = (Benchmark.steps(cfg) if cfg.benchmark
-                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
+    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
@@ -706,12 +705,6 @@ def sample_main(cfg):
     return res
 
 
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
-
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -740,10 +733,16 @@ def check_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
-# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
+# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
 
 # === shared: images ===
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
     column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
