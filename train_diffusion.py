@@ -218,12 +218,10 @@ class DiT(nn.Module):
     def init_weights(self):
         """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
         for name, p in self.named_parameters():
-            if "ada." in name or name.startswith(("final_ada.", "out.")):
-                nn.init.zeros_(p)  # adaLN-Zero: blocks start as the identity and the prediction as zero
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+            if "ada." in name or name.startswith("out."):
+                nn.init.zeros_(p)  # adaLN-Zero (final_ada too): blocks start as the identity and the prediction as zero
             elif p.ndim == 1:
-                nn.init.ones_(p)  # QK-norm gains
+                (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)  # biases, norm gains
             else:
                 nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
         self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
@@ -318,12 +316,11 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
         cond, uncond = out.chunk(2)
         return uncond + scale * (cond - uncond)
 
-    sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
     if cfg.objective == "flow":
         ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
         for a, b in zip(ts[:-1], ts[1:]):
             v = pred(x, a)
-            if sampler == "heun" and b > 0:  # average the slopes at both ends; the last step stays Euler
+            if cfg.sampler == "heun" and b > 0:  # average the slopes at both ends; the last step stays Euler
                 v = 0.5 * (v + pred(x + (b - a) * v, b))
             x = x + (b - a) * v
         return x
@@ -343,11 +340,6 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
     return x.float() / 127.5 - 1
-
-
-def to_pixels(x):
-    """Model-space images in [-1, 1] -> uint8 pixels, rounded as a PNG would store them."""
-    return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
@@ -411,16 +403,13 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     labels = torch.arange(share * world_size) % max(K, 1)
     device = next(model.parameters()).device
     model.eval()
-
-    def net(x, t, y):
-        with ctx:
-            return model(x, t, y)
-
     out = []
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
-        out.append(to_pixels(sample(net, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)))
+        with ctx:  # autocasts the model's matmuls; the sampler's steps are elementwise, in fp32 either way
+            x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
+        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # pixels, rounded as a PNG stores them
     model.train()
     mine = torch.cat(out)
     if world_size > 1:
@@ -473,7 +462,7 @@ class Judge:
             out["logits"].append(self.clf.head(f))
             if self.inception is not None:  # takes NCHW in 0..255 and resizes to 299 inside
                 img = xb.permute(0, 3, 1, 2).expand(-1, 3, -1, -1) * 255
-                out["inception"].append(self.inception(img, return_features=True).view(len(xb), -1))
+                out["inception"].append(self.inception(img, return_features=True).flatten(1))
         return {k: torch.cat(v).float() for k, v in out.items() if v}
 
     def score(self, samples, K):
@@ -585,8 +574,7 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = (Benchmark.steps(cfg) if cfg.benchmark
-                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
+    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
@@ -667,8 +655,8 @@ def train(cfg, stop):
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
     if cfg.benchmark or clock.stopped:
-        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | {device} "
-                      f"{dtype} compile={compiled}", {"params": n_params})
+        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
+                      f"{device} {dtype} compile={compiled}", {"params": n_params})
     key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
     epochs = clock.step * images_per_step / len(train_loader.y)
     metrics = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
@@ -717,12 +705,6 @@ def sample_main(cfg):
     return res
 
 
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
-
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -751,10 +733,16 @@ def check_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
-# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
+# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
 
 # === shared: images ===
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
     column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""

@@ -439,10 +439,10 @@ def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_s
     best = max(res, key=lambda t: res[t]["val_acc"])
     conf = res[best]["confusion"]
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
+    of_ema = f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}" if ema else ""
     print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
-          f"{rec['val_loss']:.4f}" + (f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
-                                      if ema else "")
-          + f" | {min(n or len(val_y), len(val_y))} images" + (" (flip TTA)" if cfg.tta_flip else ""))
+          f"{rec['val_loss']:.4f}{of_ema} | {min(n or len(val_y), len(val_y))} images"
+          + (" (flip TTA)" if cfg.tta_flip else ""))
     return rec, conf, best
 
 
@@ -513,8 +513,7 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = (Benchmark.steps(cfg) if cfg.benchmark
-                 else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch))
+    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
     clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
@@ -628,10 +627,9 @@ def predict_main(cfg):
     with reading(path, "pass a checkpoint written by train_vit.py"):
         meta = ckpt["data_meta"]
         trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
-        model = build_model(trained, meta, device)
+        model = build_model(trained, meta, device).eval()
         model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
         size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
-    model.eval()
     print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
     out = {}
     for i in range(0, len(files), 256):
@@ -644,12 +642,6 @@ def predict_main(cfg):
             out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
             print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
     return out
-
-
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
 
 def check_config(cfg):
@@ -674,10 +666,16 @@ def check_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): 2-D sin-cos positions,
-# a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
+# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
 
 # === shared: images ===
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
+            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+
+
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
     column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
