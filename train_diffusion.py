@@ -49,7 +49,6 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # -----------------------------------------------------------------------------
 # Config
 
-
 @dataclass
 class Config:
     # data and output
@@ -133,7 +132,6 @@ class Config:
     ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
     sample_out: str = ""               # PNG written by --sample; empty = named after the sampler, beside the checkpoint
 
-
 PRESETS = {
     # the defaults: 1.3M parameters, 16 patches of 8x8 predicting the clean image, 420 s on 2 cores, on upright shapes
     # (prepare_data.py shapes --rotate=off): at every angle, a small model's samples blur into blobs (BENCHMARKS.md)
@@ -146,10 +144,8 @@ PRESETS = {
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 
-
 # -----------------------------------------------------------------------------
 # Model
-
 
 def timestep_embedding(t, dim=256):
     """Sinusoidal features of t in [0, 1] (scaled to 0..1000, as DDPM's integer steps): (B,) -> (B, dim), fp32."""
@@ -157,11 +153,9 @@ def timestep_embedding(t, dim=256):
     args = 1000 * t.float()[:, None] * freqs[None]
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
-
 def modulate(x, shift, scale):
     """adaLN: x (B, T, d) normalised, shifted and scaled per sample by (B, d) vectors from the conditioning."""
     return x * (1 + scale[:, None]) + shift[:, None]
-
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -181,7 +175,6 @@ class Attention(nn.Module):
         y = kernels.attention(q, k, v, causal=False)  # every patch sees every patch
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
-
 class Block(nn.Module):
     """A DiT block with adaLN-Zero: the conditioning c sets a shift, scale and gate for each branch; the gates
     start at zero, so every block starts as the identity (Peebles & Xie 2023)."""
@@ -198,7 +191,6 @@ class Block(nn.Module):
         x = x + gate1[:, None] * self.attn(modulate(kernels.rms_norm(x), shift1, scale1))
         h = F.gelu(self.fc(modulate(kernels.rms_norm(x), shift2, scale2)), approximate="tanh")
         return x + gate2[:, None] * self.proj(h)
-
 
 class DiT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes):
@@ -254,7 +246,6 @@ class DiT(nn.Module):
                         "blocks.")) and ".ada." not in n)
         return T * (6 * per_token + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
 
-
 def build_model(cfg, image_size, channels, num_classes, device):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
     with torch.device("meta"):
@@ -272,13 +263,11 @@ def build_model(cfg, image_size, channels, num_classes, device):
 
 T_DDPM = 1000
 
-
 def cosine_alpha_bar(T=T_DDPM, s=0.008):
     """alpha_bar at steps 0..T of the cosine schedule, each beta clipped at 0.999 (Nichol & Dhariwal 2021, eq. 17)."""
     f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
     beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)
     return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
-
 
 def sample_t(B, cfg, gen):
     """Training timesteps (B,) from generator gen: logit-normal for flow (Esser et al. 2024), uniform over the
@@ -286,7 +275,6 @@ def sample_t(B, cfg, gen):
     if cfg.objective == "flow":
         return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
     return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
-
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
     """Noise clean images x0 (B, H, W, C) to timesteps t (B,): (x_t, the model's target, loss weight (B,) or None)."""
@@ -297,7 +285,6 @@ def corrupt(x0, noise, t, cfg, alpha_bar):
     x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
     snr = ab / (1 - ab)  # min-SNR-gamma: the easy (high-SNR) steps weigh less, for epsilon-prediction min(SNR, g) / SNR
     return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
-
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
@@ -336,14 +323,12 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 # -----------------------------------------------------------------------------
 # Data
 
-
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
     return x.float() / 127.5 - 1
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
-
 
 def build_optimizers(cfg, raw, device):
     """AdamW; weight decay on the hidden matrices of the blocks only (not on embeddings, adaLN, norms or biases)."""
@@ -355,7 +340,6 @@ def build_optimizers(cfg, raw, device):
         g["peak_lr"] = g["lr"]
     return [opt]
 
-
 def lr_mult(cfg, step, progress):
     """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -366,7 +350,6 @@ def lr_mult(cfg, step, progress):
 
 # -----------------------------------------------------------------------------
 # Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
-
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
@@ -391,7 +374,6 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
     model.train()
     per_t = (all_mean(sums, world_size) * world_size / n).tolist()
     return sum(per_t) / len(per_t), per_t
-
 
 @torch.no_grad()
 def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
@@ -418,7 +400,6 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
         mine = torch.cat(parts)
     return mine[:n]
 
-
 def frechet_distance(a, b):
     """Frechet distance between Gaussians fitted to features a (n, d) and b (m, d), as in FID (Heusel et al. 2017):
     |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), with tr (S_a S_b)^1/2 = tr (S_a^1/2 S_b S_a^1/2)^1/2, float64."""
@@ -428,7 +409,6 @@ def frechet_distance(a, b):
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
     cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()
     return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
-
 
 class Judge:
     """Scores samples offline with a train_vit.py classifier trained on the same data: how often it recognises each
@@ -478,7 +458,6 @@ class Judge:
 # -----------------------------------------------------------------------------
 # Training loop
 
-
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final=False):
     """The held-out denoising loss of the weights and of their EMA; samples from the EMA: a grid (rows = classes) in
     out_dir, and with a judge their scores. Returns the record."""
@@ -508,7 +487,6 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
           + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
 
-
 def write_grid(path, images, rows, labels=None, zoom=2):
     """A PNG of uint8 images (rows * cols, H, W, C) where image r + j * rows sits in row r, column j, enlarged
     `zoom` times (nearest neighbour), with a label at the left of each row if given. Written atomically."""
@@ -531,14 +509,12 @@ def write_grid(path, images, rows, labels=None, zoom=2):
     im.save(f"{path}.tmp", format="PNG")
     os.replace(f"{path}.tmp", path)
 
-
 def conditioning(cfg, meta):
     """The number of classes the model is conditioned on: 0 (unconditional) for one class or --num_classes=0."""
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0 (none)")
     return 0 if cfg.num_classes == 0 or K == 1 else K
-
 
 def main(cfg):
     """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
@@ -547,7 +523,6 @@ def main(cfg):
     check_config(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
-
 
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
@@ -665,7 +640,6 @@ def train(cfg, stop):
                   f"{metrics} | checkpoint and samples.png in {cfg.out_dir}",
                   {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params}, key)
 
-
 def sample_main(cfg):
     """--sample: a grid from a checkpoint's EMA weights (rows = classes) and, with --eval_classifier, its scores."""
     check_choices(cfg)
@@ -704,7 +678,6 @@ def sample_main(cfg):
           + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
     return res
 
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -731,7 +704,6 @@ def check_config(cfg):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
 
-
 # -----------------------------------------------------------------------------
 # Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
 # match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
@@ -742,7 +714,6 @@ def run_layout(c, world_size, data_info):
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
-
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
     column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
@@ -750,7 +721,6 @@ def sincos_2d(h, w, dim):
     ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
     parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
-
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
@@ -779,7 +749,6 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
     return meta, arrays
 
-
 def image_data(cfg, rank, world_size, device, what, *flags):
     """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
     held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
@@ -802,7 +771,6 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
     return meta, loader, *val
 
-
 def flips(cfg, meta):
     """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
     (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
@@ -811,7 +779,6 @@ def flips(cfg, meta):
     if "flip_ok" not in meta:
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
     return meta["flip_ok"], "the data's flip_ok"
-
 
 class ImageLoader:
     """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
@@ -845,7 +812,6 @@ class ImageLoader:
         idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
-
 
 class EMA:
     """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).

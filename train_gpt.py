@@ -51,7 +51,6 @@ import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on 
 # -----------------------------------------------------------------------------
 # Config
 
-
 @dataclass
 class Config:
     # data and output
@@ -140,7 +139,6 @@ class Config:
     temperature: float = 0.8           # 0 = greedy
     top_k: int = 50                    # sample among the k most likely tokens; 0 = all
 
-
 # what prepares the default data_dir: prepare_data.py's command, what it is, its flags (a BPE beats bytes by 0.23 bpb)
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
 
@@ -156,10 +154,8 @@ ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "no
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start")  # a resume shares these too
 
-
 # -----------------------------------------------------------------------------
 # Model
-
 
 class Norm(nn.Module):
     """LayerNorm (default; a bias only with --bias) or RMSNorm over the last dim, with a learnable gain."""
@@ -175,7 +171,6 @@ class Norm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
 
-
 def rope_tables(seq_len, head_dim, base, device):
     """cos and signed sin tables of rotary position embeddings (Su et al. 2021), each (seq_len, head_dim), fp32: the
     angle of pair i, (i, i + D/2), at its two places, and the sin negated where the rotation subtracts it."""
@@ -183,13 +178,11 @@ def rope_tables(seq_len, head_dim, base, device):
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
-
 def apply_rope(x, cos, sin):
     """Rotate pairs (x[i], x[i + D/2]) of x (B, H, T, D) by position-dependent angles: x cos + (x with its halves
     swapped) sin, 2x faster on a CPU than rotating the halves apart and joining them with cat."""
     xf = x.float()
     return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
-
 
 class KVCache:
     """Keys and values of past positions for fast sampling: one (B, n_kv_head, seq_len, head_dim) pair per layer."""
@@ -207,7 +200,6 @@ class KVCache:
         self.k[layer][:, :, self.pos:self.pos + t] = k
         self.v[layer][:, :, self.pos:self.pos + t] = v
         return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
-
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
@@ -239,7 +231,6 @@ class Attention(nn.Module):
         y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -260,7 +251,6 @@ class MLP(nn.Module):
             h = F.gelu(h, approximate="tanh")
         return self.proj(h)
 
-
 class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -279,11 +269,9 @@ class Block(nn.Module):
             return x + torch.utils.checkpoint.checkpoint(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
-
 def width_mult(cfg):
     """muP's width multiplier m = n_embd / base_width; 1 under the standard parametrisation."""
     return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
-
 
 class GPT(nn.Module):
     """Token embedding, n_layer pre-norm blocks, a final norm and the head (tied to the embedding, or its own). The
@@ -390,7 +378,6 @@ class GPT(nn.Module):
                     logits = self(nxt, cache=cache)
             return out
 
-
 def build_model(cfg, vocab_size, device, cls=GPT):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
     with torch.device("meta"):
@@ -404,7 +391,6 @@ def build_model(cfg, vocab_size, device, cls=GPT):
 # Data
 
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024
-
 
 def open_shard(path):
     """Memory-map one token file: llm.c format (256 int32 header, uint16 tokens) or nanoGPT's raw uint16 .bin."""
@@ -423,13 +409,11 @@ def open_shard(path):
     die(f"{path}: not a token shard (no llm.c header magic {MAGIC}, and not a nanoGPT train.bin/val.bin); "
         f"make shards with prepare_data.py")
 
-
 def find_shards(data_dir, split):
     """The token files of one split: prepare_data.py/llm.c shards (*{split}_NNNNNN.bin) or nanoGPT's {split}.bin."""
     files = sorted(glob.glob(os.path.join(data_dir, f"*{split}_[0-9]*.bin")))
     raw = os.path.join(data_dir, f"{split}.bin")
     return files or ([raw] if os.path.exists(raw) else [])
-
 
 def load_meta(data_dir):
     """Tokenizer and size facts of a data dir: meta.json from prepare_data.py, or nanoGPT's meta.pkl / defaults."""
@@ -463,14 +447,12 @@ def load_meta(data_dir):
             die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py for it")
     return meta
 
-
 class PlainUnpickler(pickle.Unpickler):
     """Unpickles dicts, lists, tuples, strings, numbers, bools and None only: nanoGPT's meta.pkl. A class or function
     that a crafted pickle asks for, which is how a pickle runs code, is refused."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"it asks for {module}.{name}, and a meta.pkl holds only plain data: refused")
-
 
 class TokenLoader:
     """Reads (B, T) batches in a fixed order from memory-mapped shards; each rank takes its own B rows of a batch.
@@ -540,7 +522,6 @@ class TokenLoader:
             buf = buf.to(self.device)
         return buf[:, :-1], buf[:, 1:]
 
-
 class SyntheticLoader:
     """Random tokens of the right shape, for --benchmark: no data needed."""
 
@@ -553,7 +534,6 @@ class SyntheticLoader:
 
     def next(self, T=None):
         return self.x[:, :-1], self.x[:, 1:]
-
 
 def load_tokenizer(tok):
     """(encode, decode) for the tokenizer description stored in meta.json and in every checkpoint."""
@@ -582,11 +562,9 @@ def load_tokenizer(tok):
     n = enc.n_vocab
     return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
 
-
 def encode_ids(s):
     """Token ids written as numbers, '17 42': the text of a tokenizer we do not know, or whose files did not load."""
     return [int(t) for t in s.split() if t.isdigit()]
-
 
 def tokenizer_info(data_dir, meta):
     """What sampling needs to rebuild the tokenizer, small enough to store in each checkpoint."""
@@ -625,7 +603,6 @@ class Muon(torch.optim.Optimizer):
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
                 torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
                 torch._foreach_add_(ps, x.unbind(0), alpha=-group["lr"] * 0.2 * math.sqrt(max(ps[0].shape)))
-
 
 def orthogonalise(x):
     """Approximately the nearest (semi-)orthogonal matrices U V^T to x = U S V^T (..., rows, cols): 5 Newton-Schulz
@@ -671,7 +648,6 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
             g["peak_lr"] = g["lr"]
     return opts
 
-
 def seq_len_at(cfg, step):
     """--seq_len_warmup: the training length at step, growing linearly from --seq_len_start to --seq_len in multiples
     of 64 that divide batch_size x seq_len, so every step keeps its tokens (Li et al. 2022, sequence length warmup)."""
@@ -679,7 +655,6 @@ def seq_len_at(cfg, step):
         return cfg.seq_len
     t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
     return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
-
 
 def lr_mult(cfg, step, progress):
     """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
@@ -693,7 +668,6 @@ def lr_mult(cfg, step, progress):
 
 # -----------------------------------------------------------------------------
 # Training loop
-
 
 def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     """Val loss, perplexity and bits per byte on the first eval_tokens of val (up to 4M at the end): the same tokens
@@ -719,7 +693,6 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
           f" (the val split has {have}: read more than once)" if final and n * per_batch > have else ""))
     return rec
 
-
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
@@ -735,7 +708,6 @@ def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     out = model.generate(torch.tensor([ids], device=device), n_tokens, temperature, top_k,
                          torch.Generator(device).manual_seed(seed))
     return out[0].tolist(), decode(out[0, 1 if eot is not None else 0:].tolist())
-
 
 def layer_stats(raw, x, ctx):
     """Per layer (embedding, each block, head): |grad| / |weight| from the last backward, and the RMS of each layer's
@@ -754,7 +726,6 @@ def layer_stats(raw, x, ctx):
         h.remove()
     return {**stats, "act_rms": torch.stack(rms).tolist()}
 
-
 class Start:
     """What train() starts from: a fresh GPT of the flags' shape on the data's vocabulary. finetune_gpt.py passes its
     own to main(), which starts from other weights and may add adapters, fake quantization or a teacher."""
@@ -770,7 +741,6 @@ class Start:
     def layout(self, cfg):
         """{name: value} that a resume must share besides run_layout's config fields."""
         return {}
-
 
 def main(cfg, start=Start()):
     """Train (or --benchmark, or --sample) per cfg, from `start`; returns a dict of final metrics."""
@@ -793,7 +763,6 @@ def main(cfg, start=Start()):
                 print(f"out of GPU memory: starting again with {flags} (same tokens per step); pass {flags} next time")
             gc.collect()  # out here, where the failed attempt's tensors are no longer held by its traceback
             torch.cuda.empty_cache()
-
 
 def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
@@ -915,14 +884,12 @@ def train(cfg, stop, start=Start()):
                   {**rec, "train_loss": loss, "tokens": clock.step * tokens_per_step, "params": n_params,
                    "trained_params": n_trained}, metric)
 
-
 def sample_main(cfg):
     """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
     model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
     ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
-
 
 def load_model(where, device, weights=lambda ckpt: ckpt["model"]):
     """(model in eval mode, tokenizer, step, path) of a checkpoint of this script: what --sample reads. weights(ckpt):
@@ -937,7 +904,6 @@ def load_model(where, device, weights=lambda ckpt: ckpt["model"]):
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
-
 def consolidate_main(cfg):
     """--consolidate: a sharded checkpoint (the folder an FSDP run writes with DCP, or that run's out_dir) as one
     ckpt_STEP.pt in --out_dir, the file a one-process run writes, which --sample and finetune_gpt.py read."""
@@ -950,7 +916,6 @@ def consolidate_main(cfg):
     print(f"wrote {path} as one file: {list_checkpoints(cfg.out_dir)[-1][1]}")
     return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
 
-
 def run_layout(c, world_size, data_info):
     """What a resumed run must share with its checkpoint, from a config dict: architecture, vocab and the rows of a
     step. Not the ranks or the micro-batch: the loader's place counts whole steps, so a resume on new ranks is exact."""
@@ -958,7 +923,6 @@ def run_layout(c, world_size, data_info):
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
     return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS},
             "batch_size x grad_accum x ranks": B * accum * world_size, **data_info}
-
 
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
@@ -991,7 +955,6 @@ def check_config(cfg):
             float(cfg.tokens)
         except ValueError:
             die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
-
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

@@ -46,7 +46,6 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # -----------------------------------------------------------------------------
 # Config
 
-
 @dataclass
 class Config:
     # data and output
@@ -127,7 +126,6 @@ class Config:
     ckpt: str = ""                     # checkpoint file or directory for --predict; empty = out_dir
     top_k: int = 5                     # classes shown per image by --predict
 
-
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
     # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
@@ -139,10 +137,8 @@ PRESETS = {
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
                "registers", "layer_scale")
 
-
 # -----------------------------------------------------------------------------
 # Model
-
 
 class Norm(nn.Module):
     """RMSNorm (default) or bias-free LayerNorm over the last dim, with a learnable gain."""
@@ -156,7 +152,6 @@ class Norm(nn.Module):
         if self.kind == "rmsnorm":
             return kernels.rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -173,7 +168,6 @@ class Attention(nn.Module):
         y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # every token sees every token
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -189,14 +183,12 @@ class MLP(nn.Module):
             return self.proj(F.silu(a) * b)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
-
 def drop_path(x, p, training):
     """Stochastic depth (Huang et al. 2016): zero a residual branch for a random p of the samples, rescale the rest."""
     if not training or p == 0:
         return x
     keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
     return x * keep / (1 - p)
-
 
 class Block(nn.Module):
     def __init__(self, cfg, drop):
@@ -212,7 +204,6 @@ class Block(nn.Module):
         x = x + drop_path(a * self.ls1 if self.ls1 is not None else a, self.drop, self.training)
         m = self.mlp(self.norm2(x))
         return x + drop_path(m * self.ls2 if self.ls2 is not None else m, self.drop, self.training)
-
 
 class ViT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes, mean, std):
@@ -273,7 +264,6 @@ class ViT(nn.Module):
         n = sum(p.numel() for n, p in self.named_parameters() if n.startswith(("patch.", "blocks.")) and p.ndim == 2)
         return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
 
-
 def build_model(cfg, meta, device):
     """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
     with torch.device("meta"):
@@ -285,7 +275,6 @@ def build_model(cfg, meta, device):
 
 # -----------------------------------------------------------------------------
 # Data
-
 
 def augment(x, cfg, flip):
     """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image,
@@ -300,7 +289,6 @@ def augment(x, cfg, flip):
     if flip:
         x = torch.where(torch.rand(B, 1, 1, 1, device=x.device) < 0.5, x.flip(2), x)
     return x
-
 
 def mix(x, y, cfg):
     """Mixup or cutmix of the batch with its reverse: returns (x, y, y_reversed, lam), the loss being
@@ -352,7 +340,6 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
                 torch._foreach_add_(ps, x.unbind(0), alpha=-group["lr"] * 0.2 * math.sqrt(max(ps[0].shape)))
 
-
 def orthogonalise(x):
     """Approximately the nearest (semi-)orthogonal matrices U V^T to x = U S V^T (..., rows, cols): 5 Newton-Schulz
     iterations of a quintic tuned to push every singular value near 1 fast, not to converge exactly."""
@@ -384,7 +371,6 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
             g["peak_lr"] = g["lr"]
     return opts
 
-
 def lr_mult(cfg, step, progress):
     """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -397,7 +383,6 @@ def lr_mult(cfg, step, progress):
 
 # -----------------------------------------------------------------------------
 # Training loop
-
 
 @torch.no_grad()
 def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_images=None, tta_flip=False):
@@ -424,7 +409,6 @@ def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_image
     return {"val_acc": (total[0] / n).item(), "val_top5": (total[1] / n).item(), "val_loss": (total[2] / n).item(),
             "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
 
-
 def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_size, step, final=False):
     """Evaluate the weights and their EMA on eval_images val images (all at the end). Returns the record, and the
     confusion matrix and tag ("" or "ema_") of the better of the two."""
@@ -444,7 +428,6 @@ def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_s
           f"{rec['val_loss']:.4f}{of_ema} | {min(n or len(val_y), len(val_y))} images"
           + (" (flip TTA)" if cfg.tta_flip else ""))
     return rec, conf, best
-
 
 def plot_results(out_dir, history, confusion, classes):
     """accuracy.png (val accuracy of the model and its EMA, train loss, against step) and confusion.png."""
@@ -480,7 +463,6 @@ def plot_results(out_dir, history, confusion, classes):
         fig.savefig(os.path.join(out_dir, name), dpi=120)
         plt.close(fig)
 
-
 def main(cfg):
     """Train (or --benchmark, or --predict) per cfg; returns a dict of final metrics."""
     check_config(cfg)
@@ -488,7 +470,6 @@ def main(cfg):
         return predict_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
         return train(cfg, stop)
-
 
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
@@ -599,7 +580,6 @@ def train(cfg, stop):
                   f"accuracy.png and confusion.png in {cfg.out_dir}",
                   {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params}, key)
 
-
 def load_image(path, size, channels):
     """An image file as (size, size, channels) uint8, its centre square resized to size, as prepare_data.py does."""
     from PIL import Image, ImageOps
@@ -610,7 +590,6 @@ def load_image(path, size, channels):
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a broken file, a pixel bomb
         die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
     return a.reshape(size, size, channels)
-
 
 def predict_main(cfg):
     """--predict: class probabilities of each image in a file or folder, from a checkpoint's EMA weights (if any)."""
@@ -643,7 +622,6 @@ def predict_main(cfg):
             print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
     return out
 
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -664,7 +642,6 @@ def check_config(cfg):
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
-
 # -----------------------------------------------------------------------------
 # Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
 # match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
@@ -675,7 +652,6 @@ def run_layout(c, world_size, data_info):
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
 
-
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
     column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
@@ -683,7 +659,6 @@ def sincos_2d(h, w, dim):
     ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
     parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
-
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
@@ -712,7 +687,6 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
     return meta, arrays
 
-
 def image_data(cfg, rank, world_size, device, what, *flags):
     """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
     held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
@@ -735,7 +709,6 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
     return meta, loader, *val
 
-
 def flips(cfg, meta):
     """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
     (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
@@ -744,7 +717,6 @@ def flips(cfg, meta):
     if "flip_ok" not in meta:
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
     return meta["flip_ok"], "the data's flip_ok"
-
 
 class ImageLoader:
     """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
@@ -778,7 +750,6 @@ class ImageLoader:
         idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
-
 
 class EMA:
     """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).

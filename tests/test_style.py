@@ -39,13 +39,13 @@ def test_importing_scripts_has_no_side_effects(tmp_path):
 
 
 # STYLE.md's budgets (issue 35): (budget, ceiling). Where a file is still over its budget, the ceiling is today's
-# size, so it cannot grow; lower a ceiling to its budget as soon as the file fits. The machinery's ceiling rose by 32
-# lines when its last 30 lines over 120 characters were wrapped and Run was split by duty, the image trainers' with it
-# (+32 each, with the checks moved after the loop); train_gpt.py fell by 7 (--skip_data went, 28 long lines wrapped).
-BUDGETS = {"train_gpt.py": (1350, 1683), "train_vit.py": (1150, 1475), "train_diffusion.py": (1250, 1552),
+# size, so it cannot grow; lower a ceiling to its budget as soon as the file fits. The trainers fell by 62 (GPT), 35
+# (ViT) and 50 (DiT) lines on 2026-11-24: one blank line between top-level definitions, as the machinery always had,
+# and code said once where it was said twice; the machinery by 4 (docstrings that restated the code).
+BUDGETS = {"train_gpt.py": (1350, 1621), "train_vit.py": (1150, 1440), "train_diffusion.py": (1250, 1502),
            "finetune_gpt.py": (450, 450), "kernels.py": (900, 900), "prepare_data.py": (750, 750),
            "scaling.py": (850, 850)}
-MACHINERY = (450, 657)  # the shared machinery block of each trainer: budget, ceiling
+MACHINERY = (450, 653)  # the shared machinery block of each trainer: budget, ceiling
 
 
 def machinery_span(lines):
