@@ -245,12 +245,12 @@ class QATLinear(nn.Linear):
 
 class Student(tg.GPT):
     """train_gpt.py's GPT whose training loss also learns from teacher = (model, weight W, temperature T), if set:
-    (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015)."""
+    (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015). Evals (eval mode) score CE alone."""
     teacher = None  # a tuple, not a submodule: the teacher's weights are neither trained, saved nor sharded
 
     def loss(self, idx, x, w, targets, z_loss=0.0):
         ce = super().loss(idx, x, w, targets, z_loss)
-        if self.teacher is None:
+        if self.teacher is None or not self.training:  # val loss and bpb stay comparable with any other run's
             return ce
         model, weight, temp = self.teacher
         with torch.no_grad():
