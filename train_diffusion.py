@@ -982,7 +982,7 @@ def wrap_model(raw, cfg, device, dtype, world_size):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
         kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
-                  offload_policy=offload)  # params: shards, grads, optimizer state and the step on the CPU
+                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))  # not CUDA's on CPU
         for block in raw.blocks:
             if compiled:
                 block.compile()

@@ -567,15 +567,25 @@ def test_ddp_by_default_and_fsdp2_a_block_at_a_time(one_rank_group, monkeypatch)
         warnings.simplefilter("ignore")  # DDP's broadcast_buffers deprecation
         model, _ = tg.wrap_model(tg.build_model(cfg, 257, CPU), cfg, CPU, torch.float32, 2)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.bucket_bytes_cap > 0
-    sharded, shard = [], fsdp.fully_shard
+    sharded, shard, meshes, mesh = [], fsdp.fully_shard, [], dist.init_device_mesh
     monkeypatch.setattr(fsdp, "fully_shard", lambda m, **kw: sharded.append((m, kw["mp_policy"])) or shard(m, **kw))
+    # the mesh is the run's device: FSDP2's default is CUDA's wherever CUDA exists, so on an H100 machine two
+    # --device=cpu ranks failed ('CUDA error: invalid device ordinal' on rank 1); here one rank stands in for two
+    monkeypatch.setattr(dist, "init_device_mesh", lambda kind, shape: meshes.append((kind, shape)) or mesh(kind, (1,)))
     cfg = tg.Config(**{**TINY, "parallel": "fsdp"})
     raw = tg.build_model(cfg, 257, CPU)
     model, _ = tg.wrap_model(raw, cfg, CPU, torch.bfloat16, 2)
-    assert [m for m, _ in sharded] == [*raw.blocks, raw] and model is raw
+    assert [m for m, _ in sharded] == [*raw.blocks, raw] and model is raw and meshes == [("cpu", (2,))]
     assert all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32 for _, p in sharded)
     idx = torch.randint(0, 257, (2, 9))
     model(idx[:, :-1], idx[:, 1:]).backward()  # it trains
+    IMAGES = {"num_classes": 3, "image_size": [8, 8], "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3}
+    for mod, make in ((tv, lambda c: tv.build_model(c, IMAGES, CPU)),
+                      (td, lambda c: td.build_model(c, 8, 3, 3, CPU))):  # the image trainers shard alike
+        meshes.clear()
+        c = mod.Config(n_layer=1, n_head=2, n_embd=32, patch_size=4, device="cpu", compile="false", parallel="fsdp")
+        mod.wrap_model(make(c), c, CPU, torch.bfloat16, 2)
+        assert meshes == [("cpu", (2,))], mod.__name__
 
 
 def test_compile_is_on_for_cuda_and_wraps_the_model():
