@@ -142,12 +142,12 @@ class Config:
 # what prepares the default data_dir: prepare_data.py's command, what it is, its flags (a BPE beats bytes by 0.23 bpb)
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
 
-# GPT-2's sizes on FineWeb: AdamW and RMSNorm, as the CPU recipe (Muon, LayerNorm) is unmeasured on GPUs
-GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0.0, tokens="auto",
+# GPT-2's sizes on FineWeb, RMSNorm; Muon won at 124M on one H100 (BENCHMARKS.md), 350M keeps AdamW, unmeasured
+GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, tokens="auto", batch_size=32,
             warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, optimizer="adamw", norm="rmsnorm")
 PRESETS = {
     "cpu_demo": {},  # the defaults: 2.0M parameters, 240 s of training on a 2-core CPU
-    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, batch_size=32, lr=6e-4, out_dir="out/gpt2_124m"),
+    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, optimizer="muon", lr=4e-3, out_dir="out/gpt2_124m"),
     "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4, out_dir="out/gpt2_350m"),
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
