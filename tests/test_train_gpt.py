@@ -591,7 +591,8 @@ def test_monitoring_in_metrics(corpus, tmp_path):
 def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
     """SIGTERM to rank 1 stops both ranks at the same step with a checkpoint and exit 0; a crash of rank 1 under
     torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model."""
-    common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
+    common = ["--dtype=float32",  # both paths in one precision, whatever each process's timing probe would choose
+              f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
               "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2"]
     p = run_script(*common, f"--out_dir={tmp_path}/t", fault="sigterm@3:1", torchrun=True)
     assert p.returncode == 0, p.stderr[-3000:]
