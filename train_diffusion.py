@@ -683,18 +683,17 @@ def check_config(cfg):
     check_choices(cfg)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum", "guard_window", "sample_steps",
-              "per_class"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    at_least = dict.fromkeys(("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps "
+                              "per_class").split(), 1)
+    at_least |= dict.fromkeys(("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples loss_spike "
+                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
+    for k, low in {**at_least, "num_classes": -1}.items():
+        if getattr(cfg, k) < low:
+            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
         die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
-    if min(cfg.num_classes + 1, cfg.min_snr, cfg.cfg_scale, cfg.epochs, cfg.image_size, cfg.eval_images,
-           cfg.eval_samples, cfg.final_samples, cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--num_classes must be >= -1; --min_snr, --cfg_scale, --epochs, --image_size, the eval sizes and the "
-            "guard flags must be >= 0")
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")

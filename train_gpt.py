@@ -935,26 +935,22 @@ def check_config(cfg):
     if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
         die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
             "drop --tie_embeddings")
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    at_least = dict.fromkeys("n_layer n_head n_embd seq_len batch_size grad_accum guard_window".split(), 1)
+    at_least |= dict.fromkeys(("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
+                               "seq_len_warmup max_steps time_budget").split(), 0)  # a negative budget never ends
+    for k, low in at_least.items():
+        if getattr(cfg, k) < low:
+            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
             or not 0 < cfg.cooldown_frac <= 1):
         die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
-    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
-        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
-    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
-        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
         die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
             f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
-    if cfg.tokens and cfg.tokens != "auto":
-        try:
-            float(cfg.tokens)
-        except ValueError:
-            die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
+    if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
+        die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and

@@ -628,17 +628,16 @@ def check_config(cfg):
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "batch_size", "grad_accum", "guard_window", "top_k"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    at_least = dict.fromkeys("patch_size n_layer n_head batch_size grad_accum guard_window top_k".split(), 1)
+    at_least |= dict.fromkeys(("n_embd translate mixup cutmix registers layer_scale epochs image_size loss_spike "
+                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
+    for k, low in at_least.items():
+        if getattr(cfg, k) < low:
+            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
-           cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
-            "guard flags must be >= 0")
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 

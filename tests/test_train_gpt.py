@@ -261,9 +261,12 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--batch_size=abc"], "invalid int value"),
     (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
     (["--offload=params", "--max_steps=1"], "--offload needs --parallel=fsdp under torchrun"),
-    (["--window=-1", "--max_steps=1"], "--window, --window_pattern and --seq_len_warmup must be >= 0"),
+    (["--window=-1", "--max_steps=1"], "--window must be at least 0, got -1"),
     (["--seq_len_warmup=10", "--seq_len=100", "--max_steps=1"], "needs --seq_len a multiple of 64 (got 100)"),
     (["--activation_checkpointing=all", "--max_steps=1"], "not one of none|blocks|selective"),
+    (["--max_steps=-5"], "--max_steps must be at least 0, got -5"),  # budgets that would never end
+    (["--max_steps=1", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
+    (["--tokens=-1e9"], "--tokens=-1e9 is neither a number >= 0"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     """Bad flags fail at once, before the default data_dir (relative: in tmp_path) is prepared or out_dir written."""
