@@ -1227,12 +1227,13 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     if ckpts.world_size > 1:
         dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
     ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
-    if ckpt is None:
-        return print(f"step {clock.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
+        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
+            f"{first_bad} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
     if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise "
-            f"--warmup_steps")
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
+            f"or raise --warmup_steps")
     for s, p in list_checkpoints(out) if ckpts.master else []:
         (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
     print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
