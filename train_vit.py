@@ -1133,7 +1133,7 @@ class Checkpoints:
 
     def restore(self, ckpt):
         """Everything from a checkpoint; a sharded one's tensors are read here, each rank only the parts it holds
-        (resharded by DCP if the ranks changed)."""
+        (resharded by DCP if the ranks changed). Rank 0 then deletes the newer checkpoints."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
         options = StateDictOptions(full_state_dict="shards" not in ckpt)
         if "shards" in ckpt:
@@ -1152,6 +1152,8 @@ class Checkpoints:
         if not all(isinstance(h, dict) for h in self.log.history):
             raise ValueError("its history is not a list of records")
         c.start()
+        for _, p in [s for s in list_checkpoints(self.cfg.out_dir) if self.master and s[0] > c.step]:
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)  # unreadable, or an abandoned timeline: never kept
 
     def save(self, **extra):
         """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
@@ -1215,8 +1217,8 @@ def resume(ckpts, layout, loader):
 
 def roll_back_if_due(reason, loss, gnorm, ckpts):
     """Log an update the guard skipped. Once it counts too many bad steps, restore the newest intact checkpoint from
-    before the first of them, deleting the newer ones (a timeline nothing may resume), and return True: the loader
-    keeps its place, so the batches read since are skipped (PaLM 5.1)."""
+    before the first of them (none: stop), which deletes the newer ones (a timeline nothing may resume), and return
+    True: the loader keeps its place, so the batches read since are skipped (PaLM 5.1)."""
     guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
     log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
     print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
@@ -1234,8 +1236,6 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
         die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
             f"or raise --warmup_steps")
-    for s, p in list_checkpoints(out) if ckpts.master else []:
-        (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
     print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
     log.record(step=clock.step, event="rollback", to_step=ckpt["step"])
     ckpts.restore(ckpt)
@@ -1263,12 +1263,9 @@ def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
         error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
         os.remove(tmp) if os.path.exists(tmp) else None
         return setattr(ckpts, "error", error) if ckpts else die(error)
-    # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
-    # and never count among the keep_last that protect the good ones
-    found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
-    older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
-    for s, p in [c for c in found if c[0] > ckpt["step"]] + [c for c in older if not (every and c[0] % every == 0)]:
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    for s, p in list_checkpoints(cfg.out_dir)[:-cfg.keep_last] if cfg.keep_last > 0 else []:  # all older: restore()
+        if not (cfg.milestone_every and s % cfg.milestone_every == 0):  # deleted any newer, so only good ones count
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
 
 def list_checkpoints(out_dir):
     """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another

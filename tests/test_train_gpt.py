@@ -335,6 +335,18 @@ def test_corrupt_newest_checkpoint_falls_back(corpus, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("warning: skipping checkpoint") and r["steps"] == 3
     assert [s for s, _ in tg.list_checkpoints(str(out))] == [3] and tg.load_checkpoint(str(out))[0]["step"] == 3
 
+
+def test_a_corrupt_checkpoint_is_never_counted_as_kept(corpus, tmp_path, capsys):
+    """Steps 2 and 4 saved, 4 cut short; a resume to step 6 with --keep_last=2 keeps the good step 2 beside the new 6:
+    the unreadable 4, deleted when the resume restores step 2, is not counted as one of the two kept."""
+    out = tmp_path / "o"
+    tg.main(tiny(corpus, out, max_steps=4, save_every=2, dtype="float32"))
+    with open(out / "ckpt_0000004.pt", "r+b") as f:
+        f.truncate(1000)
+    assert tg.main(tiny(corpus, out, max_steps=6, dtype="float32", resume=True))["steps"] == 6
+    assert "skipping checkpoint" in capsys.readouterr().err
+    assert [s for s, _ in tg.list_checkpoints(str(out))] == [2, 6] and tg.load_checkpoint(str(out))[0]["step"] == 6
+
 # ----------------------------------------------------------------------------- distributed (gloo, two ranks)
 
 
