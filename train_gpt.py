@@ -152,7 +152,7 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start")  # a resume shares these too
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # a resume shares these too
 
 # -----------------------------------------------------------------------------
 # Model
@@ -767,7 +767,6 @@ def main(cfg, start=Start()):
 def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
         accum, rest = divmod(cfg.total_batch, B * T * world_size)
@@ -796,6 +795,12 @@ def train(cfg, stop, start=Start()):
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
                                  lanes=B * world_size, vocab_size=vocab_size)
 
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config (and checkpoints)
+    ckpt, path = resume_point(cfg, run_layout(dataclasses.asdict(cfg), world_size, info))
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)  # auto: the checkpoint's, else decided now, once
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))  # checkpoints and config.json keep it
+
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
     raw = start.build(cfg, vocab_size, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
@@ -809,10 +814,7 @@ def train(cfg, stop, start=Start()):
     log = Log(cfg, rank, clock, device, dtype, per_step=tokens_per_step, unit="tok",
               flops=raw.flops_per_token() * tokens_per_step)  # per step, for throughput and MFU
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard)
-
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config (and checkpoints)
-    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, info), train_loader)
+    resume(ckpts, ckpt, path, train_loader)
     data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step))  # bad data stops it now
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x "
@@ -1065,17 +1067,18 @@ def cpu_has_bf16():
     fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
     return fp32 > 1.5 * bf16
 
-def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
-    on a CPU whose bf16 matmuls are fast, fp32 elsewhere. The master weights stay fp32."""
-    if dtype_arg == "auto":
-        if device.type == "cuda":
-            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-            if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-                dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-            dtype_arg = "bfloat16" if fast else "float32"
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, GradScaler). auto: a resumed run's dtype; else bf16 autocast on CUDA (fp16 with loss
+    scaling where bf16 is missing) and on a CPU whose bf16 matmuls are fast; else fp32. Master weights stay fp32."""
+    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
+        dtype_arg = ckpt["config"]["dtype"]
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
+        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1368,24 +1371,29 @@ class Checkpoints:
         if self.error:
             die(self.error)
 
-def resume(ckpts, layout, loader):
-    """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and the loader's place,
-    if there is one. Never overwrites an earlier run, nor goes on with another layout."""
-    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def resume_point(cfg, layout):
+    """(checkpoint, path) that a run goes on from (--resume, or after a torchrun restart): the newest intact one in
+    out_dir, or (None, None). Never overwrites an earlier run, nor goes on with another layout (auto: any dtype)."""
     found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-    if found and not (cfg.resume or restarts):
+    if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
     if found and ckpt is None:
         die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"]) if ckpt else {}
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+    if diff:
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
+            f"--out_dir")
+    return ckpt, path
+
+def resume(ckpts, ckpt, path, loader):
+    """Restore ckpt, from resume_point, and the loader's place."""
+    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if ckpt is None:
         return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
     with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
     if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train

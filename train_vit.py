@@ -474,7 +474,6 @@ def main(cfg):
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
@@ -485,6 +484,11 @@ def train(cfg, stop):
     if not cfg.n_embd:  # under 10k images width 128 stalls near chance for ~500 steps where 64 learns (README)
         cfg = dataclasses.replace(cfg, n_embd=64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    ckpt, path = resume_point(cfg, run_layout(dataclasses.asdict(cfg), world_size, data_info))
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)  # auto: the checkpoint's, else decided now, once
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))  # checkpoints and config.json keep it
 
     # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
     raw = build_model(cfg, meta, device)
@@ -500,9 +504,7 @@ def train(cfg, stop):
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
               flops=raw.flops_per_image() * images_per_step)  # per step, for throughput and MFU
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard, ema=ema)
-
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
+    resume(ckpts, ckpt, path, train_loader)
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
           f" | {(H // cfg.patch_size) ** 2} patches"
@@ -647,9 +649,9 @@ def check_config(cfg):
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data, batch, precision."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+            "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
 
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
@@ -887,17 +889,18 @@ def cpu_has_bf16():
     fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
     return fp32 > 1.5 * bf16
 
-def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
-    on a CPU whose bf16 matmuls are fast, fp32 elsewhere. The master weights stay fp32."""
-    if dtype_arg == "auto":
-        if device.type == "cuda":
-            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-            if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-                dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-            dtype_arg = "bfloat16" if fast else "float32"
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, GradScaler). auto: a resumed run's dtype; else bf16 autocast on CUDA (fp16 with loss
+    scaling where bf16 is missing) and on a CPU whose bf16 matmuls are fast; else fp32. Master weights stay fp32."""
+    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
+        dtype_arg = ckpt["config"]["dtype"]
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
+        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1190,24 +1193,29 @@ class Checkpoints:
         if self.error:
             die(self.error)
 
-def resume(ckpts, layout, loader):
-    """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and the loader's place,
-    if there is one. Never overwrites an earlier run, nor goes on with another layout."""
-    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def resume_point(cfg, layout):
+    """(checkpoint, path) that a run goes on from (--resume, or after a torchrun restart): the newest intact one in
+    out_dir, or (None, None). Never overwrites an earlier run, nor goes on with another layout (auto: any dtype)."""
     found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-    if found and not (cfg.resume or restarts):
+    if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
     if found and ckpt is None:
         die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"]) if ckpt else {}
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+    if diff:
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
+            f"--out_dir")
+    return ckpt, path
+
+def resume(ckpts, ckpt, path, loader):
+    """Restore ckpt, from resume_point, and the loader's place."""
+    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if ckpt is None:
         return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
     with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
     if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
