@@ -152,7 +152,7 @@ PRESETS = {
 }
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
                "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start")  # a resume shares these too
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # a resume shares these too
 
 # -----------------------------------------------------------------------------
 # Model
@@ -767,7 +767,6 @@ def main(cfg, start=Start()):
 def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
     if cfg.total_batch:  # a global batch in tokens, the same on 1 GPU or 64: micro-steps make up the difference
         accum, rest = divmod(cfg.total_batch, B * T * world_size)
@@ -796,6 +795,12 @@ def train(cfg, stop, start=Start()):
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
                                  lanes=B * world_size, vocab_size=vocab_size)
 
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config (and checkpoints)
+    ckpt, path = resume_point(cfg, run_layout(dataclasses.asdict(cfg), world_size, info))
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)  # auto: the checkpoint's, else decided now, once
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))  # checkpoints and config.json keep it
+
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
     raw = start.build(cfg, vocab_size, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
@@ -809,10 +814,7 @@ def train(cfg, stop, start=Start()):
     log = Log(cfg, rank, clock, device, dtype, per_step=tokens_per_step, unit="tok",
               flops=raw.flops_per_token() * tokens_per_step)  # per step, for throughput and MFU
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard)
-
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config (and checkpoints)
-    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, info), train_loader)
+    resume(ckpts, ckpt, path, train_loader)
     data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, clock.step))  # bad data stops it now
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x "
@@ -935,26 +937,22 @@ def check_config(cfg):
     if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
         die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
             "drop --tie_embeddings")
-    for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "guard_window"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    at_least = dict.fromkeys("n_layer n_head n_embd seq_len batch_size grad_accum guard_window".split(), 1)
+    at_least |= dict.fromkeys(("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
+                               "seq_len_warmup max_steps time_budget").split(), 0)  # a negative budget never ends
+    for k, low in at_least.items():
+        if getattr(cfg, k) < low:
+            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
             or not 0 < cfg.cooldown_frac <= 1):
         die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
-    if min(cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after, cfg.total_batch) < 0:
-        die("--loss_spike, --gnorm_spike, --clip_mult, --rollback_after and --total_batch must be >= 0")
-    if min(cfg.window, cfg.window_pattern, cfg.seq_len_warmup) < 0:
-        die("--window, --window_pattern and --seq_len_warmup must be >= 0")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
         die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
             f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
-    if cfg.tokens and cfg.tokens != "auto":
-        try:
-            float(cfg.tokens)
-        except ValueError:
-            die(f"--tokens={cfg.tokens} is neither a number (e.g. 2.5e9) nor 'auto'")
+    if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
+        die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
 
 # -----------------------------------------------------------------------------
 # Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
@@ -1061,28 +1059,26 @@ def cpu_has_bf16():
     runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
     AVX512-BF16 ran bf16 matmuls 3-5x faster and 0.6x as fast as fp32 (BENCHMARKS.md, "CPU recipe")."""
     import timeit
-    try:
-        with open("/proc/cpuinfo") as f:
-            if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-                return False
-    except OSError:
-        return False
+    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:  # no /proc: no flags to see
+        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
+            return False
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
     # each the fastest of 5 products after one to warm up, about 50 ms in all
     fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
     return fp32 > 1.5 * bf16
 
-def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
-    on a CPU whose bf16 matmuls are fast, fp32 elsewhere. The master weights stay fp32."""
-    if dtype_arg == "auto":
-        if device.type == "cuda":
-            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-            if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-                dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-            dtype_arg = "bfloat16" if fast else "float32"
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, GradScaler). auto: a resumed run's dtype; else bf16 autocast on CUDA (fp16 with loss
+    scaling where bf16 is missing) and on a CPU whose bf16 matmuls are fast; else fp32. Master weights stay fp32."""
+    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
+        dtype_arg = ckpt["config"]["dtype"]
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
+        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1242,9 +1238,7 @@ class Benchmark:
             self.t0 = clock.train_time
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
         if self.cfg.profile and clock.step == BENCH_WARMUP + self.cfg.bench_steps:
-            cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-            self.t1, self.profiler = clock.train_time, torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU] + cuda)
+            self.t1, self.profiler = clock.train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
             self.profiler.start()
 
     def report(self, log, what, mem):
@@ -1320,7 +1314,7 @@ class Checkpoints:
 
     def restore(self, ckpt):
         """Everything from a checkpoint; a sharded one's tensors are read here, each rank only the parts it holds
-        (resharded by DCP if the ranks changed)."""
+        (resharded by DCP if the ranks changed). Rank 0 then deletes the newer checkpoints."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
         options = StateDictOptions(full_state_dict="shards" not in ckpt)
         if "shards" in ckpt:
@@ -1339,6 +1333,8 @@ class Checkpoints:
         if not all(isinstance(h, dict) for h in self.log.history):
             raise ValueError("its history is not a list of records")
         c.start()
+        for _, p in [s for s in list_checkpoints(self.cfg.out_dir) if self.master and s[0] > c.step]:
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)  # unreadable, or an abandoned timeline: never kept
 
     def save(self, **extra):
         """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
@@ -1375,24 +1371,29 @@ class Checkpoints:
         if self.error:
             die(self.error)
 
-def resume(ckpts, layout, loader):
-    """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and the loader's place,
-    if there is one. Never overwrites an earlier run, nor goes on with another layout."""
-    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def resume_point(cfg, layout):
+    """(checkpoint, path) that a run goes on from (--resume, or after a torchrun restart): the newest intact one in
+    out_dir, or (None, None). Never overwrites an earlier run, nor goes on with another layout (auto: any dtype)."""
     found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-    if found and not (cfg.resume or restarts):
+    if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
     if found and ckpt is None:
         die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"]) if ckpt else {}
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+    if diff:
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
+            f"--out_dir")
+    return ckpt, path
+
+def resume(ckpts, ckpt, path, loader):
+    """Restore ckpt, from resume_point, and the loader's place."""
+    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if ckpt is None:
         return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
     with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
     if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
@@ -1402,8 +1403,8 @@ def resume(ckpts, layout, loader):
 
 def roll_back_if_due(reason, loss, gnorm, ckpts):
     """Log an update the guard skipped. Once it counts too many bad steps, restore the newest intact checkpoint from
-    before the first of them, deleting the newer ones (a timeline nothing may resume), and return True: the loader
-    keeps its place, so the batches read since are skipped (PaLM 5.1)."""
+    before the first of them (none: stop), which deletes the newer ones (a timeline nothing may resume), and return
+    True: the loader keeps its place, so the batches read since are skipped (PaLM 5.1)."""
     guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
     log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
     print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
@@ -1414,14 +1415,13 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     if ckpts.world_size > 1:
         dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
     ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
-    if ckpt is None:
-        return print(f"step {clock.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
+        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
+            f"{first_bad} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
     if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise "
-            f"--warmup_steps")
-    for s, p in list_checkpoints(out) if ckpts.master else []:
-        (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
+            f"or raise --warmup_steps")
     print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
     log.record(step=clock.step, event="rollback", to_step=ckpt["step"])
     ckpts.restore(ckpt)
@@ -1449,12 +1449,9 @@ def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
         error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
         os.remove(tmp) if os.path.exists(tmp) else None
         return setattr(ckpts, "error", error) if ckpts else die(error)
-    # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
-    # and never count among the keep_last that protect the good ones
-    found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
-    older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
-    for s, p in [c for c in found if c[0] > ckpt["step"]] + [c for c in older if not (every and c[0] % every == 0)]:
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    for s, p in list_checkpoints(cfg.out_dir)[:-cfg.keep_last] if cfg.keep_last > 0 else []:  # all older: restore()
+        if not (cfg.milestone_every and s % cfg.milestone_every == 0):  # deleted any newer, so only good ones count
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
 
 def list_checkpoints(out_dir):
     """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another

@@ -474,7 +474,6 @@ def main(cfg):
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
     rank, world_size, device = setup_dist(cfg.device)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype)
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
@@ -485,6 +484,11 @@ def train(cfg, stop):
     if not cfg.n_embd:  # under 10k images width 128 stalls near chance for ~500 steps where 64 learns (README)
         cfg = dataclasses.replace(cfg, n_embd=64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+
+    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
+    ckpt, path = resume_point(cfg, run_layout(dataclasses.asdict(cfg), world_size, data_info))
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)  # auto: the checkpoint's, else decided now, once
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))  # checkpoints and config.json keep it
 
     # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
     raw = build_model(cfg, meta, device)
@@ -500,9 +504,7 @@ def train(cfg, stop):
     log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
               flops=raw.flops_per_image() * images_per_step)  # per step, for throughput and MFU
     ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard, ema=ema)
-
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    resume(ckpts, run_layout(dataclasses.asdict(cfg), world_size, data_info), train_loader)
+    resume(ckpts, ckpt, path, train_loader)
     log.begin()
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
           f" | {(H // cfg.patch_size) ** 2} patches"
@@ -628,17 +630,16 @@ def check_config(cfg):
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for k in ("patch_size", "n_layer", "n_head", "batch_size", "grad_accum", "guard_window", "top_k"):
-        if getattr(cfg, k) < 1:
-            die(f"--{k} must be at least 1, got {getattr(cfg, k)}")
+    at_least = dict.fromkeys("patch_size n_layer n_head batch_size grad_accum guard_window top_k".split(), 1)
+    at_least |= dict.fromkeys(("n_embd translate mixup cutmix registers layer_scale epochs image_size loss_spike "
+                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
+    for k, low in at_least.items():
+        if getattr(cfg, k) < low:
+            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if min(cfg.n_embd, cfg.translate, cfg.mixup, cfg.cutmix, cfg.registers, cfg.layer_scale, cfg.epochs, cfg.image_size,
-           cfg.loss_spike, cfg.gnorm_spike, cfg.clip_mult, cfg.rollback_after) < 0:
-        die("--n_embd, --translate, --mixup, --cutmix, --registers, --layer_scale, --epochs, --image_size and the "
-            "guard flags must be >= 0")
     if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
@@ -648,9 +649,9 @@ def check_config(cfg):
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data and batch layout."""
+    """What a resumed run must share with its checkpoint, from a config dict: architecture, data, batch, precision."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, **data_info}
+            "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
 
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
@@ -880,28 +881,26 @@ def cpu_has_bf16():
     runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
     AVX512-BF16 ran bf16 matmuls 3-5x faster and 0.6x as fast as fp32 (BENCHMARKS.md, "CPU recipe")."""
     import timeit
-    try:
-        with open("/proc/cpuinfo") as f:
-            if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-                return False
-    except OSError:
-        return False
+    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:  # no /proc: no flags to see
+        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
+            return False
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
     # each the fastest of 5 products after one to warm up, about 50 ms in all
     fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
     return fp32 > 1.5 * bf16
 
-def setup_precision(device, dtype_arg="auto"):
-    """(dtype, autocast context, GradScaler): bf16 autocast on CUDA (fp16 with loss scaling where bf16 is missing) and
-    on a CPU whose bf16 matmuls are fast, fp32 elsewhere. The master weights stay fp32."""
-    if dtype_arg == "auto":
-        if device.type == "cuda":
-            dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        else:
-            fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-            if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-                dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-            dtype_arg = "bfloat16" if fast else "float32"
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, GradScaler). auto: a resumed run's dtype; else bf16 autocast on CUDA (fp16 with loss
+    scaling where bf16 is missing) and on a CPU whose bf16 matmuls are fast; else fp32. Master weights stay fp32."""
+    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
+        dtype_arg = ckpt["config"]["dtype"]
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
+        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
@@ -1061,9 +1060,7 @@ class Benchmark:
             self.t0 = clock.train_time
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
         if self.cfg.profile and clock.step == BENCH_WARMUP + self.cfg.bench_steps:
-            cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-            self.t1, self.profiler = clock.train_time, torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU] + cuda)
+            self.t1, self.profiler = clock.train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
             self.profiler.start()
 
     def report(self, log, what, mem):
@@ -1139,7 +1136,7 @@ class Checkpoints:
 
     def restore(self, ckpt):
         """Everything from a checkpoint; a sharded one's tensors are read here, each rank only the parts it holds
-        (resharded by DCP if the ranks changed)."""
+        (resharded by DCP if the ranks changed). Rank 0 then deletes the newer checkpoints."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
         options = StateDictOptions(full_state_dict="shards" not in ckpt)
         if "shards" in ckpt:
@@ -1158,6 +1155,8 @@ class Checkpoints:
         if not all(isinstance(h, dict) for h in self.log.history):
             raise ValueError("its history is not a list of records")
         c.start()
+        for _, p in [s for s in list_checkpoints(self.cfg.out_dir) if self.master and s[0] > c.step]:
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)  # unreadable, or an abandoned timeline: never kept
 
     def save(self, **extra):
         """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
@@ -1194,24 +1193,29 @@ class Checkpoints:
         if self.error:
             die(self.error)
 
-def resume(ckpts, layout, loader):
-    """Restore the newest intact checkpoint in out_dir (--resume, or after a torchrun restart) and the loader's place,
-    if there is one. Never overwrites an earlier run, nor goes on with another layout."""
-    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def resume_point(cfg, layout):
+    """(checkpoint, path) that a run goes on from (--resume, or after a torchrun restart): the newest intact one in
+    out_dir, or (None, None). Never overwrites an earlier run, nor goes on with another layout (auto: any dtype)."""
     found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-    if found and not (cfg.resume or restarts):
+    if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
     if found and ckpt is None:
         die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"]) if ckpt else {}
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+    if diff:
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
+            f"--out_dir")
+    return ckpt, path
+
+def resume(ckpts, ckpt, path, loader):
+    """Restore ckpt, from resume_point, and the loader's place."""
+    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if ckpt is None:
         return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
     with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) != v]
-        if diff:
-            die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a "
-                f"new --out_dir")
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
     if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
@@ -1221,8 +1225,8 @@ def resume(ckpts, layout, loader):
 
 def roll_back_if_due(reason, loss, gnorm, ckpts):
     """Log an update the guard skipped. Once it counts too many bad steps, restore the newest intact checkpoint from
-    before the first of them, deleting the newer ones (a timeline nothing may resume), and return True: the loader
-    keeps its place, so the batches read since are skipped (PaLM 5.1)."""
+    before the first of them (none: stop), which deletes the newer ones (a timeline nothing may resume), and return
+    True: the loader keeps its place, so the batches read since are skipped (PaLM 5.1)."""
     guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
     log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
     print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
@@ -1233,14 +1237,13 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     if ckpts.world_size > 1:
         dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
     ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
-    if ckpt is None:
-        return print(f"step {clock.step:05d} | no checkpoint from before step {first_bad} to roll back to; going on")
+    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
+        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
+            f"{first_bad} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
     if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']}; lower --lr or raise "
-            f"--warmup_steps")
-    for s, p in list_checkpoints(out) if ckpts.master else []:
-        (shutil.rmtree if os.path.isdir(p) else os.remove)(p) if s > ckpt["step"] else None
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
+            f"or raise --warmup_steps")
     print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
     log.record(step=clock.step, event="rollback", to_step=ckpt["step"])
     ckpts.restore(ckpt)
@@ -1268,12 +1271,9 @@ def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
         error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
         os.remove(tmp) if os.path.exists(tmp) else None
         return setattr(ckpts, "error", error) if ckpts else die(error)
-    # newer steps are an abandoned timeline (a rollback, or a resume past an unreadable newest checkpoint): they go,
-    # and never count among the keep_last that protect the good ones
-    found, keep, every = list_checkpoints(cfg.out_dir), cfg.keep_last, cfg.milestone_every
-    older = [(s, p) for s, p in found if s <= ckpt["step"]][:-keep] if keep > 0 else []
-    for s, p in [c for c in found if c[0] > ckpt["step"]] + [c for c in older if not (every and c[0] % every == 0)]:
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    for s, p in list_checkpoints(cfg.out_dir)[:-cfg.keep_last] if cfg.keep_last > 0 else []:  # all older: restore()
+        if not (cfg.milestone_every and s % cfg.milestone_every == 0):  # deleted any newer, so only good ones count
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
 
 def list_checkpoints(out_dir):
     """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another

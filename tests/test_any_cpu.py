@@ -1,11 +1,15 @@
 """Any CPU: no default depends on bf16 hardware. On a CPU without fast bf16 (cpu_has_bf16 patched to False, so
 nothing is timed), no step of any trainer, its optimizers included, multiplies in bf16, nor does finetune_gpt.py's
 (LoRA, QAT and a teacher on train_gpt.py's step); on a CPU with it, the GPT's matmuls and Muon's iterations do, which
-shows the check sees bf16 where it is."""
+shows the check sees bf16 where it is. Whichever the probe chose when a run started, the run keeps: a resume never
+times it again."""
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import faults
 import finetune_gpt as ft
 import train_diffusion as td
 import train_gpt as tg
@@ -54,3 +58,24 @@ def test_no_bf16_matmul_without_bf16_hardware(script, fast_bf16, corpus, shapes,
     elif script in ("gpt", "finetune"):
         assert torch.bfloat16 in mode.seen
 
+
+@pytest.mark.parametrize("script", ["gpt", "vit", "diffusion"])
+def test_a_resume_keeps_its_precision_though_the_probe_now_says_otherwise(script, corpus, shapes, tmp_path,
+                                                                          monkeypatch):  # noqa: F811
+    """--dtype=auto is decided once, when a run starts, and stored with it (its checkpoints, config.json): a run begun
+    where the probe chose bf16 and stopped at step 2 goes on in bf16 where the probe would now choose fp32, and ends
+    as the uninterrupted bf16 run does. Another --dtype for it is refused in one line."""
+    mod, make = {"gpt": (tg, lambda out, **kw: gpt_tiny(corpus, out, **kw)),
+                 "vit": (tv, lambda out, **kw: vit_tiny(shapes, out, **kw)),
+                 "diffusion": (td, lambda out, **kw: dit_tiny(shapes, out, **kw))}[script]
+    monkeypatch.setattr(mod, "cpu_has_bf16", lambda: True)
+    whole = mod.main(make(tmp_path / "a", max_steps=4, dtype="auto"))
+    with faults.inject(mod, "sigterm@2"):
+        assert mod.main(make(tmp_path / "b", max_steps=4, dtype="auto"))["preempted"]
+    monkeypatch.setattr(mod, "cpu_has_bf16", lambda: False)  # a resume, or a restart, where bf16 timed slower
+    resumed = mod.main(make(tmp_path / "b", max_steps=4, dtype="auto", resume=True))
+    assert resumed["train_loss"] == whole["train_loss"] and resumed["steps"] == 4
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert mod.load_checkpoint(str(tmp_path / "b"))[0]["config"]["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match=r"different config: dtype='bfloat16' \(now 'float32'\)"):
+        mod.main(make(tmp_path / "b", max_steps=6, dtype="float32", resume=True))

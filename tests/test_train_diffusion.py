@@ -301,6 +301,8 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--class_dropout=1"], "0 <= --class_dropout < 1"),
     (["--eval_classifier=/nonexistent/vit"], "no such file or directory"),
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
+    (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
+    (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
     (["--sample", "--ckpt=nowhere"], "no complete train_diffusion.py checkpoint"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):

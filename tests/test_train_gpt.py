@@ -261,9 +261,12 @@ def test_compile_on_cpu(corpus, tmp_path):
     (["--batch_size=abc"], "invalid int value"),
     (["--total_batch=1000", "--max_steps=1"], "is not a multiple of --batch_size x --seq_len x ranks"),
     (["--offload=params", "--max_steps=1"], "--offload needs --parallel=fsdp under torchrun"),
-    (["--window=-1", "--max_steps=1"], "--window, --window_pattern and --seq_len_warmup must be >= 0"),
+    (["--window=-1", "--max_steps=1"], "--window must be at least 0, got -1"),
     (["--seq_len_warmup=10", "--seq_len=100", "--max_steps=1"], "needs --seq_len a multiple of 64 (got 100)"),
     (["--activation_checkpointing=all", "--max_steps=1"], "not one of none|blocks|selective"),
+    (["--max_steps=-5"], "--max_steps must be at least 0, got -5"),  # budgets that would never end
+    (["--max_steps=1", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
+    (["--tokens=-1e9"], "--tokens=-1e9 is neither a number >= 0"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     """Bad flags fail at once, before the default data_dir (relative: in tmp_path) is prepared or out_dir written."""
@@ -331,6 +334,18 @@ def test_corrupt_newest_checkpoint_falls_back(corpus, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "ckpt_0000004.pt" in line]
     assert len(err) == 1 and err[0].startswith("warning: skipping checkpoint") and r["steps"] == 3
     assert [s for s, _ in tg.list_checkpoints(str(out))] == [3] and tg.load_checkpoint(str(out))[0]["step"] == 3
+
+
+def test_a_corrupt_checkpoint_is_never_counted_as_kept(corpus, tmp_path, capsys):
+    """Steps 2 and 4 saved, 4 cut short; a resume to step 6 with --keep_last=2 keeps the good step 2 beside the new 6:
+    the unreadable 4, deleted when the resume restores step 2, is not counted as one of the two kept."""
+    out = tmp_path / "o"
+    tg.main(tiny(corpus, out, max_steps=4, save_every=2, dtype="float32"))
+    with open(out / "ckpt_0000004.pt", "r+b") as f:
+        f.truncate(1000)
+    assert tg.main(tiny(corpus, out, max_steps=6, dtype="float32", resume=True))["steps"] == 6
+    assert "skipping checkpoint" in capsys.readouterr().err
+    assert [s for s, _ in tg.list_checkpoints(str(out))] == [2, 6] and tg.load_checkpoint(str(out))[0]["step"] == 6
 
 # ----------------------------------------------------------------------------- distributed (gloo, two ranks)
 
@@ -564,6 +579,21 @@ def test_rollback_gives_up_when_spikes_persist(corpus, tmp_path):
         tg.main(tiny(corpus, tmp_path / "o", max_steps=60, save_every=10, rollback_after=2))
 
 
+def test_a_run_that_cannot_recover_stops_within_the_guard_window(corpus, tmp_path):
+    """A loss that stays NaN from step 3 on: once rollback is due (5 bad steps of 100) with no checkpoint from before
+    the first of them, the run stops in one line that says what happened and what to change, instead of skipping
+    updates to the end of its budget. A checkpoint it has (of skipped steps: still the good state) stays."""
+    for save_every, kept in ((0, []), (4, [4])):
+        out = tmp_path / f"o{save_every}"
+        with pytest.raises(SystemExit) as e, faults.inject(tg, "nan@3-1000"):
+            tg.main(tiny(corpus, out, max_steps=60, save_every=save_every))
+        msg = str(e.value)
+        assert "\n" not in msg and "5 bad steps in 100" in msg and "non-finite loss" in msg, msg
+        assert "no checkpoint from before step 3" in msg and "--lr" in msg and "--save_every" in msg, msg
+        assert [r["step"] for r in events(out, "skip")] == [3, 4, 5, 6, 7]
+        assert [s for s, _ in tg.list_checkpoints(str(out))] == kept
+
+
 def test_sigterm_saves_and_resume_equals_uninterrupted(corpus, tmp_path):
     import signal
     before = signal.getsignal(signal.SIGTERM)
@@ -591,7 +621,8 @@ def test_monitoring_in_metrics(corpus, tmp_path):
 def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
     """SIGTERM to rank 1 stops both ranks at the same step with a checkpoint and exit 0; a crash of rank 1 under
     torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model."""
-    common = [f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
+    common = ["--dtype=float32",  # both paths in one precision, whatever each process's timing probe would choose
+              f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
               "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2"]
     p = run_script(*common, f"--out_dir={tmp_path}/t", fault="sigterm@3:1", torchrun=True)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -230,6 +230,8 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--patch_sise=4"], "did you mean --patch_size"),
     (["--ema=1.0"], "0 <= --ema < 1"),
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
+    (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
+    (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     p = run_script(*args, f"--out_dir={tmp_path}/o", cwd=tmp_path)
