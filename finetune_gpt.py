@@ -100,8 +100,7 @@ def gpt2_folder(name):
 
 
 def gpt2_config(cfg, folder):
-    """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size), GPT2_ARCH. seq_len 0 takes all
-    of GPT-2's positions; a longer one than it learned stops the run."""
+    """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size); seq_len 0: all its positions."""
     path = os.path.join(folder, "config.json")
     with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
         hf = json.load(f)
@@ -314,7 +313,8 @@ def load_init(cfg, rank, world_size):
     GPT-2 (a name or a Hugging Face folder) or from a checkpoint, whose optimizer state is left behind."""
     if is_gpt2(cfg.init_from):
         folder = gpt2_folder(cfg.init_from) if rank == 0 else None  # a named GPT-2 is fetched once; the others wait
-        dist.barrier() if world_size > 1 else None
+        if world_size > 1:
+            dist.barrier()
         folder = folder or gpt2_folder(cfg.init_from)
         cfg, vocab_size = gpt2_config(cfg, folder)
         init = dict(model=gpt2_state_dict(folder, cfg, vocab_size), vocab_size=vocab_size, tokenizer=GPT2_TOKENIZER)

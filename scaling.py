@@ -179,7 +179,7 @@ def grid_plan(models, tokens, cfg, vocab):
     plan = []
     for m, D in itertools.product(models, tokens):
         try:
-            L, d = (int(v) for v in m.lower().split("x"))
+            L, d = map(int, m.lower().split("x"))
         except ValueError:
             die(f"--models: {m!r} is not LAYERSxWIDTH, e.g. 4x128")
         steps = max(1, round(D / tps))
@@ -225,7 +225,7 @@ def parse_floats(s, flag):
 
 def predict_log(theta, logN, logD):
     """log L of the law for theta (..., 5) = (e, a, b, alpha, beta) at log N, log D (n,): shape (..., n)."""
-    e, a, b, al, be = (theta[..., i:i + 1] for i in range(5))
+    e, a, b, al, be = theta.split(1, dim=-1)  # each (..., 1)
     return torch.logsumexp(torch.stack([a - al * logN, b - be * logD, e.expand_as(a - al * logN)]), dim=0)
 
 
@@ -298,7 +298,7 @@ def grid_starts(param_grid):
 
 def fit_law(N, D, L, param_grid=None, delta=1e-3, starts=None, w=None):
     """Fit (E, A, B, alpha, beta) to runs (N, D, loss) from every start; returns (params dict, theta, all finals)."""
-    logN, logD, logL = (torch.as_tensor(np.log(v), dtype=torch.float64) for v in (N, D, L))
+    logN, logD, logL = torch.as_tensor(np.log([N, D, L]), dtype=torch.float64)
     x0 = starts if starts is not None else grid_starts(param_grid or PARAM_GRID)
     w = torch.as_tensor(w, dtype=torch.float64) if w is not None else None
     theta, fx = lbfgs(lambda t: objective(t, logN, logD, logL, delta, w), x0.clone())
@@ -468,7 +468,7 @@ def cmd_fit(args):
 def plot_fit(out_dir, rows, p, minima):
     """isoflop.png: loss against N per budget, parabolas, the law and its frontier; fit.png: law against data."""
     import matplotlib.figure  # a Figure of its own, no pyplot: no global state, no display, nothing to close
-    N, D, L = (np.array([r[k] for r in rows]) for k in ("params", "tokens", "val_loss"))
+    N, D, L = np.array([(r["params"], r["tokens"], r["val_loss"]) for r in rows], dtype=float).T
     budgets = sorted({r["budget"] for r in rows if r["budget"]})
     fig = matplotlib.figure.Figure(figsize=(12, 4.8), layout="tight")
     (ax, bx), cmap = fig.subplots(1, 2), matplotlib.colormaps["viridis"]

@@ -28,7 +28,6 @@ import math
 import os
 import pickle
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ import threading
 import time
 import zipfile
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class Config:
     out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv beside it
     preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
     num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
-    flip: str = "auto"                 # auto|true|false: random horizontal flips; auto = the data's flip_ok
+    flip: Literal["auto", "true", "false"] = "auto"  # random horizontal flips; auto = the data's flip_ok
     # model
     image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
     patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
@@ -68,13 +68,13 @@ class Config:
     init_std: float = 0.02             # std of the hidden weights at init; adaLN and the output layer start at zero
     class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
     # objective
-    objective: str = "flow"            # flow|ddpm: rectified-flow velocity, or DDPM epsilon on a cosine schedule
+    objective: Literal["flow", "ddpm"] = "flow"  # rectified-flow velocity, or DDPM epsilon on a cosine schedule
     t_mean: float = 0.8                # flow: t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
     t_std: float = 0.8                 # flow: see t_mean
-    predict: str = "x"                 # x|v: flow's network outputs the clean image (and the velocity follows) or v
+    predict: Literal["x", "v"] = "x"  # flow's network outputs the clean image (and the velocity follows) or v
     min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
     # sampling
-    sampler: str = "auto"              # auto|euler|heun|ddim (auto: euler for flow, ddim for ddpm)
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler for flow, ddim for ddpm
     sample_steps: int = 32             # sampler steps (heun makes two model calls per step)
     cfg_scale: float = 2.0             # classifier-free guidance: 1 = the conditional model alone, 0 = unconditional
     sample_seed: int = 0               # noise of the sample grids and the quality metrics: the same at every eval
@@ -91,7 +91,7 @@ class Config:
     beta1: float = 0.9                 # AdamW
     beta2: float = 0.95                # AdamW
     grad_clip: float = 1.0             # max global grad norm; 0 = off
-    schedule: str = "constant"         # constant|cosine, after linear warmup
+    schedule: Literal["constant", "cosine"] = "constant"  # after linear warmup
     warmup_steps: int = 100            # linear warmup, in optimizer steps
     final_lr_frac: float = 0.0         # LR at the end of cosine, as a fraction of the peak
     ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
@@ -117,16 +117,16 @@ class Config:
     guard_window: int = 100            # steps in the running statistics and in the bad-step count
     rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
     # system
-    device: str = "auto"               # auto|cpu|cuda|mps
-    dtype: str = "auto"                # auto|bfloat16|float16|float32 (auto: bf16 on CUDA or bf16 CPUs, else fp16/fp32)
-    compile: str = "auto"              # auto|true|false (auto: on for CUDA on Linux)
-    parallel: str = "ddp"              # ddp|fsdp, used under torchrun
-    offload: str = "none"              # none|params: with fsdp, shards, grads and optimizer state in CPU memory
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # bf16 where fast (fp16 on old GPUs), else fp32
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: on for CUDA on Linux
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # used under torchrun
+    offload: Literal["none", "params"] = "none"  # with fsdp, shards, grads and optimizer state in CPU memory
     seed: int = 1337                   # init, data order, noise and timesteps
     benchmark: bool = False            # time steps on synthetic images and exit; needs no data
     bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
     profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
-    kernels: str = "auto"              # auto|triton|torch: per op the faster (kernels.use), Triton, or PyTorch's
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # per op the faster (kernels.use), Triton, or PyTorch's
     # sampling from a checkpoint
     sample: bool = False               # write a sample grid from --ckpt's EMA weights (and score it) and exit
     ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
@@ -456,11 +456,114 @@ class Judge:
         return res
 
 # -----------------------------------------------------------------------------
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
+# bytes in every train_*.py (tests/test_style.py checks)
+
+# === shared: system ===
+def setup_dist(device_arg="auto"):
+    """(rank, world_size, device); under torchrun, the process group joined (NCCL, gloo on CPU), ranks > 0 mute."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
+        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        store, _, _ = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size)
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    return rank, world_size, device
+
+def all_mean(x, world_size):
+    """Average a tensor over ranks (a no-op in a single process)."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+
+def full(t):
+    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank calls it); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+@functools.cache  # timed once per process: every run in it (tests run many) takes the same precision
+def cpu_has_bf16():
+    """Whether this CPU has AVX512-BF16 or AMX and a bf16 matmul 1.5x faster (BENCHMARKS.md: not every such CPU)."""
+    import timeit
+    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:  # no /proc: no flags to see
+        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
+            return False
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    b = a.bfloat16()
+    # each the fastest of 5 products after one to warm up, about 50 ms in all
+    fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
+    bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
+    return fp32 > 1.5 * bf16
+
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast, GradScaler); auto: a resumed run's, else bf16 where fast (fp16 on old GPUs), or fp32."""
+    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
+        dtype_arg = ckpt["config"]["dtype"]
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
+        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+        dtype_arg = "bfloat16" if fast else "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+
+def wrap_model(raw, cfg, device, dtype, world_size):
+    """(model, compiled): raw compiled, then in DDP or sharded by FSDP2 block by block; raw's keys stay plain."""
+    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
+    if world_size > 1 and cfg.parallel == "fsdp":
+        if dtype == torch.float16:
+            die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
+                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))  # not CUDA's on CPU
+        for block in raw.blocks:
+            if compiled:
+                block.compile()
+            fully_shard(block, **kw)
+        return fully_shard(raw, **kw), compiled
+    model = torch.compile(raw) if compiled else raw
+    if world_size > 1:  # buffers are constants: nothing to broadcast
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                    broadcast_buffers=False)
+    return model, compiled
+
+def grad_sync(model, sync):
+    """The context of a micro-step's backward: grads are averaged across ranks only when sync (the last micro-step)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
+
+# === end shared ===
+
+# -----------------------------------------------------------------------------
 # Training loop
 
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final=False):
-    """The held-out denoising loss of the weights and of their EMA; samples from the EMA: a grid (rows = classes) in
-    out_dir, and with a judge their scores. Returns the record."""
+    """The record: the held-out denoising loss of the weights and their EMA, the EMA's samples (grid, scores)."""
     rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
     for tag in ("", "ema_") if ema else ("",):
         if tag:
@@ -488,8 +591,7 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
-    """A PNG of uint8 images (rows * cols, H, W, C) where image r + j * rows sits in row r, column j, enlarged
-    `zoom` times (nearest neighbour), with a label at the left of each row if given. Written atomically."""
+    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at row r, column j, `zoom` times larger."""
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
     cols, gap = n // rows, 2
@@ -839,8 +941,8 @@ class EMA:
 # === end shared ===
 
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; processes, precision and
-# wrapping; a run's clock, log, checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
+# checkpoints, resume and rollback; the guards. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):
@@ -856,17 +958,21 @@ def side_path(what, fn, *args):
               file=sys.stderr)
 
 def field_comments(cls):
-    """{field: its trailing comment}: the text of -h, and the choices a|b|c a field may take. A subclass of a Config
-    (a companion's: finetune_gpt.py) adds its fields' comments to its base's, and its own win."""
+    """{field: its trailing comment}, the help of -h; a subclass (finetune_gpt.py's Config) adds its own."""
     return {k: v for c in reversed(cls.__mro__[:-1])  # [:-1]: object has no source
             for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
 
+def choose(field, value):
+    """value, if the field's type allows it: one of a Literal's choices (any value of other types); else stop."""
+    options = get_args(field.type)
+    if options and value not in options:
+        die(f"--{field.name}={value} is not one of {'|'.join(options)}")
+    return value
+
 def check_choices(cfg):
-    """A field commented with choices (a|b|c) holds one of them; --profile needs --benchmark, --offload FSDP."""
-    for name, comment in field_comments(type(cfg)).items():
-        m = re.match(r"[\w.]+(\|[\w.]+)+", comment)
-        if m and str(getattr(cfg, name)) not in m[0].split("|"):
-            die(f"--{name}={getattr(cfg, name)} is not one of {m[0]}")
+    """Each Literal field holds one of its choices; --profile needs --benchmark, --offload FSDP."""
+    for f in dataclasses.fields(cfg):
+        choose(f, getattr(cfg, f.name))
     if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
@@ -887,8 +993,9 @@ def parse_args(cls, argv):
     p.error = lambda msg: die(f"{msg} (see -h)")
     comments = field_comments(cls)  # once: it parses the file (0.1 s), which per field made each start take seconds
     for f in dataclasses.fields(cls):
-        b = f.type is bool
-        p.add_argument(f"--{f.name}", type=to_bool if b else f.type, nargs="?" if b else None, metavar=f.name.upper(),
+        b, options = f.type is bool, get_args(f.type)  # the choices of a Literal: the parser checks them
+        kind = to_bool if b else functools.partial(choose, f) if options else f.type
+        p.add_argument(f"--{f.name}", type=kind, nargs="?" if b else None, metavar="|".join(options) or f.name.upper(),
                        const=True if b else None, help=f"{comments.get(f.name, '')} (default: {f.default!r})")
     args, unknown = p.parse_known_args(argv)
     for u in unknown:
@@ -899,109 +1006,8 @@ def parse_args(cls, argv):
         die(f"unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
     return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
 
-def setup_dist(device_arg="auto"):
-    """(rank, world_size, device). Under torchrun, join the process group (NCCL on CUDA, gloo on CPU); ranks other
-    than 0 print nothing, so each line is said once."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
-        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device_arg)
-    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
-        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
-        store, _, _ = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size)
-    if rank:
-        sys.stdout = open(os.devnull, "w")
-    return rank, world_size, device
-
-def all_mean(x, world_size):
-    """Average a tensor over ranks (a no-op in a single process)."""
-    if world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= world_size
-    return x
-
-def full(t):
-    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank calls it); other tensors as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-@functools.cache  # timed once per process: every run in it (tests run many) takes the same precision
-def cpu_has_bf16():
-    """Whether bf16 matmuls beat fp32 on this CPU: it lists AVX512-BF16 or AMX in /proc/cpuinfo, and a 512x512 matmul
-    runs at least 1.5x faster in bf16. The flag alone does not decide: two machines of this project that both list
-    AVX512-BF16 ran bf16 matmuls 3-5x faster and 0.6x as fast as fp32 (BENCHMARKS.md, "CPU recipe")."""
-    import timeit
-    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:  # no /proc: no flags to see
-        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-            return False
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    # each the fastest of 5 products after one to warm up, about 50 ms in all
-    fp32, bf16 = (min(timeit.repeat(lambda: m @ m, number=1, repeat=6)[1:]) for m in (a, a.bfloat16()))
-    return fp32 > 1.5 * bf16
-
-def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast context, GradScaler). auto: a resumed run's dtype; else bf16 autocast on CUDA (fp16 with loss
-    scaling where bf16 is missing) and on a CPU whose bf16 matmuls are fast; else fp32. Master weights stay fp32."""
-    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
-        dtype_arg = ckpt["config"]["dtype"]
-    elif dtype_arg == "auto" and device.type == "cuda":
-        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    elif dtype_arg == "auto":
-        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
-            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-        dtype_arg = "bfloat16" if fast else "float32"
-    dtype = getattr(torch, dtype_arg)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
-    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
-    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
-
-def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, then in DDP, or sharded by FSDP2 a block at a time (each block compiled before
-    it is sharded). raw stays the plain module, whose state dict has no _orig_mod. or module. prefixes."""
-    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
-    kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
-    if world_size > 1 and cfg.parallel == "fsdp":
-        if dtype == torch.float16:
-            die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
-                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))  # not CUDA's on CPU
-        for block in raw.blocks:
-            if compiled:
-                block.compile()
-            fully_shard(block, **kw)
-        return fully_shard(raw, **kw), compiled
-    model = torch.compile(raw) if compiled else raw
-    if world_size > 1:  # buffers are constants: nothing to broadcast
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                    broadcast_buffers=False)
-    return model, compiled
-
-def grad_sync(model, sync):
-    """The context of a micro-step's backward: grads are averaged across ranks only when sync (the last micro-step)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
-
 class Clock:
-    """A run's step and training time (evals and saves do not count) against its budget of steps or seconds. Each
-    step's one all-reduce agrees on them, and on a stop signal, across ranks: every rank decides alike."""
+    """A run's step and training time (evals and saves do not count) against its budget of steps or seconds."""
 
     def __init__(self, world_size, max_steps, time_budget):
         self.world_size, self.max_steps, self.time_budget = world_size, max_steps, time_budget
@@ -1009,11 +1015,9 @@ class Clock:
         self.start()
 
     def start(self):
-        """Time from now on (after set-up, a resume or a rollback); the next lap starts here too."""
         self.t_last, self.lapped = time.perf_counter(), (self.step, self.train_time)
 
     def progress(self):
-        """The fraction of the budget spent: of the time budget if there is one (the LR schedule follows it)."""
         return self.train_time / self.time_budget if self.time_budget else self.step / self.max_steps
 
     def done(self):
@@ -1023,8 +1027,7 @@ class Clock:
         return self.progress() >= 1.0 and not self.stopped
 
     def agree(self, loss_sum, gnorm, stop):
-        """(loss, grad norm) averaged over ranks in one all-reduce (the step's one host sync), which also carries the
-        training time and whether any rank's `stop` received a signal."""
+        """(loss, grad norm) averaged over ranks in the step's one host sync, with the time and any signal."""
         now, t = time.perf_counter(), loss_sum.new_tensor
         local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(stop.received is not None)),
                              t(self.train_time + now - self.t_last)])
@@ -1033,14 +1036,12 @@ class Clock:
         return loss, gnorm
 
     def lap(self):
-        """Seconds per step since the last lap."""
         dt = (self.train_time - self.lapped[1]) / max(self.step - self.lapped[0], 1)
         self.lapped = (self.step, self.train_time)
         return dt
 
     @contextlib.contextmanager
     def paused(self):
-        """Within it the clock stops: evals and saves are not training time."""
         t = time.perf_counter()
         yield
         self.t_last += time.perf_counter() - t
@@ -1053,8 +1054,7 @@ def fmt_rate(x):
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
 class Log:
-    """What a run says: its config, a line per logged step, every value in out_dir/metrics.jsonl (and wandb). Rank 0
-    writes the files, and a benchmark none. history (losses and evals) goes into checkpoints."""
+    """What a run says: its config, a line per logged step, every value in metrics.jsonl (rank 0) and wandb."""
 
     def __init__(self, cfg, rank, clock, device, dtype, *, per_step, unit, flops):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
@@ -1064,7 +1064,6 @@ class Log:
         self.files, self.wandb, self.history = rank == 0 and not cfg.benchmark, None, []
 
     def mfu(self, dt):
-        """Model FLOPs utilisation at dt seconds a step, if the GPU's peak is known."""
         return self.flops / dt / self.peak if self.peak else None
 
     def begin(self):
@@ -1117,10 +1116,10 @@ class Benchmark:
         return BENCH_WARMUP + cfg.bench_steps + PROFILE_STEPS * cfg.profile
 
     def mark(self, clock):
-        """After each step: timing starts once the warm-up is over, the profiler once the timed steps are."""
         if clock.step == BENCH_WARMUP:
             self.t0 = clock.train_time
-            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_initialized() else None
+            if torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats()
         if self.cfg.profile and clock.step == BENCH_WARMUP + self.cfg.bench_steps:
             self.t1, self.profiler = clock.train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
             self.profiler.start()
@@ -1141,13 +1140,18 @@ class Benchmark:
         return figures, (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(log.per_step / dt)} "
                          f"{log.unit}/s | {dt * 1e3:.1f} ms/step | mfu {mfu} | peak mem {mem:.2f} GB")
 
+def peak_rss_gb():
+    """This process's peak resident memory in GB (0 on Windows, which has no resource module)."""
+    if sys.platform == "win32":
+        return 0.0
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
+
 def finish(log, ckpts, bench, what, result, metric=None):
-    """The end: --benchmark's figures; or, after a signal, how to go on; or a row of results.tsv beside out_dir (the
-    experiment log of every script). Prints `what`, leaves the process group, returns the result."""
+    """The end: --benchmark's figures, or after a signal how to go on, or a row of results.tsv beside out_dir."""
     cfg, clock = log.cfg, log.clock
     ckpts.wait()
-    mem = (torch.cuda.max_memory_allocated(log.device) if log.device.type == "cuda" else  # else the peak RSS
-           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1e3) / 1e9
+    mem = torch.cuda.max_memory_allocated(log.device) / 1e9 if log.device.type == "cuda" else peak_rss_gb()
     result = {"steps": clock.step, "train_time": clock.train_time, "wall_time": time.perf_counter() - log.wall0,
               "peak_mem_gb": mem, **result}
     if cfg.benchmark and clock.stopped:
@@ -1175,9 +1179,7 @@ def finish(log, ckpts, bench, what, result, metric=None):
 MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
 
 class Checkpoints:
-    """All a run needs to go on exactly: weights, optimizers, loss scaler, guard, EMA (None: none), clock, history,
-    and what save() is given (the loader's place). One file from rank 0, or under FSDP a folder of every rank's shards
-    (DCP); --async_save writes in the background."""
+    """All a run needs to go on exactly: one file from rank 0, or under FSDP a folder of every rank's shards."""
 
     def __init__(self, cfg, rank, world_size, clock, log, *, model, opts, scaler, guard, ema=None):
         self.cfg, self.master, self.world_size, self.clock, self.log = cfg, rank == 0, world_size, clock, log
@@ -1197,8 +1199,7 @@ class Checkpoints:
         return sd
 
     def restore(self, ckpt):
-        """Everything from a checkpoint; a sharded one's tensors are read here, each rank only the parts it holds
-        (resharded by DCP if the ranks changed). Rank 0 then deletes the newer checkpoints."""
+        """Everything from a checkpoint (each rank reads its shards); rank 0 then deletes the newer checkpoints."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
         options = StateDictOptions(full_state_dict="shards" not in ckpt)
         if "shards" in ckpt:
@@ -1218,11 +1219,10 @@ class Checkpoints:
             raise ValueError("its history is not a list of records")
         c.start()
         for _, p in [s for s in list_checkpoints(self.cfg.out_dir) if self.master and s[0] > c.step]:
-            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)  # unreadable, or an abandoned timeline: never kept
+            remove(p)  # unreadable, or an abandoned timeline: never kept
 
     def save(self, **extra):
-        """Checkpoint the state with extra (every rank calls this). Under FSDP DCP writes the tensors, each rank its
-        shards, in a gloo group of their own (on the training's, they could interleave with its all-reduces)."""
+        """Checkpoint the state with extra (every rank calls this); under FSDP, DCP writes each rank's shards."""
         ema_t, c = self.ema.t if self.ema else 0, self.clock
         ckpt = {**self.state(full=not self.sharded), "ema_t": ema_t, "scaler": self.scaler.state_dict(),
                 "guard": self.guard.state(), "step": c.step, "train_time": c.train_time, "history": self.log.history,
@@ -1245,7 +1245,8 @@ class Checkpoints:
             ckpt = copy.deepcopy(ckpt) if self.cfg.async_save else ckpt
             self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self, shards))
             self.writer.start()
-            self.wait() if not self.cfg.async_save else None
+            if not self.cfg.async_save:
+                self.wait()
 
     def wait(self):
         """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
@@ -1256,8 +1257,7 @@ class Checkpoints:
             die(self.error)
 
 def resume_point(cfg, layout):
-    """(checkpoint, path) that a run goes on from (--resume, or after a torchrun restart): the newest intact one in
-    out_dir, or (None, None). Never overwrites an earlier run, nor goes on with another layout (auto: any dtype)."""
+    """(checkpoint, path) to go on from: the newest intact one in out_dir, of the same layout; or (None, None)."""
     found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
     if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
@@ -1276,7 +1276,9 @@ def resume(ckpts, ckpt, path, loader):
     """Restore ckpt, from resume_point, and the loader's place."""
     cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if ckpt is None:
-        return print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch") if cfg.resume else None
+        if cfg.resume:
+            print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
+        return
     with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
         ckpts.restore(ckpt)
         loader.load_state(ckpt["data"])
@@ -1286,9 +1288,8 @@ def resume(ckpts, ckpt, path, loader):
     print(f"resumed from {path} at step {ckpts.clock.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
 def roll_back_if_due(reason, loss, gnorm, ckpts):
-    """Log an update the guard skipped. Once it counts too many bad steps, restore the newest intact checkpoint from
-    before the first of them (none: stop), which deletes the newer ones (a timeline nothing may resume), and return
-    True: the loader keeps its place, so the batches read since are skipped (PaLM 5.1)."""
+    """Log a skipped update; after too many, restore the newest checkpoint from before them and return True (the
+    loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
     guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
     log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
     print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
@@ -1312,9 +1313,7 @@ def roll_back_if_due(reason, loss, gnorm, ckpts):
     return True
 
 def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
-    """ckpt_STEP.pt, written to a temp file, fsynced and renamed: complete or absent. Sharded, shards() writes the
-    tensors, and rank 0 writes state.pt last, with every file's size. Then rank 0 prunes all but the newest keep_last
-    and the milestones. A failed write sets ckpts.error (or, without ckpts, stops)."""
+    """ckpt_STEP.pt via a temp file, fsynced and renamed; then all but the newest keep_last and milestones go."""
     path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
@@ -1331,23 +1330,30 @@ def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the failure is reported
         e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's error
         error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
-        os.remove(tmp) if os.path.exists(tmp) else None
-        return setattr(ckpts, "error", error) if ckpts else die(error)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not ckpts:
+            die(error)
+        ckpts.error = error
+        return
     for s, p in list_checkpoints(cfg.out_dir)[:-cfg.keep_last] if cfg.keep_last > 0 else []:  # all older: restore()
         if not (cfg.milestone_every and s % cfg.milestone_every == 0):  # deleted any newer, so only good ones count
-            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
+            remove(p)
+
+def remove(path):
+    """Delete a checkpoint: a file, or a folder of shards."""
+    if os.path.isdir(path):
+        return shutil.rmtree(path)
+    os.remove(path)
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of the checkpoints in out_dir, oldest first: ckpt_STEP.pt files (one being written has another
-    name) and ckpt_STEP/ folders of shards (complete or not: load_checkpoint tells)."""
+    """[(step, path)] of the ckpt_STEP.pt files and ckpt_STEP/ folders in out_dir, oldest first."""
     found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(f"{out_dir}/ckpt_*")]
     return sorted((int(m[1]), p) for m, p in found if m)
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step `before`), past
-    bad ones; (None, None) if none. Intact: the CRC-32s of torch.save's zip match, it holds only tensors and plain data
-    (weights_only: a crafted file cannot run code), and a folder's files have the sizes its state.pt lists. whole=False
-    leaves a folder's tensors to Checkpoints.restore. A checkpoint named on its own must load, or the run stops."""
+    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step `before`), or
+    (None, None). Intact: CRC-32s, sizes and weights_only loading pass. whole=False leaves a folder's tensors unread."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
@@ -1381,9 +1387,7 @@ def dcp_part(sd):
     return {k: {"state": v["state"]} if k == "optim" else v for k, v in sd.items() if v is not None}
 
 def read_shards(shards, into=None):
-    """{model, optim, ema} of a sharded checkpoint (shards: from its state.pt, with the folder's path), read in place
-    into `into` (this rank's shards: each rank reads its own parts), or whole. DCP would unpickle the folder's
-    .metadata, which runs what a crafted one asks: MetadataUnpickler reads it, and its files must be in the folder."""
+    """{model, optim, ema} of a sharded checkpoint, read into `into` (this rank's shards) or whole; safely."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -1402,8 +1406,7 @@ def read_shards(shards, into=None):
     return {"ema": None, **sd, "optim": {**sd["optim"], "param_groups": shards["param_groups"]}}
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles the .metadata of a sharded checkpoint allowing only the plain classes DCP writes there for tensors
-    (not BytesStorageMetadata, whose entries DCP unpickles with weights_only=False: ours hold tensors only)."""
+    """Unpickles a sharded checkpoint's .metadata, allowing only the classes DCP writes there for tensors."""
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
         ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta",
@@ -1416,8 +1419,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 @contextlib.contextmanager
 def reading(path, fix):
-    """Any error while making sense of `path`, a file someone else may have made, stops the run with one line that
-    names it and the fix, never a traceback."""
+    """Any error while making sense of `path` stops the run with one line that names it and the fix."""
     try:
         yield
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
@@ -1425,9 +1427,8 @@ def reading(path, fix):
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
-    """Decides before each update whether it is safe, from the loss and grad norm agreed across ranks. Non-finite is
-    bad; after 10 good steps, so is a spike: sigma running stds over the running mean (an EMA over ~window good steps).
-    A bad step's update is skipped; max_bad in window steps call for a rollback (PaLM, Chowdhery et al. 2022, 5.1)."""
+    """Whether an update is safe: a loss or grad norm that is non-finite, or sigma running stds over its running mean,
+    is bad; max_bad bad steps in window call for a rollback (PaLM, Chowdhery et al. 2022, 5.1)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
         self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
@@ -1438,7 +1439,7 @@ class Guard:
 
     def load_state(self, s):
         self.n, self.bad = int(s["n"]), [int(b) for b in s["bad"]]
-        self.mean, self.var = ([float(v) for v in s[k][:2]] for k in ("mean", "var"))
+        self.mean, self.var = [float(v) for v in s["mean"][:2]], [float(v) for v in s["var"][:2]]
 
     def clip(self, max_norm):
         """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
@@ -1466,8 +1467,7 @@ class Guard:
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
-    """Within `with StopSignal() as stop:`, SIGTERM (preemption, Slurm, torchrun) and SIGINT (Ctrl-C) set
-    stop.received; the loop stops after the step, saves and exits 0. A second signal acts at once, as usual."""
+    """SIGTERM (preemption) or SIGINT (Ctrl-C) sets stop.received: the run saves and exits 0; a second acts at once."""
 
     def __enter__(self):
         self.received, main = None, threading.current_thread() is threading.main_thread()  # handlers run there only

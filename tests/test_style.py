@@ -21,10 +21,10 @@ def test_shared_fences_are_byte_identical():
 
 
 def test_each_fence_is_in_every_script_that_shares_it():
-    """The machinery in every trainer, images in both image trainers, Muon in GPT and ViT: a fence dropped from one
-    would escape the comparison above, and its copy would drift."""
+    """The machinery and the system in every trainer, images in both image trainers, Muon in GPT and ViT: a fence
+    dropped from one would escape the comparison above, and its copy would drift."""
     fences = {p.name: set(re.findall(r"^# === shared: (\S+) ===$", p.read_text(), re.M)) for p in SCRIPTS}
-    assert all("machinery" in names for names in fences.values()), fences
+    assert all({"machinery", "system"} <= names for names in fences.values()), fences
     assert {p for p, names in fences.items() if "images" in names} == {"train_vit.py", "train_diffusion.py"}, fences
     assert {p for p, names in fences.items() if "muon" in names} == {"train_gpt.py", "train_vit.py"}, fences
 
