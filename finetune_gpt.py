@@ -247,13 +247,14 @@ class Student(tg.GPT):
     (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015). Evals (eval mode) score CE alone."""
     teacher = None  # a tuple, not a submodule: the teacher's weights are neither trained, saved nor sharded
 
-    def loss(self, idx, x, w, targets, z_loss=0.0):
-        ce = super().loss(idx, x, w, targets, z_loss)
-        if self.teacher is None or not self.training:  # val loss and bpb stay comparable with any other run's
-            return ce
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
+        if targets is None or self.teacher is None or not self.training:  # val loss and bpb stay comparable
+            return super().forward(idx, targets, z_loss, cache)
+        x, w = self.hidden(idx)
         model, weight, temp = self.teacher
         with torch.no_grad():
             xt, wt = model.hidden(idx)
+        ce = self.loss(x, w, targets, z_loss)
         return (1 - weight) * ce + weight * temp ** 2 * distill_kl(self, x, w, model, xt, wt, temp)
 
 
@@ -277,31 +278,31 @@ class FineTune(tg.Start):
     """--init_from's weights (else a fresh GPT: --qat or --teacher alone), then --qat's rounding, LoRA and a teacher."""
 
     def arch(self, cfg, meta, tokenizer, rank, world_size):
-        """The architecture and vocab size of --init_from's weights, which it reads; the data must be their tokens."""
-        self.tokenizer, self.init = tokenizer, None
+        """(architecture, vocab size, for build(): weights and the data's tokenizer) of --init_from, else the flags'."""
         if not cfg.init_from:
-            return super().arch(cfg, meta, tokenizer, rank, world_size)
-        cfg, self.init = load_init(cfg, rank, world_size)
-        vocab_size, theirs = self.init["vocab_size"], self.init["tokenizer"]["tokenizer"]
+            return {}, cfg.vocab_size or meta["vocab_size"], {"tokenizer": tokenizer}
+        arch, init = load_init(cfg, rank, world_size)
+        vocab_size, theirs = init["vocab_size"], init["tokenizer"]["tokenizer"]
         if meta["vocab_size"] > vocab_size:
             tg.die(f"the data has {meta['vocab_size']} tokens but --init_from={cfg.init_from} has {vocab_size}; "
                    f"prepare the data with its tokenizer")
-        if tokenizer and any(self.init["tokenizer"].get(k) != tokenizer.get(k) for k in ("tokenizer", "ranks", "itos")):
+        if tokenizer and any(init["tokenizer"].get(k) != tokenizer.get(k) for k in ("tokenizer", "ranks", "itos")):
             tg.die(f"--init_from={cfg.init_from} reads {theirs} tokens but {cfg.data_dir} holds "
                    f"{tokenizer['tokenizer']} tokens; prepare the data with --tokenizer={theirs}")
-        return cfg, vocab_size
+        return arch, vocab_size, {**init, "tokenizer": tokenizer}
 
-    def build(self, cfg, vocab_size, device):
+    def build(self, cfg, vocab_size, device, init):
         """The model, its weights those of --init_from (only they: the optimizer, schedule and step start afresh)."""
         raw = tg.build_model(cfg, vocab_size, device, Student)
-        if self.init:
-            raw.load_state_dict(self.init.pop("model"))
+        if "model" in init:
+            raw.load_state_dict(init.pop("model"))
         if cfg.qat:  # each hidden layer swapped for a fake-quantized one with its parameters
             swap_layers(raw, ("attn", "mlp"), lambda layer: QATLinear(layer, cfg.qat))
         if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
             add_lora(raw, cfg)
         if cfg.teacher:
-            raw.teacher = (load_teacher(cfg, device, vocab_size, self.tokenizer), cfg.distill_weight, cfg.distill_temp)
+            raw.teacher = (load_teacher(cfg, device, vocab_size, init["tokenizer"]), cfg.distill_weight,
+                           cfg.distill_temp)
         return raw
 
     def layout(self, cfg):
@@ -309,8 +310,7 @@ class FineTune(tg.Start):
 
 
 def load_init(cfg, rank, world_size):
-    """--init_from: (cfg with the architecture of those weights, {model: state dict, vocab_size, tokenizer}), from
-    GPT-2 (a name or a Hugging Face folder) or from a checkpoint, whose optimizer state is left behind."""
+    """--init_from: ({field: value} of its architecture, {model, vocab_size, tokenizer}) of GPT-2 or a checkpoint."""
     if is_gpt2(cfg.init_from):
         folder = gpt2_folder(cfg.init_from) if rank == 0 else None  # a named GPT-2 is fetched once; the others wait
         if world_size > 1:
@@ -319,7 +319,7 @@ def load_init(cfg, rank, world_size):
         cfg, vocab_size = gpt2_config(cfg, folder)
         init = dict(model=gpt2_state_dict(folder, cfg, vocab_size), vocab_size=vocab_size, tokenizer=GPT2_TOKENIZER)
         print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.seq_len}")
-        return cfg, init
+        return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
     ckpt, path = tg.load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
     if ckpt is None:
         tg.die(f"--init_from={cfg.init_from}: no checkpoint there, nor a Hugging Face GPT-2 folder (config.json and "
@@ -337,7 +337,7 @@ def load_init(cfg, rank, world_size):
             init["model"]["wpe.weight"] = init["model"]["wpe.weight"][:cfg.seq_len]
     print(f"--init_from={path}: the weights of step {ckpt['step']}; a fresh optimizer and schedule" +
           (f"; context {c['seq_len']} -> {cfg.seq_len}" if cfg.seq_len != c["seq_len"] else ""))
-    return cfg, init
+    return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
 
 
 def load_teacher(cfg, device, vocab_size, tokenizer):
@@ -391,7 +391,7 @@ def export_main(cfg):
                 q, out[k + "_scale"] = quantize(sd[k].float())
                 out[k] = q.to(torch.int8)
         ckpt.update(model=out, optim=None, config={**ckpt["config"], "lora_rank": 0, "qat": 0, "out_dir": cfg.out_dir})
-    tg.write_checkpoint(cfg, ckpt)
+    tg.write_checkpoint(cfg.out_dir, ckpt)
     size = [sum(v.numel() * v.element_size() for v in d.values()) / 1e6 for d in (sd, out)]
     result = {"path": tg.list_checkpoints(cfg.out_dir)[-1][1], "float_mb": size[0], "int8_mb": size[1]}
     if cfg.export and os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on all of val

@@ -483,6 +483,13 @@ def grad_sync(model, sync):
         model.set_requires_gradient_sync(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
+def agree(loss_sum, gnorm, signal, train_time, world_size):
+    """The step's one host sync, an all-reduce: (loss, grad norm, whether any rank got a signal, training time)
+    averaged over ranks, so that every rank decides alike."""
+    t = loss_sum.new_tensor
+    local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(signal is not None)), t(train_time)])
+    loss, gnorm, stopped, train_time = all_mean(local, world_size).tolist()
+    return loss, gnorm, stopped > 0, train_time
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -574,23 +581,24 @@ def main(cfg):
         return train(cfg, stop)
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, check, step, log, eval, save. A signal sets stop.received."""
+    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save. A signal stops it."""
     rank, world_size, device = setup_dist(cfg.device)
-    B, accum = cfg.batch_size, cfg.grad_accum
-    images_per_step = B * accum * world_size
-
+    wall0 = time.perf_counter()
     # data: both splits held whole on the device as uint8; random images for --benchmark
     meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
     (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
     flip, why = flips(cfg, meta)
-    if not cfg.n_embd:  # under 10k images width 128 stalls near chance for ~500 steps where 64 learns (README)
-        cfg = dataclasses.replace(cfg, n_embd=64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
 
-    # resume (asked for, or after a torchrun restart) from the newest intact checkpoint, never across configs
-    ckpt, path = resume_point(cfg, run_layout(dataclasses.asdict(cfg), world_size, data_info))
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)  # auto: the checkpoint's, else decided now, once
-    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))  # checkpoints and config.json keep it
+    # cfg settles here, before anything derives from it: the width (auto: under 10k images 128 stalls near chance
+    # for ~500 steps where 64 learns, README) and the precision (auto: a resumed run's, else decided now)
+    width = cfg.n_embd or (64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
+    layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
+    cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
+    B, accum = cfg.batch_size, cfg.grad_accum
+    images_per_step = B * accum * world_size
 
     # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
     raw = build_model(cfg, meta, device)
@@ -600,14 +608,22 @@ def train(cfg, stop):
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
-    max_steps = Benchmark.steps(cfg) if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    bench = Benchmark(cfg.bench_steps, cfg.profile)
+    max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    clock, bench = Clock(world_size, max_steps, time_budget), Benchmark(cfg, device)
-    log = Log(cfg, rank, clock, device, dtype, per_step=images_per_step, unit="img",
-              flops=raw.flops_per_image() * images_per_step)  # per step, for throughput and MFU
-    ckpts = Checkpoints(cfg, rank, world_size, clock, log, model=raw, opts=opts, scaler=scaler, guard=guard, ema=ema)
-    resume(ckpts, ckpt, path, train_loader)
-    log.begin()
+    # throughput: per step, its unit, and the seconds a step would take at the GPU's peak (MFU: those over its time)
+    rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
+
+    # the loop's state is these locals; a resume sets them from the checkpoint, and the loader's place
+    step, train_time, history, rollbacks = 0, 0.0, [], {}
+    if ckpt:
+        with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            train_loader.load_state(ckpt["data"])
+        resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
+    metrics = start_log(cfg, rank == 0)  # the file of every logged value (None on ranks > 0)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is then a folder of every rank's shards
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
     print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
           f" | {(H // cfg.patch_size) ** 2} patches"
           + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
@@ -615,13 +631,13 @@ def train(cfg, stop):
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    # the loop: an optimizer step (micro-steps, clip, check, update, EMA), then log, eval and save
-    clock.start()
-    while not clock.done():
+    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), then log, eval and save
+    t0, lap, last_step = time.perf_counter(), (step, train_time), False
+    while not last_step:
         # augmentation and stochastic depth draw from the global RNG, seeded by (seed, step, rank): a resumed run
         # draws the same numbers as an uninterrupted one, and the checkpoint needs no RNG state
-        torch.manual_seed(cfg.seed + 1000003 * (clock.step + 1) + 7919 * rank)
-        mult = lr_mult(cfg, clock.step, clock.progress())
+        torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
+        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)  # of the budget
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
@@ -642,47 +658,71 @@ def train(cfg, stop):
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        loss, gnorm = clock.agree(loss_sum, gnorm, stop)  # every rank sees the same loss, grad norm, clock and signal
+        now = time.perf_counter()  # the host waits for the GPU in agree(): that wait counts in the next step
+        loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
+        t0 = now
         overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
-        reason = None if overflow else guard.check(clock.step + 1, loss, gnorm)
+        reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
                 scaler.step(opt)  # which skips it when fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
-        clock.step += 1
+        step += 1
 
-        if reason and roll_back_if_due(reason, loss, gnorm, ckpts):  # rolled back to a checkpoint
+        if reason:  # a skipped update; repeated ones roll back to a checkpoint, past the batches read since (PaLM 5.1)
+            record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
+            print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
+        if reason and guard.rollback_due():
+            writer.wait()
+            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, rank == 0, metrics, step)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            t0, lap = time.perf_counter(), (step, train_time)
             continue
-        if clock.step % cfg.log_every == 0 or clock.done():
-            log.line(loss, gnorm, cfg.lr * mult, epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+        done = train_time >= time_budget if time_budget else step >= max_steps
+        last_step = done or stopped
+        if step % cfg.log_every == 0 or last_step:
+            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # seconds a step since
+            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
+                     epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+            history.append({"step": step, "loss": loss})
         if cfg.benchmark:
-            bench.mark(clock)  # timing starts after the warm-up; --profile traces the steps after the timed ones
+            bench.mark(step, train_time)  # timing starts after the warm-up; --profile traces the steps after the timed
             continue
-        with clock.paused():  # evals and saves are not training time
-            if clock.final() or (cfg.eval_every and clock.step % cfg.eval_every == 0):
-                rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, clock.step,
-                                                clock.final())
-                log.record(**rec)
-                log.history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
-            if clock.done() or (cfg.save_every and clock.step % cfg.save_every == 0):
-                ckpts.save(data=train_loader.state(), data_info=data_info, data_meta={k: meta[k] for k in (
-                    "classes", "num_classes", "image_size", "channels", "mean", "std")})
+        paused = time.perf_counter()  # evals and saves are not training time
+        if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
+            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step,
+                                            done and not stopped)
+            record(metrics, **rec)
+            history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
+        if last_step or (cfg.save_every and step % cfg.save_every == 0):
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(), "step": step,
+                         "guard": guard.state(), "train_time": train_time, "history": history, "data_info": data_info,
+                         "config": dataclasses.asdict(cfg), "world_size": world_size, "data": train_loader.state(),
+                         "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean",
+                                                            "std")}})
+        t0 += time.perf_counter() - paused
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
-    if cfg.benchmark or clock.stopped:
-        return finish(log, ckpts, bench, f"{n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
-                      f"{device} {dtype} compile={compiled}", {"params": n_params})
+    writer.wait()
+    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
+        return preempted(stop.received, step, train_time, cfg.out_dir)
+    result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
+              "peak_mem_gb": peak_memory_gb(device), "params": n_params}
+    if cfg.benchmark:  # the time of the steps after the warm-up (a signal leaves none)
+        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
+                f"{device} {dtype} compile={compiled}")
+        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
     if rank == 0:
-        side_path("writing the plots", plot_results, cfg.out_dir, log.history, conf, meta["classes"])
+        side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
     worst = np.argsort(rec["per_class_acc"])[:3]
     weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
-    key, epochs = f"{best}val_acc", clock.step * images_per_step / len(train_loader.y)
-    return finish(log, ckpts, bench, f"done: {clock.step} steps, {epochs:.1f} epochs in {clock.train_time:.0f} s | val "
-                  f"acc {100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, "
-                  f"accuracy.png and confusion.png in {cfg.out_dir}",
-                  {**rec, "train_loss": loss, "images": clock.step * images_per_step, "params": n_params}, key)
+    key, epochs = f"{best}val_acc", step * images_per_step / len(train_loader.y)
+    return finish(f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc {100 * rec[key]:.2f}% "
+                  f"({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, accuracy.png and "
+                  f"confusion.png in {cfg.out_dir}", {**result, **rec, "train_loss": loss,
+                  "images": step * images_per_step}, key, rank == 0 and cfg.out_dir, cfg.description)
 
 def load_image(path, size, channels):
     """An image file as (size, size, channels) uint8, its centre square resized to size, as prepare_data.py does."""
@@ -944,232 +984,177 @@ def parse_args(cls, argv):
         die(f"unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
     return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
 
-class Clock:
-    """A run's step and training time (evals and saves do not count) against its budget of steps or seconds."""
-
-    def __init__(self, world_size, max_steps, time_budget):
-        self.world_size, self.max_steps, self.time_budget = world_size, max_steps, time_budget
-        self.step, self.train_time, self.stopped, self.signal = 0, 0.0, False, None
-        self.start()
-
-    def start(self):
-        self.t_last, self.lapped = time.perf_counter(), (self.step, self.train_time)
-
-    def progress(self):
-        return self.train_time / self.time_budget if self.time_budget else self.step / self.max_steps
-
-    def done(self):
-        return self.stopped or self.progress() >= 1.0
-
-    def final(self):
-        return self.progress() >= 1.0 and not self.stopped
-
-    def agree(self, loss_sum, gnorm, stop):
-        """(loss, grad norm) averaged over ranks in the step's one host sync, with the time and any signal."""
-        now, t = time.perf_counter(), loss_sum.new_tensor
-        local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(stop.received is not None)),
-                             t(self.train_time + now - self.t_last)])
-        loss, gnorm, stopped, self.train_time = all_mean(local, self.world_size).tolist()
-        self.t_last, self.stopped, self.signal = now, stopped > 0, stop.received or "a signal to another rank"
-        return loss, gnorm
-
-    def lap(self):
-        dt = (self.train_time - self.lapped[1]) / max(self.step - self.lapped[0], 1)
-        self.lapped = (self.step, self.train_time)
-        return dt
-
-    @contextlib.contextmanager
-    def paused(self):
-        t = time.perf_counter()
-        yield
-        self.t_last += time.perf_counter() - t
-
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
               "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+
+def peak_seconds(flops, device, dtype):
+    """Seconds that `flops` take at the GPU's peak (MFU: these over the seconds taken); 0 if the peak is unknown."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
+    return flops / peak if peak else 0.0
 
 def fmt_rate(x):
     """3.66M, 812k, 95: rates readable at any scale."""
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
-class Log:
-    """What a run says: its config, a line per logged step, every value in metrics.jsonl (rank 0) and wandb."""
+def start_log(cfg, master):
+    """Print the config. Rank 0 of a training run writes out_dir/config.json, opens wandb if asked and returns the
+    path of metrics.jsonl; the others return None."""
+    print(json.dumps(dataclasses.asdict(cfg)))
+    if not master or cfg.benchmark:
+        return None
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        if cfg.wandb:
+            import wandb
+            wandb.init(project=cfg.wandb, config=dataclasses.asdict(cfg))
+    except OSError as e:
+        die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
+    except ImportError:
+        die("--wandb needs the wandb package: pip install wandb")
+    return os.path.join(cfg.out_dir, "metrics.jsonl")
 
-    def __init__(self, cfg, rank, clock, device, dtype, *, per_step, unit, flops):
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        self.peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
-        self.cfg, self.clock, self.device, self.unit, self.master = cfg, clock, device, unit, rank == 0
-        self.per_step, self.flops, self.wall0 = per_step, flops, time.perf_counter()
-        self.files, self.wandb, self.history = rank == 0 and not cfg.benchmark, None, []
+def record(metrics, **kv):
+    """Append kv to the file `metrics` (None: no file) as a line of JSON, and to wandb's run if one is open."""
+    if metrics:
+        with open(metrics, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        if "wandb" in sys.modules and sys.modules["wandb"].run:
+            sys.modules["wandb"].log(kv, step=kv.get("step"))
 
-    def mfu(self, dt):
-        return self.flops / dt / self.peak if self.peak else None
-
-    def begin(self):
-        """Print the config; rank 0 writes it to out_dir/config.json and opens wandb if asked."""
-        print(json.dumps(dataclasses.asdict(self.cfg)))
-        try:
-            if self.files:
-                os.makedirs(self.cfg.out_dir, exist_ok=True)
-                with open(os.path.join(self.cfg.out_dir, "config.json"), "w") as f:
-                    json.dump(dataclasses.asdict(self.cfg), f, indent=2)
-            if self.files and self.cfg.wandb:
-                import wandb
-                self.wandb = wandb.init(project=self.cfg.wandb, config=dataclasses.asdict(self.cfg))
-        except OSError as e:
-            die(f"cannot write to --out_dir={self.cfg.out_dir} ({e.strerror}); pick a writable directory")
-        except ImportError:
-            die("--wandb needs the wandb package: pip install wandb")
-
-    def record(self, **kv):
-        """Append kv to out_dir/metrics.jsonl (one JSON object per line), and to wandb if it is on."""
-        if self.files:
-            with open(os.path.join(self.cfg.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(kv) + "\n")
-            if self.wandb:
-                self.wandb.log(kv, step=kv.get("step"))
-
-    def line(self, loss, gnorm, lr, **extra):
-        """A step's line and record: loss, LR, grad norm, time per step, throughput, MFU, and extra values."""
-        c, dt = self.clock, self.clock.lap()
-        rec = {"step": c.step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3,
-               f"{self.unit}_s": self.per_step / dt, "mfu": self.mfu(dt), "train_time": c.train_time, **extra}
-        self.record(**rec)
-        self.history.append({"step": c.step, "loss": loss})
-        total = f"{c.train_time:.0f}/{c.time_budget:.0f}s" if c.time_budget else f"{c.max_steps:05d}"
-        mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-"
-        print(f"step {c.step:05d}/{total} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-              f"{fmt_rate(self.per_step / dt)} {self.unit}/s | mfu {mfu}" + "".join(f" | {k} {v:.2f}"
-                                                                                  for k, v in extra.items()))
+def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
+    """Print a step's line and record it: loss, LR, grad norm, time per step (dt), throughput and MFU at rate (per
+    step, unit, seconds a step at the GPU's peak), and extra values; budget: (max_steps, time_budget)."""
+    (max_steps, time_budget), (per_step, unit, ideal) = budget, rate
+    rec = {"step": step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{unit}_s": per_step / dt,
+           "mfu": ideal / dt or None, "train_time": train_time, **extra}
+    record(metrics, **rec)
+    of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+    mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-"
+    print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+          f"{fmt_rate(per_step / dt)} {unit}/s | mfu {mfu}" + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
 BENCH_WARMUP, PROFILE_STEPS = 5, 3  # --benchmark leaves its first steps untimed (compile, autotuning, the allocator)
 
 class Benchmark:
-    """--benchmark: the time of cfg.bench_steps steps after BENCH_WARMUP; --profile traces PROFILE_STEPS more."""
+    """--benchmark: the time of `steps` steps after BENCH_WARMUP; with `profile`, a trace of PROFILE_STEPS more."""
 
-    def __init__(self, cfg, device):
-        self.cfg, self.device, self.t0, self.t1, self.profiler = cfg, device, 0.0, None, None
+    def __init__(self, steps, profile):
+        self.steps, self.profile, self.t0, self.t1, self.profiler = steps, profile, 0.0, None, None
+        self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
-    @staticmethod
-    def steps(cfg):
-        return BENCH_WARMUP + cfg.bench_steps + PROFILE_STEPS * cfg.profile
-
-    def mark(self, clock):
-        if clock.step == BENCH_WARMUP:
-            self.t0 = clock.train_time
+    def mark(self, step, train_time):
+        """After each step: timing starts once the warm-up is over, the profiler once the timed steps are."""
+        if step == BENCH_WARMUP:
+            self.t0 = train_time
             if torch.cuda.is_initialized():
                 torch.cuda.reset_peak_memory_stats()
-        if self.cfg.profile and clock.step == BENCH_WARMUP + self.cfg.bench_steps:
-            self.t1, self.profiler = clock.train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
+        if self.profile and step == BENCH_WARMUP + self.steps:
+            self.t1, self.profiler = train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
             self.profiler.start()
 
-    def report(self, log, what, mem):
-        """(figures, line); with --profile, a Chrome trace (chrome://tracing, ui.perfetto.dev) and the top ops."""
-        dt = ((self.t1 or log.clock.train_time) - self.t0) / self.cfg.bench_steps
+    def report(self, result, signal, rate, what, out_dir, device, master):
+        """The end of --benchmark: result with the figures of the timed steps at rate (per step, unit, seconds a
+        step at the GPU's peak); with --profile, a Chrome trace (chrome://tracing, ui.perfetto.dev) and the top ops."""
+        if signal:
+            die(f"--benchmark stopped by {signal} at step {result['steps']}; nothing measured")
+        dt, (per_step, unit, ideal) = ((self.t1 or result["train_time"]) - self.t0) / self.steps, rate
         if self.profiler:
             self.profiler.stop()
-        if self.profiler and log.master:
-            os.makedirs(self.cfg.out_dir, exist_ok=True)
-            self.profiler.export_chrome_trace(os.path.join(self.cfg.out_dir, "trace.json"))
-            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        if self.profiler and master:
+            os.makedirs(out_dir, exist_ok=True)
+            self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+            key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-            print(f"profile of {PROFILE_STEPS} steps: {self.cfg.out_dir}/trace.json")
-        figures = {f"{log.unit}_s": log.per_step / dt, "ms_per_step": dt * 1e3, "mfu": log.mfu(dt)}
-        mfu = f"{100 * figures['mfu']:.1f}%" if figures["mfu"] else "-"
-        return figures, (f"benchmark | {self.cfg.preset or 'default'} | {what} | {fmt_rate(log.per_step / dt)} "
-                         f"{log.unit}/s | {dt * 1e3:.1f} ms/step | mfu {mfu} | peak mem {mem:.2f} GB")
+            print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
+        result.update({f"{unit}_s": per_step / dt, "ms_per_step": dt * 1e3, "mfu": ideal / dt or None})
+        mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "-"
+        return finish(f"benchmark | {what} | {fmt_rate(per_step / dt)} {unit}/s | {dt * 1e3:.1f} ms/step | mfu {mfu} | "
+                      f"peak mem {result['peak_mem_gb']:.2f} GB", result)
 
-def peak_rss_gb():
-    """This process's peak resident memory in GB (0 on Windows, which has no resource module)."""
+def peak_memory_gb(device):
+    """The peak GPU memory allocated, or on a CPU the peak resident memory (0 on Windows: it has no resource)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
     if sys.platform == "win32":
         return 0.0
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
-def finish(log, ckpts, bench, what, result, metric=None):
-    """The end: --benchmark's figures, or after a signal how to go on, or a row of results.tsv beside out_dir."""
-    cfg, clock = log.cfg, log.clock
-    ckpts.wait()
-    mem = torch.cuda.max_memory_allocated(log.device) / 1e9 if log.device.type == "cuda" else peak_rss_gb()
-    result = {"steps": clock.step, "train_time": clock.train_time, "wall_time": time.perf_counter() - log.wall0,
-              "peak_mem_gb": mem, **result}
-    if cfg.benchmark and clock.stopped:
-        die(f"--benchmark stopped by {clock.signal} at step {clock.step}; nothing measured")
-    if cfg.benchmark:
-        figures, what = bench.report(log, what, mem)
-        result.update(figures)
-    elif clock.stopped:  # preempted: the checkpoint is saved; exit 0, and --resume carries on
-        result = {"preempted": True, "steps": clock.step, "train_time": clock.train_time}
-        what = (f"stopped by {clock.signal} at step {clock.step}: checkpoint saved in {cfg.out_dir}; run the same "
-                f"command with --resume to continue")
-    elif log.files:
+def finish(line, result, metric=None, out_dir=None, description=""):
+    """Print the run's last line and leave the process group; given out_dir (rank 0 of a finished run), add a row to
+    results.tsv beside it, the experiment log of every script. Returns result."""
+    if out_dir:
         git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                      text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
         row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
-               f"{result[metric]:.4f}", f"{mem:.2f}", f"{result['wall_time']:.0f}", cfg.description.replace("\t", " ")]
-        with open(os.path.join(os.path.dirname(os.path.abspath(cfg.out_dir)), "results.tsv"), "a") as f:
+               f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
+               description.replace("\t", " ")]
+        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
             f.write(("" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
                     + "\t".join(row) + "\n")
-    print(what)
+    print(line)
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
 
-MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
+def preempted(signal, step, train_time, out_dir):
+    """The end of a run that a signal stopped: its checkpoint is saved; it exits 0, and --resume goes on."""
+    return finish(f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
+                  f"run the same command with --resume to continue", {"preempted": True, "steps": step,
+                  "train_time": train_time})
 
-class Checkpoints:
-    """All a run needs to go on exactly: one file from rank 0, or under FSDP a folder of every rank's shards."""
+def model_state(model, opts, ema=None, full=True):
+    """{model, optim, ema, ema_t}: the state dicts in full on the CPU (a collective under FSDP), or this rank's
+    shards; the EMA's through the model, to be sharded as it is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    sd = dict(zip(("model", "optim"), get_state_dict(model, opts, options=options)), ema=None, ema_t=0)
+    if ema:  # a copy: on CPU the live tensors swap back
+        ema.swap()
+        sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+        ema.swap()
+        sd["ema_t"] = ema.t
+    return sd
 
-    def __init__(self, cfg, rank, world_size, clock, log, *, model, opts, scaler, guard, ema=None):
-        self.cfg, self.master, self.world_size, self.clock, self.log = cfg, rank == 0, world_size, clock, log
-        self.model, self.opts, self.scaler, self.guard, self.ema = model, opts, scaler, guard, ema
-        self.sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is a folder of every rank's shards
-        self.writer, self.error, self.group, self.rollbacks = None, None, None, {}  # rollbacks: to each step
+def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
+    """Load a checkpoint dict into the run's objects (a sharded one's tensors are read here, each rank its parts,
+    resharded by DCP if the ranks changed); returns its (step, train_time, history)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    options = StateDictOptions(full_state_dict="shards" not in ckpt)
+    if "shards" in ckpt:
+        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
+    set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
+    if ema:
+        ema.swap()
+        set_model_state_dict(model, ckpt["ema"], options=options)
+        ema.swap()
+        ema.t = int(ckpt["ema_t"])
+    scaler.load_state_dict(ckpt["scaler"])
+    guard.load_state(ckpt["guard"])
+    history = list(ckpt["history"])  # int, float, list: a crafted checkpoint fails here, in one line
+    if not all(isinstance(h, dict) for h in history):
+        raise ValueError("its history is not a list of records")
+    return int(ckpt["step"]), float(ckpt["train_time"]), history
 
-    def state(self, full):
-        """{model, optim, ema}: the full state dicts on the CPU (a collective under FSDP), or this rank's shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-        sd = dict(zip(("model", "optim"), get_state_dict(self.model, self.opts, options=options)), ema=None)
-        if self.ema:  # through the model, to be sharded as it is; a copy, since on CPU the live tensors swap back
-            self.ema.swap()
-            sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(self.model, options=options).items()}
-            self.ema.swap()
-        return sd
+class CheckpointWriter:
+    """Writes checkpoints one at a time, in a thread that training does not wait for with async_save. Under FSDP
+    (sharded) every rank writes its shards with DCP, and rank 0 a state.pt."""
 
-    def restore(self, ckpt):
-        """Everything from a checkpoint (each rank reads its shards); rank 0 then deletes the newer checkpoints."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-        options = StateDictOptions(full_state_dict="shards" not in ckpt)
-        if "shards" in ckpt:
-            ckpt = {**ckpt, **read_shards(ckpt["shards"], self.state(full=False))}
-        set_state_dict(self.model, self.opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
-                       options=options)
-        if self.ema:
-            self.ema.swap()
-            set_model_state_dict(self.model, ckpt["ema"], options=options)
-            self.ema.swap()
-            self.ema.t = int(ckpt["ema_t"])
-        self.scaler.load_state_dict(ckpt["scaler"])
-        self.guard.load_state(ckpt["guard"])
-        c = self.clock  # int, float, list: a crafted checkpoint fails here, in one line, not later in a traceback
-        c.step, c.train_time, self.log.history = int(ckpt["step"]), float(ckpt["train_time"]), list(ckpt["history"])
-        if not all(isinstance(h, dict) for h in self.log.history):
-            raise ValueError("its history is not a list of records")
-        c.start()
-        for _, p in [s for s in list_checkpoints(self.cfg.out_dir) if self.master and s[0] > c.step]:
-            remove(p)  # unreadable, or an abandoned timeline: never kept
+    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
+        self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
+        self.sharded, self.master, self.thread, self.error, self.group = sharded, master, None, None, None
 
-    def save(self, **extra):
-        """Checkpoint the state with extra (every rank calls this); under FSDP, DCP writes each rank's shards."""
-        ema_t, c = self.ema.t if self.ema else 0, self.clock
-        ckpt = {**self.state(full=not self.sharded), "ema_t": ema_t, "scaler": self.scaler.state_dict(),
-                "guard": self.guard.state(), "step": c.step, "train_time": c.train_time, "history": self.log.history,
-                "config": dataclasses.asdict(self.cfg), "world_size": self.world_size, **extra}
-        self.wait()  # one write at a time
+    def save(self, ckpt):
+        """Write ckpt (every rank calls this). DCP writes in a gloo group of its own: on the training's, its messages
+        could interleave with the training's all-reduces."""
+        self.wait()
         shards = None
         if self.sharded:
             import torch.distributed.checkpoint as dcp
-            path = os.path.join(self.cfg.out_dir, f"ckpt_{self.clock.step:07d}")
+            path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
             if self.master:  # a torn or abandoned folder of this step: none of its files may mix with these
                 shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
@@ -1177,105 +1162,52 @@ class Checkpoints:
             ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
             self.group = self.group or dist.new_group(backend="gloo")
             kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
-            shards = (dcp.async_save(dcp_part(sd), **kw).result if self.cfg.async_save  # a CPU copy now, then a thread
+            shards = (dcp.async_save(dcp_part(sd), **kw).result if self.async_save  # a CPU copy now, then a thread
                       else functools.partial(dcp.save, dcp_part(sd), **kw))
         if self.master or shards:
-            ckpt = copy.deepcopy(ckpt) if self.cfg.async_save else ckpt
-            self.writer = threading.Thread(target=write_checkpoint, args=(self.cfg, ckpt, self, shards))
-            self.writer.start()
-            if not self.cfg.async_save:
+            ckpt = copy.deepcopy(ckpt) if self.async_save else ckpt
+            self.thread = threading.Thread(target=self.write, args=(ckpt, shards))
+            self.thread.start()
+            if not self.async_save:
                 self.wait()
+
+    def write(self, ckpt, shards):
+        try:
+            write_checkpoint(self.out_dir, ckpt, *self.keep, shards, self.master)
+        except SystemExit as e:  # a failed write: the run stops at the next wait()
+            self.error = e
 
     def wait(self):
         """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
-        if self.writer:
-            self.writer.join()
-            self.writer = None
+        if self.thread:
+            self.thread.join()
+            self.thread = None
         if self.error:
-            die(self.error)
+            raise self.error
 
-def resume_point(cfg, layout):
-    """(checkpoint, path) to go on from: the newest intact one in out_dir, of the same layout; or (None, None)."""
-    found = [] if cfg.benchmark else list_checkpoints(cfg.out_dir)
-    if found and not (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
-        die(f"{cfg.out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
-    ckpt, path = load_checkpoint(cfg.out_dir, whole=False) if found else (None, None)
-    if found and ckpt is None:
-        die(f"--resume: no checkpoint in {cfg.out_dir} is readable (see warnings above); nothing was changed")
-    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"]) if ckpt else {}
-        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
-    if diff:
-        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
-            f"--out_dir")
-    return ckpt, path
-
-def resume(ckpts, ckpt, path, loader):
-    """Restore ckpt, from resume_point, and the loader's place."""
-    cfg, restarts = ckpts.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if ckpt is None:
-        if cfg.resume:
-            print(f"--resume: no checkpoint in {cfg.out_dir} yet, starting from scratch")
-        return
-    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-        ckpts.restore(ckpt)
-        loader.load_state(ckpt["data"])
-    if ckpts.clock.final():  # its budget is spent: a run cut short resumes, a finished one has nothing left to train
-        die(f"--resume: the run in {cfg.out_dir} is complete at step {ckpts.clock.step}; raise its budget "
-            f"(--max_steps, --time_budget, ...) to train on")
-    print(f"resumed from {path} at step {ckpts.clock.step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-
-def roll_back_if_due(reason, loss, gnorm, ckpts):
-    """Log a skipped update; after too many, restore the newest checkpoint from before them and return True (the
-    loader keeps its place: the batches read since are skipped, PaLM 5.1)."""
-    guard, log, clock, out = ckpts.guard, ckpts.log, ckpts.clock, ckpts.cfg.out_dir
-    log.record(step=clock.step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
-    print(f"step {clock.step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
-    if not guard.rollback_due():
-        return False
-    first_bad, guard.bad = guard.bad[0], []
-    ckpts.wait()
-    if ckpts.world_size > 1:
-        dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
-    ckpt, path = load_checkpoint(out, before=first_bad, whole=False)
-    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
-        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
-            f"{first_bad} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    ckpts.rollbacks[ckpt["step"]] = ckpts.rollbacks.get(ckpt["step"], 0) + 1
-    if ckpts.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
-            f"or raise --warmup_steps")
-    print(f"step {clock.step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-    log.record(step=clock.step, event="rollback", to_step=ckpt["step"])
-    ckpts.restore(ckpt)
-    return True
-
-def write_checkpoint(cfg, ckpt, ckpts=None, shards=None):
-    """ckpt_STEP.pt via a temp file, fsynced and renamed; then all but the newest keep_last and milestones go."""
-    path = os.path.join(cfg.out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
+def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
+    """ckpt_STEP.pt via a temp file, fsynced and renamed (sharded: shards() writes the tensors first, and state.pt
+    lists their sizes); then all but the newest keep_last and the milestones go. A failed write stops the run."""
+    path = os.path.join(out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
         if shards:
             shards()  # DCP gathers every rank's result: once rank 0's returns, all the shards are on disk
-            if not ckpts.master:
+            if not master:
                 return
             ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
-        os.makedirs(cfg.out_dir, exist_ok=True)
+        os.makedirs(out_dir, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the failure is reported
         e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's error
-        error = f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact"
         if os.path.exists(tmp):
             os.remove(tmp)
-        if not ckpts:
-            die(error)
-        ckpts.error = error
-        return
-    for s, p in list_checkpoints(cfg.out_dir)[:-cfg.keep_last] if cfg.keep_last > 0 else []:  # all older: restore()
-        if not (cfg.milestone_every and s % cfg.milestone_every == 0):  # deleted any newer, so only good ones count
+        die(f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact")
+    for s, p in list_checkpoints(out_dir)[:-keep_last] if keep_last > 0 else []:  # all older: a rollback or resume
+        if not (milestone_every and s % milestone_every == 0):  # deleted any newer, so only good ones count
             remove(p)
 
 def remove(path):
@@ -1288,6 +1220,62 @@ def list_checkpoints(out_dir):
     """[(step, path)] of the ckpt_STEP.pt files and ckpt_STEP/ folders in out_dir, oldest first."""
     found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(f"{out_dir}/ckpt_*")]
     return sorted((int(m[1]), p) for m, p in found if m)
+
+def resume_point(out_dir, resume, layout, master):
+    """(checkpoint, path) to go on from (--resume, or after a torchrun restart): the newest intact one in out_dir,
+    of the same layout (a dtype of auto: any), or (None, None). Rank 0 deletes the newer, unreadable ones."""
+    found = list_checkpoints(out_dir)
+    if found and not (resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
+        die(f"{out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
+    if not found:
+        if resume:
+            print(f"--resume: no checkpoint in {out_dir} yet, starting from scratch")
+        return None, None
+    ckpt, path = load_checkpoint(out_dir, whole=False)
+    if ckpt is None:
+        die(f"--resume: no checkpoint in {out_dir} is readable (see warnings above); nothing was changed")
+    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
+        diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+    if diff:
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
+            f"--out_dir")
+    remove_after(out_dir, ckpt["step"], master)
+    return ckpt, path
+
+def resumed(path, step, done, out_dir):
+    """Say where a resumed run goes on from; one whose budget is spent (done) has nothing left to train."""
+    if done:
+        die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
+            f"--time_budget, ...) to train on")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+
+MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
+
+def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
+    """The newest intact checkpoint from before the guard's first bad step, to roll back to at step; rank 0 deletes
+    the newer ones (a timeline nothing may resume). rollbacks counts them per step: too many, or none, stop the run."""
+    if world_size > 1:
+        dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+    ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
+    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
+        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
+            f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
+    rollbacks[ckpt["step"]] = rollbacks.get(ckpt["step"], 0) + 1
+    if rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
+            f"or raise --warmup_steps")
+    print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+    record(metrics, step=step, event="rollback", to_step=ckpt["step"])
+    remove_after(out_dir, ckpt["step"], master)
+    return ckpt
+
+def remove_after(out_dir, step, master):
+    """Rank 0 deletes the checkpoints newer than step."""
+    for s, p in list_checkpoints(out_dir) if master else []:
+        if s > step:
+            remove(p)
 
 def load_checkpoint(where, before=None, whole=True):
     """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step `before`), or
@@ -1322,7 +1310,8 @@ def load_checkpoint(where, before=None, whole=True):
 
 def dcp_part(sd):
     """The tensors of {model, optim, ema}, which DCP writes: the optimizers' param groups go into state.pt."""
-    return {k: {"state": v["state"]} if k == "optim" else v for k, v in sd.items() if v is not None}
+    return {k: {"state": sd[k]["state"]} if k == "optim" else sd[k]
+            for k in ("model", "optim", "ema") if sd[k] is not None}
 
 def read_shards(shards, into=None):
     """{model, optim, ema} of a sharded checkpoint, read into `into` (this rank's shards) or whole; safely."""

@@ -226,8 +226,9 @@ def test_qat_rounds_the_forward_and_passes_gradients_straight_through():
     import finetune_gpt as ft
     cfg = ft.Config(**{**TINY, "qat": 4})
     start = ft.FineTune()
-    start.arch(cfg, {"vocab_size": 257}, None, 0, 1)  # no --init_from: a fresh GPT
-    raw = start.build(cfg, 257, CPU)
+    arch, vocab_size, init = start.arch(cfg, {"vocab_size": 257}, None, 0, 1)  # no --init_from: a fresh GPT
+    assert arch == {} and vocab_size == 257
+    raw = start.build(cfg, vocab_size, CPU, init)
     hidden = [m for b in raw.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     assert all(isinstance(m, ft.QATLinear) and m.bits == 4 for m in hidden)
     lin = ft.QATLinear(torch.nn.Linear(16, 8, bias=False), 4)
