@@ -711,20 +711,20 @@ def check_config(cfg):
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data, batch, precision."""
+    """What a resumed run must share with the run of its checkpoint's config dict c."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
 
 def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
-    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
+    # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
     parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
@@ -742,18 +742,17 @@ def load_image_data(data_dir, splits=("train", "val")):
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
                 f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
                 f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
-    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
-    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
-    if cfg.benchmark:
+    """meta, the train split's loader, and the val images and labels on the device."""
+    if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
                 "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
@@ -773,22 +772,19 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     return meta, loader, *val
 
 def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
+    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
-    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
-    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
-    is the whole state: saved in checkpoints, it makes resume read the same batches."""
+    """(B, H, W, C) uint8 batches from a split held on the device, in an order per epoch
+    seeded by (seed, epoch); rank r takes the r-th B of each global batch."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
@@ -803,9 +799,9 @@ class ImageLoader:
         self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
 
     def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
         n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
+        if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
@@ -815,8 +811,8 @@ class ImageLoader:
         return self.x[idx], self.y[idx]
 
 class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+    """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
+    swap() trades it with the live weights, so one model evaluates with either."""
 
     def __init__(self, params, decay, model=None):
         self.params, self.decay, self.t, self.model = list(params), decay, 0, model
@@ -825,7 +821,7 @@ class EMA:
     @torch.no_grad()
     def update(self):
         self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
 
     @torch.no_grad()
@@ -834,7 +830,7 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(s)
             s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps a no-grad forward's gathered weights
             self.model.reshard()
 # === end shared ===
 
