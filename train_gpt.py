@@ -436,8 +436,9 @@ def load_meta(data_dir):
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # GPT-2's tokens
         if os.path.exists(pkl):
-            with reading(pkl, "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"):
-                m = PlainUnpickler(open(pkl, "rb")).load()
+            fix = "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"
+            with reading(pkl, fix), open(pkl, "rb") as f:
+                m = PlainUnpickler(f).load()
                 if not (isinstance(m["vocab_size"], int) and m["vocab_size"] > 0 and all(
                         isinstance(i, int) and isinstance(c, str) for i, c in (m.get("itos") or {}).items())):
                     raise ValueError("vocab_size must be a positive integer and itos a dict of integers to strings")
