@@ -1,20 +1,19 @@
 """
-train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file you can read top to bottom.
+train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file.
 
-Rectified flow (the network predicts the clean image, the loss is on the velocity that follows; logit-normal
-timesteps; Euler or Heun sampling) by default; DDPM epsilon-prediction with a cosine schedule, min-SNR weighting and
-DDIM sampling as the alternative. The DiT conditions on the timestep and the class through adaLN-Zero, drops labels at
-random for classifier-free guidance, and is trained with an EMA of its weights (the samples come from it), AdamW with
-warmup, bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py. Quality is measured
-offline: the held-out denoising loss on a fixed timestep grid and, given a train_vit.py classifier, how often it
-recognises each sample's class and the Frechet distance in its feature space.
+Rectified flow by default (the network predicts the clean image, the loss is on the velocity;
+logit-normal timesteps; Euler or Heun), or DDPM epsilon-prediction (cosine schedule, min-SNR,
+DDIM). adaLN-Zero conditioning on timestep and class, label dropout for classifier-free
+guidance, samples from an EMA of the weights; AdamW; precision, compile, DDP or FSDP2, exact
+resume and guards as in train_gpt.py. Quality, offline: the held-out denoising loss and, with a
+train_vit.py classifier, its accuracy on the samples and the Frechet distance of its features.
 
-  python train_diffusion.py                            # CPU demo: upright shapes, 7 min of training, samples.png
-  python train_vit.py && python train_diffusion.py --eval_classifier=out/vit    # the same, and scores the samples
+  python train_diffusion.py            # CPU demo: upright shapes, 7 min of training, samples.png
+  python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
   python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
   python train_diffusion.py --benchmark --preset=cifar10
-  python train_diffusion.py -h                         # every flag, with its default
+  python train_diffusion.py -h         # every flag, with its default
 """
 import contextlib
 import copy
@@ -148,19 +147,20 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_nor
 # Model
 
 def timestep_embedding(t, dim=256):
-    """Sinusoidal features of t in [0, 1] (scaled to 0..1000, as DDPM's integer steps): (B,) -> (B, dim), fp32."""
-    freqs = torch.exp(-math.log(10000) * torch.arange(dim // 2, device=t.device, dtype=torch.float32) / (dim // 2))
+    """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1] scaled to DDPM's 0..1000."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
     args = 1000 * t.float()[:, None] * freqs[None]
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
 def modulate(x, shift, scale):
-    """adaLN: x (B, T, d) normalised, shifted and scaled per sample by (B, d) vectors from the conditioning."""
+    """adaLN: shift and scale the normalised x (B, T, d) by per-sample (B, d) vectors."""
     return x * (1 + scale[:, None]) + shift[:, None]
 
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.hd = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.hd = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.qk_norm = cfg.qk_norm
@@ -169,15 +169,15 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
         if self.qk_norm:
             q, k = kernels.rms_norm(q, self.q_norm), kernels.rms_norm(k, self.k_norm)
-        y = kernels.attention(q, k, v, causal=False)  # every patch sees every patch
+        y = kernels.attention(q, k, v, causal=False)  # no mask
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class Block(nn.Module):
-    """A DiT block with adaLN-Zero: the conditioning c sets a shift, scale and gate for each branch; the gates
-    start at zero, so every block starts as the identity (Peebles & Xie 2023)."""
+    """A DiT block with adaLN-Zero (Peebles & Xie 2023): the conditioning c sets each
+    branch's shift, scale and gate; the gates start at 0, the block as the identity."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -197,10 +197,10 @@ class DiT(nn.Module):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, as a matmul
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
-        # one row per class and a last one for "no label", which guidance needs; none when unconditional
+        # a row per class and a last one for "no label", for guidance; none if unconditional
         self.y_emb = nn.Embedding(num_classes + 1, d) if num_classes else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.final_ada = nn.Linear(d, 2 * d)
@@ -208,23 +208,24 @@ class DiT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
+        """Initialise every parameter and buffer (the model was built on the meta device)."""
+        c = self.cfg
         for name, p in self.named_parameters():
             if "ada." in name or name.startswith("out."):
-                nn.init.zeros_(p)  # adaLN-Zero (final_ada too): blocks start as the identity and the prediction as zero
-            elif p.ndim == 1:
-                (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)  # biases, norm gains
+                nn.init.zeros_(p)  # adaLN-Zero: blocks start as the identity, the output as 0
+            elif p.ndim == 1:  # biases 0, norm gains 1
+                nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
-        self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
+                nn.init.trunc_normal_(p, std=c.init_std, a=-2 * c.init_std, b=2 * c.init_std)
+        self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
 
     def forward(self, x, t, y=None):
-        """x (B, H, W, C) noisy images, t (B,) in [0, 1], y (B,) labels (num_classes = none) -> (B, H, W, C)."""
+        """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
         B, H, W, C = x.shape
         p, g, x_t = self.cfg.patch_size, self.grid, x
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        c = self.t_mlp(timestep_embedding(t))  # (B, d): the conditioning of every block
+        c = self.t_mlp(timestep_embedding(t))  # (B, d): every block's conditioning
         if self.y_emb is not None:
             c = c + self.y_emb(y)
         for block in self.blocks:
@@ -233,21 +234,21 @@ class DiT(nn.Module):
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
         x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
-            # x-prediction (Li & He 2025, "Back to Basics"): the network outputs the clean image, which lies near a
-            # low-dimensional manifold, and returns the velocity (x_t - x_0) / t, so loss and samplers stay the same.
-            # The velocity and the noise fill all p*p*C dims of a patch: a width-d token cannot carry them if p*p*C > d
+            # x-prediction (Li & He 2025, "Back to Basics"): the network outputs the clean
+            # image, near a low-dimensional manifold, which a width-d token carries even if
+            # p*p*C > d (noise cannot), and returns the velocity (x_t - x_0) / t to the loss
             x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
         return x
 
     def flops_per_image(self):
-        """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
+        """Training FLOPs per image: 6 per per-token matmul weight (not adaLN's), plus attention."""
         T = self.grid ** 2
-        per_token = sum(p.numel() for n, p in self.named_parameters() if p.ndim == 2 and n.startswith(("patch.", "out.",
-                        "blocks.")) and ".ada." not in n)
-        return T * (6 * per_token + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
+        mats = [p for k, p in self.blocks.named_parameters() if p.ndim == 2 and "ada." not in k]
+        n = self.patch.weight.numel() + self.out.weight.numel() + sum(p.numel() for p in mats)
+        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
 
 def build_model(cfg, image_size, channels, num_classes, device):
-    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    """Build on the meta device, materialise on device, initialise under cfg.seed."""
     with torch.device("meta"):
         model = DiT(cfg, image_size, channels, num_classes)
     model.to_empty(device=device)
@@ -257,65 +258,63 @@ def build_model(cfg, image_size, channels, num_classes, device):
 
 # -----------------------------------------------------------------------------
 # Diffusion: noising, training target and samplers
-# Both objectives use t in [0, 1], t = 0 the data and t = 1 pure noise.
-# flow: x_t = (1 - t) x_0 + t e, and the model predicts the velocity v = e - x_0 (Liu et al. 2022; Lipman et al. 2022).
-# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step i = t * T of T = 1000, and the model predicts e (Ho et al. 2020).
+# t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
+# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al. 2022; Lipman et al. 2022)
+# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
 
 T_DDPM = 1000
 
 def cosine_alpha_bar(T=T_DDPM, s=0.008):
-    """alpha_bar at steps 0..T of the cosine schedule, each beta clipped at 0.999 (Nichol & Dhariwal 2021, eq. 17)."""
+    """alpha_bar at steps 0..T, betas clipped at 0.999 (Nichol & Dhariwal 2021, eq. 17)."""
     f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
     beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)
     return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
 
 def sample_t(B, cfg, gen):
-    """Training timesteps (B,) from generator gen: logit-normal for flow (Esser et al. 2024), uniform over the
-    T steps for ddpm."""
+    """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform steps for ddpm."""
     if cfg.objective == "flow":
         return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
     return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
-    """Noise clean images x0 (B, H, W, C) to timesteps t (B,): (x_t, the model's target, loss weight (B,) or None)."""
+    """(x_t, the model's target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
     if cfg.objective == "flow":
         tb = t.view(-1, 1, 1, 1)
         return (1 - tb) * x0 + tb * noise, noise - x0, None
     ab = alpha_bar.to(x0.device)[(t * T_DDPM).round().long()].float()  # (B,)
     x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
-    snr = ab / (1 - ab)  # min-SNR-gamma: the easy (high-SNR) steps weigh less, for epsilon-prediction min(SNR, g) / SNR
+    # min-SNR-gamma for epsilon: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
+    snr = ab / (1 - ab)
     return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
-    """Integrate from noise (t = 1) to images (t = 0) and return them (B, H, W, C), fp32. model(x, t, y) is the
-    network or any function of that signature; y (B,) labels or None (unconditional). With labels, guidance mixes the
-    conditional and the unconditional (label `null`) outputs, both in one batch: out = uncond + scale * (cond - uncond)
-    (Ho & Salimans 2022). flow: Euler, or Heun's second-order correction (Karras et al. 2022); ddpm: deterministic DDIM
-    (Song et al. 2021) on an even subsequence of the T steps."""
+    """Images (B, H, W, C), fp32, integrated from noise (t = 1) to t = 0 by model(x, t, y)."""
     x, B = noise.float(), noise.size(0)
+    if y is not None:  # guidance (Ho & Salimans 2022): labels and null labels in one batch
+        yy = torch.cat((y, torch.full_like(y, null)))
 
     def pred(x, t):
         tt = torch.full((B,), float(t), device=x.device)
         if y is None:
             return model(x, tt, None).float()
-        out = model(torch.cat((x, x)), torch.cat((tt, tt)), torch.cat((y, torch.full_like(y, null)))).float()
-        cond, uncond = out.chunk(2)
+        cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
         return uncond + scale * (cond - uncond)
 
-    if cfg.objective == "flow":
+    if cfg.objective == "flow":  # Euler, or Heun (Karras et al. 2022)
         ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
         for a, b in zip(ts[:-1], ts[1:]):
             v = pred(x, a)
-            if cfg.sampler == "heun" and b > 0:  # average the slopes at both ends; the last step stays Euler
+            if cfg.sampler == "heun" and b > 0:  # the mean slope of both ends; the last step is Euler
                 v = 0.5 * (v + pred(x + (b - a) * v, b))
             x = x + (b - a) * v
         return x
+    # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps
     ab = alpha_bar.to(x.device)
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = pred(x, i / T_DDPM)
-        x0 = ((x - (1 - ab[i]).sqrt() * eps) / ab[i].sqrt()).clamp(-1, 1).float()  # the predicted image, kept in range
+        x0 = ((x - (1 - ab[i]).sqrt() * eps) / ab[i].sqrt()).clamp(-1, 1).float()  # kept in range
         eps = ((x - ab[i].sqrt() * x0) / (1 - ab[i]).sqrt()).float()
         x = ab[j].sqrt().float() * x0 + (1 - ab[j]).sqrt().float() * eps
     return x
@@ -324,15 +323,15 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 # Data
 
 def to_model(x):
-    """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale the noise is matched to."""
+    """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
     return x.float() / 127.5 - 1
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
 def build_optimizers(cfg, raw, device):
-    """AdamW; weight decay on the hidden matrices of the blocks only (not on embeddings, adaLN, norms or biases)."""
-    decay = [p for n, p in raw.named_parameters() if p.ndim == 2 and n.startswith("blocks.") and ".ada." not in n]
+    """AdamW; weight decay on the blocks' matrices only (not embeddings, adaLN, norms, biases)."""
+    decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
     rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
@@ -341,7 +340,7 @@ def build_optimizers(cfg, raw, device):
     return [opt]
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
+    """LR multiplier: linear warmup, then cosine or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
@@ -353,16 +352,16 @@ def lr_mult(cfg, step, progress):
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
-    """Mean squared error of the model's target on the first n_images val images (0: all) at 8 fixed
-    timesteps, with fixed noise: the same numbers at every eval, so evals compare. Returns (mean, per-t)."""
+    """(mean, per-t) error of the model's target on the first n_images val images (0: all), at 8
+    fixed timesteps with fixed noise (the same for any B and ranks), so that evals compare."""
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # for any B and ranks
-    for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))
+    for it in range(math.ceil(n / (B * world_size))):  # as many forwards on every rank (FSDP)
         i = (it * world_size + rank) * B
-        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
+        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # past the end: not counted
         x0 = to_model(x_all[i:j])
         noise = noise_all[i:j].to(x0.device)
         for k, t in enumerate(ts.tolist()):
@@ -377,9 +376,9 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
 
 @torch.no_grad()
 def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
-    """n samples as uint8 (n, H, W, C) on every rank, sample i of class i % K (K = 0: unconditional). The noise
-    comes from cfg.sample_seed alone, so the samples do not depend on the number of ranks; each rank draws an
-    equal share (the same number of forwards on every rank) and all of them are gathered."""
+    """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none)."""
+    # the noise comes from cfg.sample_seed alone: the samples do not depend on the ranks,
+    # which each draw an equal share (as many forwards) and gather them all
     share = math.ceil(n / world_size)
     noise = torch.randn(share * world_size, *shape, generator=torch.Generator().manual_seed(cfg.sample_seed))
     labels = torch.arange(share * world_size) % max(K, 1)
@@ -389,9 +388,9 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
-        with ctx:  # autocasts the model's matmuls; the sampler's steps are elementwise, in fp32 either way
+        with ctx:  # autocasts the model's matmuls; the sampler's steps are fp32 either way
             x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
-        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # pixels, rounded as a PNG stores them
+        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
     model.train()
     mine = torch.cat(out)
     if world_size > 1:
@@ -401,24 +400,23 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     return mine[:n]
 
 def frechet_distance(a, b):
-    """Frechet distance between Gaussians fitted to features a (n, d) and b (m, d), as in FID (Heusel et al. 2017):
-    |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), with tr (S_a S_b)^1/2 = tr (S_a^1/2 S_b S_a^1/2)^1/2, float64."""
+    """Frechet distance of Gaussians fitted to features a (n, d) and b (m, d), as FID's
+    (Heusel et al. 2017): |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), float64."""
     a, b = a.double(), b.double()
     sa, sb = torch.cov(a.T), torch.cov(b.T)
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
-    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()
+    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # = tr (S_a S_b)^1/2
     return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
 
 class Judge:
-    """Scores samples offline with a train_vit.py classifier trained on the same data: how often it recognises each
-    sample's class, and the Frechet distance between real val images and samples in its feature space (its pooled
-    features, 'FD-ViT'); with --fid_weights, FID proper on Inception features. Real-image features are computed once."""
+    """Scores samples with a train_vit.py classifier of the same data: its accuracy on them,
+    and the Frechet distance of its features ('FD-ViT'); FID proper with --fid_weights."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
-        import train_vit  # only this metric needs the classifier's code; training runs without it
+        import train_vit  # only this metric needs the classifier's code
         ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
-        if ckpt is None or "pool" not in ckpt["config"]:  # the ViT's pooling: a train_vit.py checkpoint
+        if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
             die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
         with reading(where, "pass a checkpoint written by train_vit.py"):
             m = ckpt["data_meta"]
@@ -429,28 +427,29 @@ class Judge:
             self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
         self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
-        self.real = self.features(val_x[:10000])
+        self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
     def features(self, x):
-        """{name: features (n, d)} of uint8 images (n, H, W, C), plus the classifier's logits."""
+        """{name: features (n, d)} of uint8 images (n, H, W, C), and the classifier's logits."""
         out = {"logits": [], "vit": [], "inception": []}
         for i in range(0, len(x), 500):
             xb = x[i:i + 500].float() / 255
             f = self.clf(xb, features=True)
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
-            if self.inception is not None:  # takes NCHW in 0..255 and resizes to 299 inside
+            if self.inception is not None:  # takes NCHW in 0..255, resized to 299 inside
                 img = xb.permute(0, 3, 1, 2).expand(-1, 3, -1, -1) * 255
                 out["inception"].append(self.inception(img, return_features=True).flatten(1))
         return {k: torch.cat(v).float() for k, v in out.items() if v}
 
     def score(self, samples, K):
-        """{'clf_acc', 'fd_vit'(, 'fid')} of uint8 samples where sample i has class i % K."""
+        """{'clf_acc', 'fd_vit'(, 'fid')} of uint8 samples, sample i of class i % K."""
         f = self.features(samples)
         res = {"fd_vit": frechet_distance(self.real["vit"], f["vit"])}
         if K:
-            res["clf_acc"] = (f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K).float().mean().item()
+            right = f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K
+            res["clf_acc"] = right.float().mean().item()
         if self.inception is not None:
             res["fid"] = frechet_distance(self.real["inception"], f["inception"])
         return res
@@ -853,20 +852,20 @@ def check_config(cfg):
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data, batch, precision."""
+    """What a resumed run must share with the run of its checkpoint's config dict c."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
 
 def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
-    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
+    # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
     parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
@@ -884,18 +883,17 @@ def load_image_data(data_dir, splits=("train", "val")):
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
                 f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
                 f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
-    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
-    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
-    if cfg.benchmark:
+    """meta, the train split's loader, and the val images and labels on the device."""
+    if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
                 "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
@@ -915,22 +913,19 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     return meta, loader, *val
 
 def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
+    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
-    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
-    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
-    is the whole state: saved in checkpoints, it makes resume read the same batches."""
+    """(B, H, W, C) uint8 batches from a split held on the device, in an order per epoch
+    seeded by (seed, epoch); rank r takes the r-th B of each global batch."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
@@ -945,9 +940,9 @@ class ImageLoader:
         self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
 
     def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
         n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
+        if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
@@ -957,8 +952,8 @@ class ImageLoader:
         return self.x[idx], self.y[idx]
 
 class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+    """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
+    swap() trades it with the live weights, so one model evaluates with either."""
 
     def __init__(self, params, decay, model=None):
         self.params, self.decay, self.t, self.model = list(params), decay, 0, model
@@ -967,7 +962,7 @@ class EMA:
     @torch.no_grad()
     def update(self):
         self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
 
     @torch.no_grad()
@@ -976,7 +971,7 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(s)
             s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps a no-grad forward's gathered weights
             self.model.reshard()
 # === end shared ===
 

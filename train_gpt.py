@@ -1,19 +1,19 @@
 """
 train_gpt.py: a modern GPT, trained from scratch, in one file you can read top to bottom.
 
-A decoder-only transformer (RoPE, LayerNorm pre-norm, QK-norm, SwiGLU, GQA, zero-init output projections) trained
-on token shards from prepare_data.py with Muon + AdamW (or AdamW alone), warmup + cosine/WSD, bf16/fp16 mixed
-precision, torch.compile, DDP or FSDP2, exact resume, and a KV-cache sampler.
+A decoder-only transformer (RoPE, pre-norm, QK-norm, SwiGLU, zero-init projections, GQA as
+an option) on prepare_data.py's token shards: Muon + AdamW, warmup + cosine or WSD,
+bf16/fp16, torch.compile, DDP or FSDP2, exact resume, a KV-cache sampler.
 
-  python train_gpt.py                                  # CPU demo: prepares the stdlib corpus, trains for ~4 min
+  python train_gpt.py                  # CPU demo: prepares the stdlib corpus, ~4 min
   python train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
   torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train_gpt.py ...
   python train_gpt.py --sample --ckpt=out/gpt --prompt="def "
   python train_gpt.py --benchmark --preset=gpt2_124m
-  python train_gpt.py -h                               # every flag, with its default
+  python train_gpt.py -h               # every flag, with its default
 
-Fine-tuning (GPT-2's weights, LoRA, distillation, INT8, export to Hugging Face) is finetune_gpt.py, which imports this.
+Fine-tuning (GPT-2's weights, LoRA, distillation, INT8, Hugging Face export): finetune_gpt.py.
 """
 import base64
 import contextlib
@@ -158,7 +158,7 @@ ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "
 # Model
 
 class Norm(nn.Module):
-    """LayerNorm (default; a bias only with --bias) or RMSNorm over the last dim, with a learnable gain."""
+    """LayerNorm (a bias only with --bias) or RMSNorm over the last dim."""
 
     def __init__(self, dim, cfg):
         super().__init__()
@@ -172,80 +172,78 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
 
 def rope_tables(seq_len, head_dim, base, device):
-    """cos and signed sin tables of rotary position embeddings (Su et al. 2021), each (seq_len, head_dim), fp32: the
-    angle of pair i, (i, i + D/2), at its two places, and the sin negated where the rotation subtracts it."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    """RoPE's cos and signed sin (Su et al. 2021), each (seq_len, head_dim), fp32."""
+    f32 = dict(device=device, dtype=torch.float32)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)
+    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)  # pair (i, i + D/2)'s angle
     return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[i], x[i + D/2]) of x (B, H, T, D) by position-dependent angles: x cos + (x with its halves
-    swapped) sin, 2x faster on a CPU than rotating the halves apart and joining them with cat."""
-    xf = x.float()
+    """Rotate the pairs (x[i], x[i + D/2]) of x (B, H, T, D) by their angles."""
+    xf = x.float()  # a roll, not a split and a cat: 2x faster on a CPU
     return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
 
 class KVCache:
-    """Keys and values of past positions for fast sampling: one (B, n_kv_head, seq_len, head_dim) pair per layer."""
+    """Keys and values of past positions, for sampling: (B, Hkv, max_len, D) a layer."""
 
     def __init__(self, n_layer, max_len):
-        self.k, self.v, self.pos, self.max_len = [None] * n_layer, [None] * n_layer, 0, max_len
+        self.k, self.v = [None] * n_layer, [None] * n_layer
+        self.pos, self.max_len = 0, max_len
 
     def update(self, layer, k, v):
-        """Store k, v (B, Hkv, t, D) at positions pos..pos+t and return all keys and values so far."""
+        """Store k, v (B, Hkv, t, D) at pos; return all keys and values so far."""
         if self.k[layer] is None:
             B, H, _, D = k.shape
             self.k[layer] = k.new_empty(B, H, self.max_len, D)
             self.v[layer] = v.new_empty(B, H, self.max_len, D)
-        t = k.size(2)
-        self.k[layer][:, :, self.pos:self.pos + t] = k
-        self.v[layer][:, :, self.pos:self.pos + t] = v
-        return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
+        end = self.pos + k.size(2)
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        self.layer, self.n_head, self.n_kv = layer, cfg.n_head, cfg.n_kv_head or cfg.n_head
-        self.hd = cfg.n_embd // cfg.n_head
-        # muP: logits q.k / d, not / sqrt(d), since trained q and k become correlated and q.k grows like d; written
-        # as 1 / sqrt(d * m) it equals the usual 1 / sqrt(d) at the base width (head dim grows with width)
+        self.layer, self.n_head, self.hd = layer, cfg.n_head, cfg.n_embd // cfg.n_head
+        self.n_kv = cfg.n_kv_head or cfg.n_head  # GQA: n_head / n_kv queries share a head
+        # muP: q.k / d, not / sqrt(d), as trained q and k correlate and q.k grows like d;
+        # 1 / sqrt(d * m) is the usual 1 / sqrt(d) at the base width
         self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
         self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=cfg.bias)
-        local = cfg.window and not (cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0)
-        self.window = cfg.window if local else None  # e.g. pattern 3: layers 0, 1 local, 2 global, 3, 4 local, ...
+        # --window_pattern=3: layers 0, 1 local, 2 global, 3, 4 local, ...
+        is_global = cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0
+        self.window = cfg.window if cfg.window and not is_global else None
         self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, nh + 2 nkv, T, hd)
+        q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)
         q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:  # RoPE; GPT-2's learned positions were added to the input instead
+        if cos is not None:  # RoPE; GPT-2's learned positions are added to the input instead
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # new queries are the last T positions: the causal mask lines up bottom-right
+        if cache is not None:  # queries are the last T positions: the causal mask is bottom-right
             k, v = cache.update(self.layer, k, v)
-        # flash attention, scale 1/sqrt(head_dim); GQA shares each k/v head among n_head/n_kv query heads
         y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.kind = cfg.mlp
-        # SwiGLU has three matrices, so its hidden width is 2/3 of 4d to keep the parameter count (Shazeer 2020)
-        hidden = 64 * math.ceil(8 * cfg.n_embd / 3 / 64) if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.kind, d = cfg.mlp, cfg.n_embd
+        # SwiGLU's three matrices: 2/3 of 4d keeps the parameter count (Shazeer 2020)
+        hidden = 64 * math.ceil(8 * d / 3 / 64) if cfg.mlp == "swiglu" else 4 * d
+        self.fc = nn.Linear(d, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, d, bias=cfg.bias)
 
     def forward(self, x):
         h = self.fc(x)
         if self.kind == "swiglu":
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b
-        elif self.kind == "relu2":  # ReLU squared (So et al. 2021, modded-nanogpt)
+        elif self.kind == "relu2":  # ReLU squared (So et al. 2021)
             h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh")
@@ -259,31 +257,28 @@ class Block(nn.Module):
         self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, cos, sin, cache=None):
-        if self.checkpointing == "blocks" and torch.is_grad_enabled():  # keep the input, recompute the rest in backward
+        if self.checkpointing == "blocks" and torch.is_grad_enabled():  # keep only the input
             return torch.utils.checkpoint.checkpoint(self.sublayers, x, cos, sin, cache, use_reentrant=False)
         return self.sublayers(x, cos, sin, cache)
 
     def sublayers(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
-        if self.checkpointing == "selective" and torch.is_grad_enabled():  # keep attention's output, recompute the MLP
+        if self.checkpointing == "selective" and torch.is_grad_enabled():  # recompute the MLP
             return x + torch.utils.checkpoint.checkpoint(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
 def width_mult(cfg):
-    """muP's width multiplier m = n_embd / base_width; 1 under the standard parametrisation."""
+    """muP's width multiplier m = n_embd / base_width; 1 without --mup."""
     return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
 
 class GPT(nn.Module):
-    """Token embedding, n_layer pre-norm blocks, a final norm and the head (tied to the embedding, or its own). The
-    embedding and head have the vocabulary padded to a multiple of 64 rows, for fast matmuls; the padding rows are
-    never classes (logits() cuts them off, the loss masks them). With --mup (Yang et al. 2022, "Tensor Programs V",
-    Table 3, Adam column) and m = n_embd / base_width, hidden matrices start at std init_std / sqrt(m) and train at
-    LR / m (build_optimizers), the head's input is multiplied by 1 / m and attention uses 1 / d; every factor is 1 at
-    m = 1 (`scaling.py coord_check` tests it)."""
+    """Embedding, pre-norm blocks, a final norm and the head (tied, or its own). --mup is
+    Yang et al. 2022 (Tensor Programs V, Table 3): every factor is 1 at m = 1."""
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
-        self.cfg, self.vocab_size, rows = cfg, vocab_size, 64 * math.ceil(vocab_size / 64)
+        self.cfg, self.vocab_size = cfg, vocab_size
+        rows = 64 * math.ceil(vocab_size / 64)  # padded for fast matmuls; never classes
         self.wte = nn.Embedding(rows, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
@@ -295,23 +290,23 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
-        for name, p in self.named_parameters():
-            if p.ndim < 2:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)  # norm gains
-            elif name.endswith("proj.weight") or name == "head.weight":
-                nn.init.zeros_(p)  # each block starts as the identity and the first loss is ln(vocab)
-            elif name.startswith("blocks."):  # hidden matrices: fan_in grows with width
-                nn.init.normal_(p, std=self.cfg.init_std / math.sqrt(width_mult(self.cfg)))
-            else:
-                nn.init.normal_(p, std=self.cfg.init_std)  # the embedding: fan_in is the vocab, not the width
+        """Initialise every parameter and buffer (the model was built on the meta device)."""
         c = self.cfg
+        for name, p in self.named_parameters():
+            if p.ndim < 2:  # biases 0, norm gains 1
+                nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
+            elif name.endswith("proj.weight") or name == "head.weight":
+                nn.init.zeros_(p)  # blocks start as the identity, the first loss is ln(vocab)
+            elif name.startswith("blocks."):  # muP: a hidden matrix's fan_in grows with width
+                nn.init.normal_(p, std=c.init_std / math.sqrt(width_mult(c)))
+            else:  # embeddings: their fan_in is not the width
+                nn.init.normal_(p, std=c.init_std)
         cos, sin = rope_tables(c.seq_len, c.n_embd // c.n_head, c.rope_base, self.cos.device)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean loss (cross-entropy + z_loss term) given targets."""
+        """idx (B, T) -> logits (B, T, V), or the mean loss given targets (B, T)."""
         x, w = self.hidden(idx, cache)
         if targets is not None:
             return self.loss(x, w, targets, z_loss)
@@ -320,48 +315,49 @@ class GPT(nn.Module):
         return self.logits(x, w)
 
     def loss(self, x, w, targets, z_loss=0.0):
-        """The mean cross-entropy (+ z_loss term) of targets (B, T) from the final hidden states x (B, T, d) and head
-        weight w. Head and loss fused in chunks: the (B*T, V) logits never exist at once."""
-        if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.linear would be
+        """Mean cross-entropy (+ z-loss) of targets from hidden states x and head w."""
+        if torch.is_autocast_enabled(x.device.type):  # a custom op: cast as F.linear would
             dt = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dt), w.to(dt)
-        # z_loss keeps the softmax normaliser near 1, which stabilises bf16 training (PaLM)
-        cap = self.cfg.logit_softcap or None
-        return kernels.linear_cross_entropy(x.flatten(0, 1), w, targets.reshape(-1), softcap=cap, z_loss=z_loss,
-                                            classes=self.vocab_size)  # the padding rows are never classes
+        # head and loss fused in chunks: the (B*T, V) logits never exist at once; z_loss keeps
+        # the softmax normaliser near 1, which steadies bf16 training (PaLM)
+        x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
+        return kernels.linear_cross_entropy(x, w, y, softcap=cap, z_loss=z_loss, classes=self.vocab_size)
 
     def logits(self, x, w):
-        """(..., vocab_size) logits of final hidden states x under head weight w, the padding rows cut off (the matmul
-        keeps them: its padded width is the fast shape): fp32 for the softmax even under autocast."""
+        """fp32 logits (..., vocab_size) of hidden states x under head weight w."""
+        # the matmul keeps the padding rows (the fast shape), the result drops them
         logits, cap = F.linear(x, w)[..., :self.vocab_size].float(), self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
     def hidden(self, idx, cache=None):
-        """(final hidden states (B, T, d) of idx (B, T), head weight): everything but the head."""
+        """(hidden states (B, T, d), head weight) of idx (B, T): all but the head."""
         B, T = idx.shape
         pos = cache.pos if cache is not None else 0
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
-        if self.wpe is not None:  # learned absolute positions (GPT-2) instead of RoPE
-            x, cos, sin = x + self.wpe(torch.arange(pos, pos + T, device=idx.device)), None, None
+        if self.wpe is not None:  # GPT-2's learned positions instead of RoPE
+            x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
+            cos = sin = None
         for block in self.blocks:
             x = block(x, cos, sin, cache)
-        x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m (exactly 1 otherwise)
+        x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m
         return x, self.wte.weight if self.head is None else self.head.weight
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6 per weight that does a matmul, plus attention (PaLM appendix B)."""
-        n = sum(p.numel() for p in self.parameters()) - (self.wte.weight.numel() if self.head is not None else 0)
-        n -= self.wpe.weight.numel() if self.wpe is not None else 0  # a lookup, not a matmul
+        """Training FLOPs per token: 6 per matmul weight, plus attention (PaLM app. B)."""
+        n = sum(p.numel() for p in self.parameters())
+        n -= self.wte.weight.numel() if self.head is not None else 0  # a lookup, not a matmul
+        n -= self.wpe.weight.numel() if self.wpe is not None else 0
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
-        """Continue idx (B, T0) by max_new_tokens sampled tokens, with a KV cache; returns (B, T0 + max_new_tokens)."""
+        """idx (B, T0) and max_new_tokens more sampled tokens, with a KV cache."""
         out, T, cache = idx, self.cfg.seq_len, None
-        with torch.compiler.set_stance("force_eager"):  # compiled blocks (FSDP) would recompile for every length
+        with torch.compiler.set_stance("force_eager"):  # compiled (FSDP) blocks: one per length
             for i in range(max_new_tokens):
-                if cache is None or cache.pos >= T:  # (re)fill the cache; when full, keep the last half of the context
+                if cache is None or cache.pos >= T:  # (re)fill; when full, from the last T/2
                     cache = KVCache(len(self.blocks), T)
                     logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
                 logits = logits[:, -1, :]
@@ -379,7 +375,7 @@ class GPT(nn.Module):
             return out
 
 def build_model(cfg, vocab_size, device, cls=GPT):
-    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    """Build on the meta device, materialise on device, initialise under cfg.seed."""
     with torch.device("meta"):
         model = cls(cfg, vocab_size)
     model.to_empty(device=device)
@@ -390,33 +386,40 @@ def build_model(cfg, vocab_size, device, cls=GPT):
 # -----------------------------------------------------------------------------
 # Data
 
-MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's shard header
 
 def open_shard(path):
-    """Memory-map one token file: llm.c format (256 int32 header, uint16 tokens) or nanoGPT's raw uint16 .bin."""
+    """Memory-map a token file: llm.c's (int32 header, uint16 tokens) or nanoGPT's .bin."""
     size = os.path.getsize(path)
     header = np.fromfile(path, dtype="<i4", count=256) if size >= HEADER_BYTES else np.zeros(3, dtype="<i4")
     if size == 0 or (header[0] == MAGIC and header[2] == 0):
         die(f"{path} is empty: that split has no tokens; give it some (nanoGPT's prepare.py keeps 10% for val) or "
             f"re-run prepare_data.py")
     if header[0] == MAGIC:
-        if header[1] != VERSION or HEADER_BYTES + 2 * int(header[2]) != size:
+        n = int(header[2])
+        if header[1] != VERSION or HEADER_BYTES + 2 * n != size:
             die(f"{path}: corrupt shard (header says version {header[1]}, {header[2]} tokens, but the file has "
                 f"{size} bytes); re-run prepare_data.py for this data dir")
-        return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(int(header[2]),))
+        return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
     if os.path.basename(path) in ("train.bin", "val.bin") and size % 2 == 0:
         return np.memmap(path, dtype=np.uint16, mode="r")  # nanoGPT: no header
     die(f"{path}: not a token shard (no llm.c header magic {MAGIC}, and not a nanoGPT train.bin/val.bin); "
         f"make shards with prepare_data.py")
 
 def find_shards(data_dir, split):
-    """The token files of one split: prepare_data.py/llm.c shards (*{split}_NNNNNN.bin) or nanoGPT's {split}.bin."""
+    """A split's token files: prepare_data.py's *{split}_NNNNNN.bin or nanoGPT's {split}.bin."""
     files = sorted(glob.glob(os.path.join(data_dir, f"*{split}_[0-9]*.bin")))
     raw = os.path.join(data_dir, f"{split}.bin")
     return files or ([raw] if os.path.exists(raw) else [])
 
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (nanoGPT's meta.pkl): a pickle runs code through classes."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, and a meta.pkl holds only plain data: refused")
+
 def load_meta(data_dir):
-    """Tokenizer and size facts of a data dir: meta.json from prepare_data.py, or nanoGPT's meta.pkl / defaults."""
+    """A data dir's tokenizer and sizes: meta.json, or nanoGPT's meta.pkl or defaults."""
     if not os.path.isdir(data_dir):
         die(f"data dir {data_dir!r} does not exist; make it with 'python prepare_data.py stdlib --data_dir={data_dir}' "
             f"(or text PATH..., shakespeare, fineweb)")
@@ -430,14 +433,16 @@ def load_meta(data_dir):
                     and isinstance(meta["eot_id"], (int, type(None)))
                     and all(isinstance(v, (int, float)) for v in nums)):
                 raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
-    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout, read as nanoGPT reads it
-        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # no meta.pkl: GPT-2 tokens
-        with reading(pkl, "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"):
-            m = PlainUnpickler(open(pkl, "rb")).load() if os.path.exists(pkl) else None
-            if m is not None and not (isinstance(m["vocab_size"], int) and m["vocab_size"] > 0 and all(
-                    isinstance(i, int) and isinstance(c, str) for i, c in (m.get("itos") or {}).items())):
-                raise ValueError("vocab_size must be a positive integer and itos a dict of integers to strings")
-            if m is not None:  # characters (stoi/itos), else a tokenizer we do not know: bytes if 256, else ids
+    elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
+        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # GPT-2's tokens
+        if os.path.exists(pkl):
+            fix = "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"
+            with reading(pkl, fix), open(pkl, "rb") as f:
+                m = PlainUnpickler(f).load()
+                if not (isinstance(m["vocab_size"], int) and m["vocab_size"] > 0 and all(
+                        isinstance(i, int) and isinstance(c, str) for i, c in (m.get("itos") or {}).items())):
+                    raise ValueError("vocab_size must be a positive integer and itos a dict of integers to strings")
+                # characters, else a tokenizer we do not know: bytes if 256, else ids
                 kind = "chars" if m.get("itos") else "byte" if m["vocab_size"] == 256 else "ids"
                 meta.update(tokenizer=kind, vocab_size=m["vocab_size"], eot_id=None, itos=m.get("itos") or None)
     else:
@@ -447,20 +452,9 @@ def load_meta(data_dir):
             die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py for it")
     return meta
 
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles dicts, lists, tuples, strings, numbers, bools and None only: nanoGPT's meta.pkl. A class or function
-    that a crafted pickle asks for, which is how a pickle runs code, is refused."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"it asks for {module}.{name}, and a meta.pkl holds only plain data: refused")
-
 class TokenLoader:
-    """Reads (B, T) batches in a fixed order from memory-mapped shards; each rank takes its own B rows of a batch.
-    Each shard is cut into `lanes` equal stretches read side by side (row i of a global batch comes from lane
-    i % lanes), so one batch mixes far-apart documents instead of B windows of the same file. A row starts at a
-    document boundary (EOT) when one lies within T/8 tokens ahead, so most rows see a document's beginning while
-    at most 1/8 of the data is skipped. The position (epoch, shard, offset of every lane) is the whole state:
-    saved in checkpoints, it makes resume read exactly the batches an uninterrupted run would."""
+    """(B, T) batches in a fixed order from memory-mapped shards, B rows for each rank. Its
+    position is its state: a resumed run reads what an uninterrupted one would."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
         self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
@@ -469,7 +463,7 @@ class TokenLoader:
         if max(len(s) for s in self.shards) < T + 1:
             die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
                 f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
-        self.bos = [None] * len(files)  # EOT positions per shard, found on first use
+        self.bos = [None] * len(files)  # EOT positions of each shard, found on first use
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -477,9 +471,11 @@ class TokenLoader:
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
+        # `lanes` stretches of the shard are read side by side (row i from lane i % lanes),
+        # so a batch mixes far-apart documents; a small shard gets fewer
         self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
         n = len(self.shards[self.shard])
-        k = max(1, min(self.lanes, n // (self.T + 1)))  # small shards get fewer lanes
+        k = max(1, min(self.lanes, n // (self.T + 1)))
         starts, self.ends = [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
         self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
         if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
@@ -488,42 +484,41 @@ class TokenLoader:
 
     def _next_row(self, T):
         lane = self.lane
-        while self.pos[lane] + T + 1 > self.ends[lane]:  # this lane is used up: all lanes move on to the next shard
+        while self.pos[lane] + T + 1 > self.ends[lane]:  # used up: all lanes go to the next shard
             shard = (self.shard + 1) % len(self.shards)
             self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
             lane = 0
         start, end = self.pos[lane], self.ends[lane]
-        if self.eot is not None:
+        if self.eot is not None:  # start at a document if one does within T/8 tokens
             if self.bos[self.shard] is None:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
             j = np.searchsorted(bos, start)
             if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
                 start = int(bos[j])
-        self.pos[lane] = start + T  # rows overlap by one token, so every token is a target once
+        self.pos[lane] = start + T  # rows overlap by a token: each token is a target once
         self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
 
     def next(self, T=None):
-        """The next (x, y) pair for this rank, each (B, T) int64 on the device; rows of other ranks are skipped. A
-        shorter T gives more rows, B * loader's T / T of them: the same tokens per batch (--seq_len_warmup)."""
+        """This rank's next (x, y), (B, T) int64; a shorter T (--seq_len_warmup) gives more rows."""
         T = T or self.T
         B = self.B * self.T // T
         rows = [self._next_row(T) for _ in range(B * self.world_size)]
         mine = rows[self.rank * B:(self.rank + 1) * B]
         buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
-        if buf.max() >= self.vocab_size:  # would index past the embedding: a crash on CPU, a device assert on CUDA
+        if buf.max() >= self.vocab_size:  # past the embedding: a crash on CPU, an assert on CUDA
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; the shards and "
                 f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
         buf = torch.from_numpy(buf.astype(np.int64))
-        if self.device.type == "cuda":  # pinned memory lets the copy run asynchronously while the GPU computes
+        if self.device.type == "cuda":  # pinned: the copy overlaps the GPU's work
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
             buf = buf.to(self.device)
         return buf[:, :-1], buf[:, 1:]
 
 class SyntheticLoader:
-    """Random tokens of the right shape, for --benchmark: no data needed."""
+    """Random tokens for --benchmark: no data needed."""
 
     def __init__(self, B, T, vocab_size, device):
         gen = torch.Generator(device).manual_seed(0)
@@ -536,18 +531,18 @@ class SyntheticLoader:
         return self.x[:, :-1], self.x[:, 1:]
 
 def load_tokenizer(tok):
-    """(encode, decode) for the tokenizer description stored in meta.json and in every checkpoint."""
+    """(encode, decode) of the tokenizer that meta.json and every checkpoint describe."""
     name = tok.get("tokenizer")
     if name == "byte":
         return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
-    if tok.get("itos"):  # nanoGPT character-level meta.pkl
-        stoi = {c: i for i, c in tok["itos"].items()}
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(tok["itos"].get(i, "") for i in ids))
+    if tok.get("itos"):  # nanoGPT's characters
+        stoi, itos = {c: i for i, c in tok["itos"].items()}, tok["itos"]
+        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(itos.get(i, "") for i in ids))
     import tiktoken
     if name == "gpt2":
         try:
             enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # noqa: BLE001 - offline without tiktoken's cached files: training goes on
+        except Exception as e:  # noqa: BLE001 - offline, without tiktoken's cached files
             print(f"warning: cannot load the gpt2 tokenizer ({type(e).__name__}); samples will show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
@@ -557,17 +552,17 @@ def load_tokenizer(tok):
             raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
-    elif name != "gpt2":  # a tokenizer we do not know (nanoGPT's meta.pkl with a vocab_size only), or cannot load: ids
+    elif name != "gpt2":  # unknown (a meta.pkl with a vocab_size only), or did not load
         return encode_ids, (lambda ids: " ".join(map(str, ids)))
     n = enc.n_vocab
     return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
 
 def encode_ids(s):
-    """Token ids written as numbers, '17 42': the text of a tokenizer we do not know, or whose files did not load."""
+    """Token ids written as numbers, '17 42': the text of a tokenizer we lack."""
     return [int(t) for t in s.split() if t.isdigit()]
 
 def tokenizer_info(data_dir, meta):
-    """What sampling needs to rebuild the tokenizer, small enough to store in each checkpoint."""
+    """What rebuilds the tokenizer, small enough to go in every checkpoint."""
     info = {k: meta.get(k) for k in ("tokenizer", "eot_id", "pat_str", "itos")}
     if meta.get("tokenizer_file"):
         with open(os.path.join(data_dir, meta["tokenizer_file"])) as f:
@@ -579,11 +574,10 @@ def tokenizer_info(data_dir, meta):
 
 # === shared: muon ===
 class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
-    iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw" (the same state), except that the matrices of one shape are
-    orthogonalised together, a batched matmul per iteration, and in ns_dtype: bf16 where the run trains in bf16, else
-    fp32 (torch.optim.Muon always iterates in bf16, which a CPU without bf16 hardware emulates, about 100x slower)."""
+    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
+    scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but a batched matmul per shape, in
+    bf16 only if the run is (torch.optim.Muon's bf16 is ~100x slower where a CPU emulates it)."""
 
     def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -592,78 +586,79 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
             shapes = {}
             for p in group["params"]:
                 if p.grad is not None:
                     shapes.setdefault(p.shape, []).append(p)
             for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
-                torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - group["momentum"])
-                x = torch.stack([p.grad.lerp(b, group["momentum"]) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
+                torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - mom)
+                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
-                torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
-                torch._foreach_add_(ps, x.unbind(0), alpha=-group["lr"] * 0.2 * math.sqrt(max(ps[0].shape)))
+                torch._foreach_mul_(ps, 1 - lr * wd)
+                torch._foreach_add_(ps, x.unbind(0), alpha=-lr * 0.2 * math.sqrt(max(ps[0].shape)))
 
 def orthogonalise(x):
-    """Approximately the nearest (semi-)orthogonal matrices U V^T to x = U S V^T (..., rows, cols): 5 Newton-Schulz
-    iterations of a quintic tuned to push every singular value near 1 fast, not to converge exactly."""
+    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic that pushes singular values near 1 fast
     tall = x.size(-2) > x.size(-1)
     x = x.mT if tall else x  # the Gram matrix x x^T is the smaller square
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm <= 1
     for _ in range(5):
         gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """Muon on the hidden matrices and AdamW (betas 0.9/0.95) on the rest, or AdamW on all (--optimizer=adamw); the
-    embedding at --embed_lr; weight decay on the hidden matrices only. Muon iterates in bf16 if the run's dtype is."""
-    named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters alone
-    # an embedding row moves only when its token occurs: on a BPE's thousands of rare rows 10x the LR wins, on 257 byte
-    # rows seen in every step it loses (BENCHMARKS.md, "CPU recipe"); a tied embedding is also the head and keeps lr
-    bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024  # measured with Muon only
+    """Muon on the hidden matrices, AdamW on the rest (or on all); decay on hidden ones only."""
+    named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters
+    # an embedding row moves only when its token occurs: 10x the LR wins on a BPE's rare rows,
+    # loses on 257 byte rows (BENCHMARKS.md, "CPU recipe", Muon); a tied one, the head, keeps lr
+    bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024
     embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
     embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
     hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
     rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks."))]
     if cfg.optimizer == "muon":
-        # muP: orthogonal updates of spectral norm 0.2 * sqrt(width) * lr must stay O(1), so hidden LR / sqrt(m)
-        opts = [Muon(hidden, lr=cfg.lr / math.sqrt(width_mult(cfg)), weight_decay=cfg.weight_decay, momentum=0.95,
-                     ns_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)]
+        # muP: an orthogonal update's spectral norm is 0.2 sqrt(width) lr: LR / sqrt(m) keeps it O(1)
+        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        lr = cfg.lr / math.sqrt(width_mult(cfg))
+        opts = [Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)]
         groups = [dict(params=rest), *embed]
     else:
-        # muP: Adam moves each hidden weight by ~lr, so a hidden matrix's effect on its output grows with fan_in;
-        # LR / m cancels it (decoupled weight decay is lr * wd, so it scales with it, as in the mup package)
+        # muP: Adam moves each weight by ~lr, so a hidden matrix's output moves with fan_in;
+        # LR / m cancels it (and so the decoupled decay lr * wd, as in the mup package)
         opts = []
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=cfg.lr / width_mult(cfg)), dict(params=rest),
-                  *embed]
-    groups = [g for g in groups if g["params"]]  # LoRA under Muon leaves none: no AdamW then
+        lr = cfg.lr / width_mult(cfg)
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest), *embed]
+    groups = [g for g in groups if g["params"]]  # LoRA under Muon leaves none: no AdamW
     if groups:
-        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0,
-                                      fused=device.type == "cuda"))
+        betas = (cfg.beta1, cfg.beta2)
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, weight_decay=0.0, fused=device.type == "cuda"))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
     return opts
 
 def seq_len_at(cfg, step):
-    """--seq_len_warmup: the training length at step, growing linearly from --seq_len_start to --seq_len in multiples
-    of 64 that divide batch_size x seq_len, so every step keeps its tokens (Li et al. 2022, sequence length warmup)."""
+    """--seq_len_warmup's length at step (Li et al. 2022): linear, in multiples of 64 that
+    divide batch_size x seq_len, so every step keeps its tokens."""
     if step >= cfg.seq_len_warmup:
         return cfg.seq_len
     t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
     return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, times cosine, WSD or constant decay over progress in [0, 1]."""
+    """LR multiplier: linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear to the final LR (Hu et al. 2024)
-        return warm * (1.0 if p < 1 - cfg.cooldown_frac else f + (1 - f) * (1 - p) / cfg.cooldown_frac)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # warmup-stable-decay (Hu et al. 2024)
+        return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
 # -----------------------------------------------------------------------------

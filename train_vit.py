@@ -1,17 +1,17 @@
 """
-train_vit.py: a Vision Transformer trained from scratch on images held on the GPU, in one file to read top to bottom.
+train_vit.py: a Vision Transformer, trained from scratch on images held on the GPU, in one file.
 
-Patch embedding, 2-D sin-cos positions, pre-norm blocks (flash attention, RMSNorm, QK-norm, GELU or SwiGLU, LayerScale,
-stochastic depth, optional registers), average pooling; augmentation on the device (translation, flip, mixup/cutmix,
-label smoothing), Muon (or AdamW) with warmup + cosine, an EMA of the weights evaluated alongside, bf16/fp16,
-torch.compile, DDP or FSDP2, exact resume and the guards of train_gpt.py.
+Patch embedding, 2-D sin-cos positions, pre-norm blocks (RMSNorm, QK-norm, GELU or SwiGLU,
+LayerScale, stochastic depth, registers), average pooling; augmentation on the device; Muon or
+AdamW; an EMA of the weights; bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the
+guards of train_gpt.py.
 
-  python train_vit.py                                  # CPU demo: generates the shapes dataset, trains for ~4 min
+  python train_vit.py                  # CPU demo: generates the shapes dataset, ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
   torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
   python train_vit.py --predict=IMAGE_OR_DIR --ckpt=out/vit
   python train_vit.py --benchmark --preset=cifar10
-  python train_vit.py -h                               # every flag, with its default
+  python train_vit.py -h               # every flag, with its default
 """
 import contextlib
 import copy
@@ -141,7 +141,7 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", 
 # Model
 
 class Norm(nn.Module):
-    """RMSNorm (default) or bias-free LayerNorm over the last dim, with a learnable gain."""
+    """RMSNorm (default) or bias-free LayerNorm over the last dim."""
 
     def __init__(self, dim, kind="rmsnorm", eps=1e-6):
         super().__init__()
@@ -156,7 +156,7 @@ class Norm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.hd = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.hd = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
@@ -164,15 +164,15 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
-        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # every token sees every token
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
+        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # no mask
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
-        if self.swiglu:  # three matrices: 2/3 of the hidden width keeps the parameter count (Shazeer 2020)
+        if self.swiglu:  # three matrices: 2/3 of the width keeps the parameters (Shazeer 2020)
             hidden = 2 * hidden // 3
         self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
@@ -184,7 +184,7 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 def drop_path(x, p, training):
-    """Stochastic depth (Huang et al. 2016): zero a residual branch for a random p of the samples, rescale the rest."""
+    """Stochastic depth (Huang et al. 2016): zero x for a random p of samples, rescale the rest."""
     if not training or p == 0:
         return x
     keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
@@ -196,7 +196,7 @@ class Block(nn.Module):
         self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
         self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
         self.drop = drop
-        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None  # gains, set in init_weights
+        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None  # LayerScale
         self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None
 
     def forward(self, x):
@@ -210,7 +210,7 @@ class ViT(nn.Module):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, written as a matmul on flat patches
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, as a matmul
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
@@ -221,51 +221,52 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         self.norm = Norm(d, cfg.norm)
         self.head = nn.Linear(d, num_classes)
-        # the data's per-channel statistics: the model takes pixels in [0, 1] and normalises them itself
+        # the data's channel statistics: the model takes pixels in [0, 1]
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
         self.init_args = (list(mean), list(std))
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter (the model is built on the meta device, so nothing is set before this)."""
+        """Initialise every parameter and buffer (the model was built on the meta device)."""
+        c = self.cfg
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
-                nn.init.zeros_(p)  # each block starts as the identity, the first prediction is uniform: loss ln(K)
+                nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
             elif name.split(".")[-1] in ("ls1", "ls2"):
-                nn.init.constant_(p, self.cfg.layer_scale)
-            elif p.ndim == 1:
-                (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)  # biases, norm gains
+                nn.init.constant_(p, c.layer_scale)  # LayerScale (Touvron et al. 2021)
+            elif p.ndim == 1:  # biases 0, norm gains 1
+                nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=self.cfg.init_std, a=-2 * self.cfg.init_std, b=2 * self.cfg.init_std)
-        if self.cfg.pos_emb == "sincos":
-            self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
+                nn.init.trunc_normal_(p, std=c.init_std, a=-2 * c.init_std, b=2 * c.init_std)
+        if c.pos_emb == "sincos":
+            self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
         self.mean.copy_(torch.tensor(self.init_args[0]))
         self.std.copy_(torch.tensor(self.init_args[1]))
 
     def forward(self, x, features=False):
-        """x (B, H, W, C) pixels in [0, 1] -> logits (B, num_classes), or the pooled features (B, d)."""
+        """x (B, H, W, C) pixels in [0, 1] -> logits (B, classes), or features (B, d)."""
         B, H, W, C = x.shape
         p, g = self.cfg.patch_size, self.grid
         x = (x - self.mean) / self.std
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, p * p * C)  # (B, N, p*p*C) patches
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        if self.n_extra:  # [cls] and registers in front of the patches; they carry no position
+        if self.n_extra:  # [cls] and registers go first, with no position
             x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # registers are dropped either way
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # no registers
         return f if features else self.head(f)
 
     def flops_per_image(self):
-        """Training FLOPs per image: 6 per weight per token that does a matmul, plus attention (PaLM appendix B)."""
+        """Training FLOPs per image: 6 per matmul weight per token, plus attention (PaLM)."""
         T = self.grid ** 2 + self.n_extra
-        n = sum(p.numel() for n, p in self.named_parameters() if n.startswith(("patch.", "blocks.")) and p.ndim == 2)
+        n = self.patch.weight.numel() + sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
         return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
 
 def build_model(cfg, meta, device):
-    """Build on the meta device (no memory, no init cost), materialise on `device`, then initialise under cfg.seed."""
+    """Build on the meta device, materialise on device, initialise under cfg.seed."""
     with torch.device("meta"):
         model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
     model.to_empty(device=device)
@@ -277,28 +278,28 @@ def build_model(cfg, meta, device):
 # Data
 
 def augment(x, cfg, flip):
-    """Random translation by up to cfg.translate pixels (reflect padding) and, if flip, horizontal flips, per image,
-    on the device. x (B, H, W, C) float -> same shape; random numbers from the global RNG, seeded per step."""
+    """Shift each image of x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
     B, H, W, _ = x.shape
+    dev = x.device
     if cfg.translate:
         t = cfg.translate
         xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
-        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=x.device)
-        rows, cols = dy + torch.arange(H, device=x.device), dx + torch.arange(W, device=x.device)  # (B, H), (B, W)
-        x = xp[torch.arange(B, device=x.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)
+        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)  # (B, H), (B, W)
+        x = xp[torch.arange(B, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
     if flip:
-        x = torch.where(torch.rand(B, 1, 1, 1, device=x.device) < 0.5, x.flip(2), x)
+        x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < 0.5, x.flip(2), x)
     return x
 
 def mix(x, y, cfg):
-    """Mixup or cutmix of the batch with its reverse: returns (x, y, y_reversed, lam), the loss being
-    lam * CE(y) + (1 - lam) * CE(y_reversed). With both on, each batch uses one of them at random (as timm does)."""
+    """Mixup or cutmix (one at random if both, as timm) of the batch with its reverse:
+    (x, y, y reversed, lam), the loss being lam CE(y) + (1 - lam) CE(y reversed)."""
     use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
     alpha = cfg.cutmix if use_cutmix else cfg.mixup
     if alpha == 0:
         return x, y, y, 1.0
     lam = torch.distributions.Beta(alpha, alpha).sample().item()
-    if use_cutmix:  # paste a box of area (1 - lam) from the partner image; lam becomes the exact kept area
+    if use_cutmix:  # paste a box of area 1 - lam from the partner; lam is then the area kept
         B, H, W, _ = x.shape
         h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
         cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
@@ -315,11 +316,10 @@ def mix(x, y, cfg):
 
 # === shared: muon ===
 class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised by 5 Newton-Schulz
-    iterations, the update scaled to AdamW's RMS, 0.2 * sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw" (the same state), except that the matrices of one shape are
-    orthogonalised together, a batched matmul per iteration, and in ns_dtype: bf16 where the run trains in bf16, else
-    fp32 (torch.optim.Muon always iterates in bf16, which a CPU without bf16 hardware emulates, about 100x slower)."""
+    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
+    scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but a batched matmul per shape, in
+    bf16 only if the run is (torch.optim.Muon's bf16 is ~100x slower where a CPU emulates it)."""
 
     def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -328,57 +328,58 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
             shapes = {}
             for p in group["params"]:
                 if p.grad is not None:
                     shapes.setdefault(p.shape, []).append(p)
             for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
-                torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - group["momentum"])
-                x = torch.stack([p.grad.lerp(b, group["momentum"]) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
+                torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - mom)
+                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
-                torch._foreach_mul_(ps, 1 - group["lr"] * group["weight_decay"])
-                torch._foreach_add_(ps, x.unbind(0), alpha=-group["lr"] * 0.2 * math.sqrt(max(ps[0].shape)))
+                torch._foreach_mul_(ps, 1 - lr * wd)
+                torch._foreach_add_(ps, x.unbind(0), alpha=-lr * 0.2 * math.sqrt(max(ps[0].shape)))
 
 def orthogonalise(x):
-    """Approximately the nearest (semi-)orthogonal matrices U V^T to x = U S V^T (..., rows, cols): 5 Newton-Schulz
-    iterations of a quintic tuned to push every singular value near 1 fast, not to converge exactly."""
+    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic that pushes singular values near 1 fast
     tall = x.size(-2) > x.size(-1)
     x = x.mT if tall else x  # the Gram matrix x x^T is the smaller square
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm <= Frobenius norm <= 1
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm <= 1
     for _ in range(5):
         gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), x, beta=3.4445)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """AdamW (no decay on norms, biases, positions and tokens); with --optimizer=muon, Muon on the blocks' matrices,
-    iterating in bf16 if the run's dtype is."""
+    """AdamW, with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
     named = list(raw.named_parameters())
     hidden = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
     decay_rest = [p for n, p in named if p.ndim == 2 and n.startswith(("patch.", "head."))]
+    # norms, biases, positions and the [cls] and register tokens
     no_decay = [p for n, p in named if not (p.ndim == 2 and n.startswith(("blocks.", "patch.", "head.")))]
-    muon = cfg.optimizer == "muon"
-    groups = [dict(params=decay_rest if muon else hidden + decay_rest, weight_decay=cfg.weight_decay),
-              dict(params=no_decay, weight_decay=0.0)]
-    opts = [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")]
-    if muon:
+    opts, decay = [], hidden + decay_rest
+    if cfg.optimizer == "muon":
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        opts.insert(0, Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95, ns_dtype=ns_dtype))
+        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype))
+        decay = decay_rest
+    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"))
     for opt in opts:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
     return opts
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup over warmup_steps, times the decay of --schedule over progress in [0, 1]."""
+    """LR multiplier: linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd":  # warmup-stable-decay: flat, then linear to the final LR (Hu et al. 2024)
-        return warm * (1.0 if p < 1 - cfg.cooldown_frac else f + (1 - f) * (1 - p) / cfg.cooldown_frac)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # warmup-stable-decay (Hu et al. 2024)
+        return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
 # -----------------------------------------------------------------------------
@@ -791,20 +792,20 @@ def check_config(cfg):
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint, from a config dict: architecture, data, batch, precision."""
+    """What a resumed run must share with the run of its checkpoint's config dict c."""
     return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
             "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
 
 def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos position embedding (MAE; Beyer et al. 2022; DiT): half the channels encode the row, half the
-    column, each as sin/cos at dim/4 geometric frequencies. Returns (h * w, dim), fp32."""
+    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
+    # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
     parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of a prepare_data.py image dir."""
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
@@ -822,18 +823,17 @@ def load_image_data(data_dir, splits=("train", "val")):
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [*meta["image_size"], meta["channels"]]:
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
                 f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < meta["num_classes"]):
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
                 f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
-    """The run's images: meta, a loader of the train split and the val split (images, labels) on the device, both
-    held whole as uint8. --benchmark trains on random images (no val split); the default data_dir is made first."""
-    if cfg.benchmark:
+    """meta, the train split's loader, and the val images and labels on the device."""
+    if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
         meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
                 "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
@@ -853,22 +853,19 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     return meta, loader, *val
 
 def flips(cfg, meta):
-    """Whether training flips images: --flip=true|false, or with auto what prepare_data.py recorded in meta.json
-    (a mirrored digit is not a digit). Data prepared before meta.json had flip_ok keeps flipping, as it did."""
+    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:
+    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
-    """Serves (B, H, W, C) uint8 batches from a split held whole on the device, in a random order per epoch: epoch
-    e's order is a permutation seeded by (seed, e), the same on every rank; a global batch is its next B * world_size
-    indices, and rank r takes the r-th B of them; an epoch's last partial batch is dropped. The position (epoch, pos)
-    is the whole state: saved in checkpoints, it makes resume read the same batches."""
+    """(B, H, W, C) uint8 batches from a split held on the device, in an order per epoch
+    seeded by (seed, epoch); rank r takes the r-th B of each global batch."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32; a copy of a memmap
+        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
@@ -883,9 +880,9 @@ class ImageLoader:
         self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
 
     def next(self):
-        """The next batch of this rank: (images (B, H, W, C) uint8, labels (B,) int64)."""
+        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
         n, step = len(self.y), self.B * self.world_size
-        if self.pos + step > n:
+        if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
@@ -895,8 +892,8 @@ class ImageLoader:
         return self.x[idx], self.y[idx]
 
 class EMA:
-    """An exponential moving average of the weights, kept beside them in fp32 (and sharded like them under FSDP).
-    swap() exchanges it with the live weights, so the same model object evaluates (or samples) with either."""
+    """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
+    swap() trades it with the live weights, so one model evaluates with either."""
 
     def __init__(self, params, decay, model=None):
         self.params, self.decay, self.t, self.model = list(params), decay, 0, model
@@ -905,7 +902,7 @@ class EMA:
     @torch.no_grad()
     def update(self):
         self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # warm-up: early weights are forgotten fast
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
         torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
 
     @torch.no_grad()
@@ -914,7 +911,7 @@ class EMA:
             tmp = p.detach().clone()
             p.copy_(s)
             s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps the root's gathered weights after a no-grad forward: drop them
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps a no-grad forward's gathered weights
             self.model.reshard()
 # === end shared ===
 
