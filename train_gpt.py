@@ -1098,24 +1098,24 @@ def check_config(cfg):
 
 # === shared: machinery ===
 def die(msg):
-    """Stop with a one-line error and a non-zero exit (a SystemExit, so tests can catch it)."""
+    """Stop with a one-line error: a SystemExit, which tests can catch."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
 
 def side_path(what, fn, *args):
-    """fn(*args), or None after a one-line warning if it fails: a sample, a plot or a figure never ends a run."""
+    """fn(*args), or None after a warning: a sample or a plot never ends a run."""
     try:
         return fn(*args)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever went wrong there, training goes on
-        print(f"warning: {what} failed, training goes on: {' '.join(str(e).split())[:200] or type(e).__name__}",
-              file=sys.stderr)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever it was, training goes on
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        print(f"warning: {what} failed, training goes on: {why}", file=sys.stderr)
 
 def field_comments(cls):
-    """{field: its trailing comment}, the help of -h; a subclass (finetune_gpt.py's Config) adds its own."""
-    return {k: v for c in reversed(cls.__mro__[:-1])  # [:-1]: object has no source
+    """{field: its trailing comment}, the help of -h; a subclass adds its own."""
+    return {k: v for c in reversed(cls.__mro__[:-1])  # object has no source
             for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
 
 def choose(field, value):
-    """value, if the field's type allows it: one of a Literal's choices (any value of other types); else stop."""
+    """value, if the field's Literal allows it (any value of other types); else stop."""
     options = get_args(field.type)
     if options and value not in options:
         die(f"--{field.name}={value} is not one of {'|'.join(options)}")
@@ -1125,13 +1125,13 @@ def check_choices(cfg):
     """Each Literal field holds one of its choices; --profile needs --benchmark, --offload FSDP."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # a training run would profile every step after the 24th, never exported
+    if cfg.profile and not cfg.benchmark:  # in training it would trace every step, never exported
         die("--profile profiles --benchmark's steps; add --benchmark")
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
-    """A Config from --key=value / --key value flags over a --preset; -h lists every field, its default and comment."""
+    """A Config from --key=value flags over a --preset; -h lists each field's default and comment."""
     import argparse
     module, yes = sys.modules[cls.__module__], ("1", "true", "yes", "on")
 
@@ -1140,50 +1140,54 @@ def parse_args(cls, argv):
             raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
         return s.lower() in yes
 
-    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], usage="%(prog)s [--key=value ...]",
-                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
+                                usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
-    comments = field_comments(cls)  # once: it parses the file (0.1 s), which per field made each start take seconds
+    comments = field_comments(cls)  # once: it parses the source
     for f in dataclasses.fields(cls):
-        b, options = f.type is bool, get_args(f.type)  # the choices of a Literal: the parser checks them
-        kind = to_bool if b else functools.partial(choose, f) if options else f.type
-        p.add_argument(f"--{f.name}", type=kind, nargs="?" if b else None, metavar="|".join(options) or f.name.upper(),
-                       const=True if b else None, help=f"{comments.get(f.name, '')} (default: {f.default!r})")
+        options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
+        kind = to_bool if bare else functools.partial(choose, f) if options else f.type
+        p.add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
+                       help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
     args, unknown = p.parse_known_args(argv)
-    for u in unknown:
-        near = difflib.get_close_matches(u.split("=")[0].lstrip("-"), [f.name for f in dataclasses.fields(cls)], n=1)
-        die(f"unknown flag {u.split('=')[0]!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        near = difflib.get_close_matches(flag.lstrip("-"), [f.name for f in dataclasses.fields(cls)], n=1)
+        die(f"unknown flag {flag!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
     preset = vars(args).get("preset", "")
     if preset and preset not in module.PRESETS:
         die(f"unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
     return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
-              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16/fp16; tf32 is half
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
+              "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16
 
 def peak_seconds(flops, device, dtype):
-    """Seconds that `flops` take at the GPU's peak (MFU: these over the seconds taken); 0 if the peak is unknown."""
+    """Seconds that flops take at the GPU's peak (tf32: half of it); 0 if unknown."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
     return flops / peak if peak else 0.0
 
-def fmt_rate(x):
-    """3.66M, 812k, 95: rates readable at any scale."""
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+def speed(rate, dt):
+    """{unit_s, mfu} and their text ("3.66M tok/s", "mfu 47.1%") at dt seconds a step."""
+    per_step, unit, ideal = rate  # ideal: the seconds of a step at the GPU's peak
+    x, mfu = per_step / dt, ideal / dt or None
+    text = f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
 
 def start_log(cfg, master):
-    """Print the config. Rank 0 of a training run writes out_dir/config.json, opens wandb if asked and returns the
-    path of metrics.jsonl; the others return None."""
-    print(json.dumps(dataclasses.asdict(cfg)))
+    """Print the config; rank 0 of a training run saves it and returns metrics.jsonl's path."""
+    config = dataclasses.asdict(cfg)
+    print(json.dumps(config))
     if not master or cfg.benchmark:
         return None
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+            json.dump(config, f, indent=2)
         if cfg.wandb:
             import wandb
-            wandb.init(project=cfg.wandb, config=dataclasses.asdict(cfg))
+            wandb.init(project=cfg.wandb, config=config)
     except OSError as e:
         die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
     except ImportError:
@@ -1191,7 +1195,7 @@ def start_log(cfg, master):
     return os.path.join(cfg.out_dir, "metrics.jsonl")
 
 def record(metrics, **kv):
-    """Append kv to the file `metrics` (None: no file) as a line of JSON, and to wandb's run if one is open."""
+    """Append kv as a line of JSON to the file metrics (if any), and to wandb's run."""
     if metrics:
         with open(metrics, "a") as f:
             f.write(json.dumps(kv) + "\n")
@@ -1199,57 +1203,51 @@ def record(metrics, **kv):
             sys.modules["wandb"].log(kv, step=kv.get("step"))
 
 def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print a step's line and record it: loss, LR, grad norm, time per step (dt), throughput and MFU at rate (per
-    step, unit, seconds a step at the GPU's peak), and extra values; budget: (max_steps, time_budget)."""
-    (max_steps, time_budget), (per_step, unit, ideal) = budget, rate
-    rec = {"step": step, "loss": loss, "lr": lr, "gnorm": gnorm, "ms": dt * 1e3, f"{unit}_s": per_step / dt,
-           "mfu": ideal / dt or None, "train_time": train_time, **extra}
-    record(metrics, **rec)
+    """Print and record a step's line; budget: (max_steps, time_budget)."""
+    (max_steps, time_budget), (rates, tput, mfu) = budget, speed(rate, dt)
+    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time, **extra)
     of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
-    mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] else "-"
     print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-          f"{fmt_rate(per_step / dt)} {unit}/s | mfu {mfu}" + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
+          f"{tput} | {mfu}" + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
-BENCH_WARMUP, PROFILE_STEPS = 5, 3  # --benchmark leaves its first steps untimed (compile, autotuning, the allocator)
+BENCH_WARMUP, PROFILE_STEPS = 5, 3  # untimed: compile, autotuning, the allocator
 
 class Benchmark:
-    """--benchmark: the time of `steps` steps after BENCH_WARMUP; with `profile`, a trace of PROFILE_STEPS more."""
+    """--benchmark: the time of `steps` steps after the warm-up; then a trace of PROFILE_STEPS more."""
 
     def __init__(self, steps, profile):
-        self.steps, self.profile, self.t0, self.t1, self.profiler = steps, profile, 0.0, None, None
+        self.steps, self.profile, self.times, self.profiler = steps, profile, {}, None
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
     def mark(self, step, train_time):
-        """After each step: timing starts once the warm-up is over, the profiler once the timed steps are."""
-        if step == BENCH_WARMUP:
-            self.t0 = train_time
-            if torch.cuda.is_initialized():
-                torch.cuda.reset_peak_memory_stats()
+        """After each step: timing starts after the warm-up, the profiler after the timed steps."""
+        self.times[step] = train_time
+        if step == BENCH_WARMUP and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
         if self.profile and step == BENCH_WARMUP + self.steps:
-            self.t1, self.profiler = train_time, torch.profiler.profile()  # the CPU, and a GPU where there is one
+            self.profiler = torch.profiler.profile()  # the CPU, and a GPU where there is one
             self.profiler.start()
 
     def report(self, result, signal, rate, what, out_dir, device, master):
-        """The end of --benchmark: result with the figures of the timed steps at rate (per step, unit, seconds a
-        step at the GPU's peak); with --profile, a Chrome trace (chrome://tracing, ui.perfetto.dev) and the top ops."""
+        """result with the timed steps' figures; with --profile, a Chrome trace and the top ops."""
         if signal:
             die(f"--benchmark stopped by {signal} at step {result['steps']}; nothing measured")
-        dt, (per_step, unit, ideal) = ((self.t1 or result["train_time"]) - self.t0) / self.steps, rate
+        dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
         if self.profiler:
             self.profiler.stop()
-        if self.profiler and master:
+        if self.profiler and master:  # trace.json opens in chrome://tracing or ui.perfetto.dev
             os.makedirs(out_dir, exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
             print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-        result.update({f"{unit}_s": per_step / dt, "ms_per_step": dt * 1e3, "mfu": ideal / dt or None})
-        mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "-"
-        return finish(f"benchmark | {what} | {fmt_rate(per_step / dt)} {unit}/s | {dt * 1e3:.1f} ms/step | mfu {mfu} | "
+        rates, tput, mfu = speed(rate, dt)
+        result.update(rates, ms_per_step=dt * 1e3)
+        return finish(f"benchmark | {what} | {tput} | {dt * 1e3:.1f} ms/step | {mfu} | "
                       f"peak mem {result['peak_mem_gb']:.2f} GB", result)
 
 def peak_memory_gb(device):
-    """The peak GPU memory allocated, or on a CPU the peak resident memory (0 on Windows: it has no resource)."""
+    """The peak GPU memory allocated, or the CPU's peak resident memory (0 on Windows)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     if sys.platform == "win32":
@@ -1258,27 +1256,27 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
 def finish(line, result, metric=None, out_dir=None, description=""):
-    """Print the run's last line and leave the process group; given out_dir (rank 0 of a finished run), add a row to
-    results.tsv beside it, the experiment log of every script. Returns result."""
+    """Print the last line, leave the process group; with out_dir add a row to results.tsv beside it."""
     if out_dir:
-        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        here = os.path.dirname(os.path.abspath(__file__))
+        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                                     capture_output=True, text=True).stdout
         row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
                f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
                description.replace("\t", " ")]
         with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-            f.write(("" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
-                    + "\t".join(row) + "\n")
+            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            f.write(header + "\t".join(row) + "\n")
     print(line)
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
 
 def preempted(signal, step, train_time, out_dir):
-    """The end of a run that a signal stopped: its checkpoint is saved; it exits 0, and --resume goes on."""
-    return finish(f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
-                  f"run the same command with --resume to continue", {"preempted": True, "steps": step,
-                  "train_time": train_time})
+    """The end of a run a signal stopped: its checkpoint is saved, it exits 0."""
+    line = f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}"
+    return finish(f"{line}; run the same command with --resume to continue",
+                  {"preempted": True, "steps": step, "train_time": train_time})
 
 def model_state(model, opts, ema=None, full=True):
     """{model, optim, ema, ema_t}: the state dicts in full on the CPU (a collective under FSDP), or this rank's
