@@ -1102,12 +1102,11 @@ def preempted(signal, step, train_time, out_dir):
                   {"preempted": True, "steps": step, "train_time": train_time})
 
 def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: the state dicts in full on the CPU (a collective under FSDP), or this rank's
-    shards; the EMA's through the model, to be sharded as it is."""
+    """{model, optim, ema, ema_t}: in full on the CPU (an FSDP collective), or this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     sd = dict(zip(("model", "optim"), get_state_dict(model, opts, options=options)), ema=None, ema_t=0)
-    if ema:  # a copy: on CPU the live tensors swap back
+    if ema:  # through the model, to be sharded as it is; a copy, as on CPU the live tensors swap back
         ema.swap()
         sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
         ema.swap()
@@ -1115,11 +1114,10 @@ def model_state(model, opts, ema=None, full=True):
     return sd
 
 def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
-    """Load a checkpoint dict into the run's objects (a sharded one's tensors are read here, each rank its parts,
-    resharded by DCP if the ranks changed); returns its (step, train_time, history)."""
+    """Load a checkpoint dict into the run's objects; returns its (step, train_time, history)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
-    if "shards" in ckpt:
+    if "shards" in ckpt:  # each rank reads its parts, resharded by DCP if the ranks changed
         ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
@@ -1129,60 +1127,56 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
         ema.t = int(ckpt["ema_t"])
     scaler.load_state_dict(ckpt["scaler"])
     guard.load_state(ckpt["guard"])
-    history = list(ckpt["history"])  # int, float, list: a crafted checkpoint fails here, in one line
+    history = list(ckpt["history"])  # a crafted checkpoint fails here, in one line
     if not all(isinstance(h, dict) for h in history):
         raise ValueError("its history is not a list of records")
     return int(ckpt["step"]), float(ckpt["train_time"]), history
 
 class CheckpointWriter:
-    """Writes checkpoints one at a time, in a thread that training does not wait for with async_save. Under FSDP
-    (sharded) every rank writes its shards with DCP, and rank 0 a state.pt."""
+    """Writes checkpoints one at a time, with async_save in a thread; under FSDP each rank its shards."""
 
     def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
         self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
-        self.sharded, self.master, self.thread, self.error, self.group = sharded, master, None, None, None
+        self.sharded, self.master, self.pending, self.group = sharded, master, None, None
 
     def save(self, ckpt):
-        """Write ckpt (every rank calls this). DCP writes in a gloo group of its own: on the training's, its messages
-        could interleave with the training's all-reduces."""
+        """Write ckpt (every rank calls this); with async_save, a failure stops the run at wait()."""
+        from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = None
-        if self.sharded:
-            import torch.distributed.checkpoint as dcp
-            path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
-            if self.master:  # a torn or abandoned folder of this step: none of its files may mix with these
-                shutil.rmtree(path, ignore_errors=True)
-            dist.barrier()
-            sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
-            ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
-            self.group = self.group or dist.new_group(backend="gloo")
-            kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
-            shards = (dcp.async_save(dcp_part(sd), **kw).result if self.async_save  # a CPU copy now, then a thread
-                      else functools.partial(dcp.save, dcp_part(sd), **kw))
-        if self.master or shards:
-            ckpt = copy.deepcopy(ckpt) if self.async_save else ckpt
-            self.thread = threading.Thread(target=self.write, args=(ckpt, shards))
-            self.thread.start()
-            if not self.async_save:
-                self.wait()
-
-    def write(self, ckpt, shards):
-        try:
+        shards = self.shards(ckpt) if self.sharded else None
+        if not (self.master or shards):
+            return
+        if self.async_save:
+            ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors
+            self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, self.out_dir, ckpt, *self.keep, shards,
+                                                        self.master)
+        else:
             write_checkpoint(self.out_dir, ckpt, *self.keep, shards, self.master)
-        except SystemExit as e:  # a failed write: the run stops at the next wait()
-            self.error = e
+
+    def shards(self, ckpt):
+        """Move ckpt's tensors to DCP: returns the call that writes them (async_save: a CPU copy now)."""
+        import torch.distributed.checkpoint as dcp
+        path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
+        if self.master:  # a torn folder of this step: none of its files may mix with these
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
+        ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
+        # a gloo group of its own: DCP's messages must not interleave with the training's all-reduces
+        self.group = self.group or dist.new_group(backend="gloo")
+        kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
+        if self.async_save:
+            return dcp.async_save(dcp_part(sd), **kw).result
+        return functools.partial(dcp.save, dcp_part(sd), **kw)
 
     def wait(self):
-        """Block until the checkpoint in flight is on disk; a failed write (a full disk) stops the run."""
-        if self.thread:
-            self.thread.join()
-            self.thread = None
-        if self.error:
-            raise self.error
+        """Block until the checkpoint in flight is on disk; a failed write stops the run."""
+        if self.pending:
+            self.pending.result()
+            self.pending = None
 
 def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
-    """ckpt_STEP.pt via a temp file, fsynced and renamed (sharded: shards() writes the tensors first, and state.pt
-    lists their sizes); then all but the newest keep_last and the milestones go. A failed write stops the run."""
+    """Write ckpt_STEP.pt atomically (or shards() and state.pt), then prune; a failure stops the run."""
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
@@ -1196,20 +1190,22 @@ def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None,
             torch.save(ckpt, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; the failure is reported
-        e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's error
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's
         if os.path.exists(tmp):
             os.remove(tmp)
         die(f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact")
-    for s, p in list_checkpoints(out_dir)[:-keep_last] if keep_last > 0 else []:  # all older: a rollback or resume
-        if not (milestone_every and s % milestone_every == 0):  # deleted any newer, so only good ones count
-            remove(p)
+    if keep_last > 0:  # a rollback or resume deleted any newer ones: only good ones count
+        newest = [s for s, _ in list_checkpoints(out_dir)[-keep_last:]]
+        prune(out_dir, lambda s: s not in newest and not (milestone_every and s % milestone_every == 0))
 
-def remove(path):
-    """Delete a checkpoint: a file, or a folder of shards."""
-    if os.path.isdir(path):
-        return shutil.rmtree(path)
-    os.remove(path)
+def prune(out_dir, old):
+    """Delete the checkpoints whose step is old(step): files, or folders of shards."""
+    for step, path in list_checkpoints(out_dir):
+        if old(step) and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif old(step):
+            os.remove(path)
 
 def list_checkpoints(out_dir):
     """[(step, path)] of the ckpt_STEP.pt files and ckpt_STEP/ folders in out_dir, oldest first."""
@@ -1217,8 +1213,7 @@ def list_checkpoints(out_dir):
     return sorted((int(m[1]), p) for m, p in found if m)
 
 def resume_point(out_dir, resume, layout, master):
-    """(checkpoint, path) to go on from (--resume, or after a torchrun restart): the newest intact one in out_dir,
-    of the same layout (a dtype of auto: any), or (None, None). Rank 0 deletes the newer, unreadable ones."""
+    """(checkpoint, path): the newest intact one of this layout in out_dir, or (None, None)."""
     found = list_checkpoints(out_dir)
     if found and not (resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
@@ -1233,13 +1228,14 @@ def resume_point(out_dir, resume, layout, master):
         saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
         diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
     if diff:
-        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or use a new "
-            f"--out_dir")
-    remove_after(out_dir, ckpt["step"], master)
+        die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
+            f"use a new --out_dir")
+    if master:  # the newer ones are unreadable
+        prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt, path
 
 def resumed(path, step, done, out_dir):
-    """Say where a resumed run goes on from; one whose budget is spent (done) has nothing left to train."""
+    """Say where a resumed run goes on from; stop if its budget is spent (done)."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
@@ -1249,36 +1245,30 @@ def resumed(path, step, done, out_dir):
 MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
 
 def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
-    """The newest intact checkpoint from before the guard's first bad step, to roll back to at step; rank 0 deletes
-    the newer ones (a timeline nothing may resume). rollbacks counts them per step: too many, or none, stop the run."""
+    """The newest intact checkpoint from before the first bad step; rollbacks counts them per step."""
     if world_size > 1:
         dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # going on would skip steps to the end of the budget; nothing is saved over a good checkpoint
+    if ckpt is None:  # going on would skip steps to the end of the budget
         die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
             f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     rollbacks[ckpt["step"]] = rollbacks.get(ckpt["step"], 0) + 1
     if rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); lower --lr "
-            f"or raise --warmup_steps")
+        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
+            f"lower --lr or raise --warmup_steps")
     print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
     record(metrics, step=step, event="rollback", to_step=ckpt["step"])
-    remove_after(out_dir, ckpt["step"], master)
+    if master:  # a timeline nothing may resume
+        prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt
 
-def remove_after(out_dir, step, master):
-    """Rank 0 deletes the checkpoints newer than step."""
-    for s, p in list_checkpoints(out_dir) if master else []:
-        if s > step:
-            remove(p)
-
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step `before`), or
-    (None, None). Intact: CRC-32s, sizes and weights_only loading pass. whole=False leaves a folder's tensors unread."""
+    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step
+    before), or (None, None); whole=False leaves a folder's tensors unread."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
-        try:
+        try:  # intact: CRC-32s, sizes and weights_only loading pass
             file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
             if not os.path.exists(file):
                 raise ValueError("incomplete: it has no state.pt, which rank 0 writes last")
