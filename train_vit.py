@@ -388,12 +388,12 @@ def lr_mult(cfg, step, progress):
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
-    """(rank, world_size, device); under torchrun, the process group joined (NCCL, gloo on CPU), ranks > 0 mute."""
+    """(rank, world_size, device); under torchrun, in the process group (gloo on CPU), ranks > 0 mute."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less (read at the first CUDA malloc)
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
@@ -402,8 +402,7 @@ def setup_dist(device_arg="auto"):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # torchrun lends its own store to the workers, and after a restart it still holds the last attempt's
-        # addresses, which the new attempt would dial (pytorch#135712): a key prefix per attempt keeps them apart
+        # a key prefix per attempt: after a restart, torchrun's store holds the last one's addresses (pytorch#135712)
         store, _, _ = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
@@ -413,7 +412,7 @@ def setup_dist(device_arg="auto"):
     return rank, world_size, device
 
 def all_mean(x, world_size):
-    """Average a tensor over ranks (a no-op in a single process)."""
+    """x averaged over ranks."""
     if world_size > 1:
         x = x.clone()
         dist.all_reduce(x)
@@ -421,52 +420,52 @@ def all_mean(x, world_size):
     return x
 
 def full(t):
-    """The whole tensor of an FSDP-sharded DTensor (a collective: every rank calls it); other tensors as they are."""
+    """The whole tensor of an FSDP DTensor (a collective); other tensors as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-@functools.cache  # timed once per process: every run in it (tests run many) takes the same precision
+@functools.cache  # timed once: every run in the process takes the same precision
 def cpu_has_bf16():
-    """Whether this CPU has AVX512-BF16 or AMX and a bf16 matmul 1.5x faster (BENCHMARKS.md: not every such CPU)."""
+    """Whether this CPU has AVX512-BF16 or AMX and a bf16 matmul 1.5x faster (not every such CPU does)."""
     import timeit
-    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:  # no /proc: no flags to see
+    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:
         if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
             return False
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
     b = a.bfloat16()
-    # each the fastest of 5 products after one to warm up, about 50 ms in all
+    # the fastest of 5 after one to warm up: about 50 ms in all
     fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
     bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
     return fp32 > 1.5 * bf16
 
 def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast, GradScaler); auto: a resumed run's, else bf16 where fast (fp16 on old GPUs), or fp32."""
+    """(dtype, autocast, GradScaler); auto: a resumed run's, else bf16 where fast, fp16 on old GPUs, or fp32."""
     if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
         dtype_arg = ckpt["config"]["dtype"]
     elif dtype_arg == "auto" and device.type == "cuda":
         dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     elif dtype_arg == "auto":
         fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # a timed choice: every rank takes the slowest's
+        if dist.is_available() and dist.is_initialized():  # timed: every rank takes the slowest's
             dist.all_reduce(fast, op=dist.ReduceOp.MIN)
         dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
     ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow, grow the scale after 2000 good steps
+    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
 
 def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, then in DDP or sharded by FSDP2 block by block; raw's keys stay plain."""
+    """(model, compiled): raw compiled, then in DDP or FSDP2 block by block; raw's keys stay plain."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
-    kernels.use(cfg.kernels)  # before compiling: the model traces the path it will run
+    kernels.use(cfg.kernels)  # before compiling, which traces the path
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
-            die("--parallel=fsdp does not support float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+            die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grad averages
-                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))  # not CUDA's on CPU
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grads
+                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))
         for block in raw.blocks:
             if compiled:
                 block.compile()
@@ -474,19 +473,18 @@ def wrap_model(raw, cfg, device, dtype, world_size):
         return fully_shard(raw, **kw), compiled
     model = torch.compile(raw) if compiled else raw
     if world_size > 1:  # buffers are constants: nothing to broadcast
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                    broadcast_buffers=False)
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     return model, compiled
 
 def grad_sync(model, sync):
-    """The context of a micro-step's backward: grads are averaged across ranks only when sync (the last micro-step)."""
+    """The context of a micro-step's backward: grads are averaged across ranks only if sync."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
 def agree(loss_sum, gnorm, signal, train_time, world_size):
-    """The step's one host sync, an all-reduce: (loss, grad norm, whether any rank got a signal, training time)
-    averaged over ranks, so that every rank decides alike."""
+    """The step's one host sync: (loss, grad norm, any rank signalled, train time) averaged over ranks."""
     t = loss_sum.new_tensor
     local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(signal is not None)), t(train_time)])
     loss, gnorm, stopped, train_time = all_mean(local, world_size).tolist()
@@ -1137,21 +1135,22 @@ class CheckpointWriter:
 
     def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
         self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
-        self.sharded, self.master, self.pending, self.group = sharded, master, None, None
+        self.master, self.pending = master, None
+        # a gloo group of its own: DCP's messages must not interleave with the training's all-reduces
+        self.group = dist.new_group(backend="gloo") if sharded else None
 
     def save(self, ckpt):
         """Write ckpt (every rank calls this); with async_save, a failure stops the run at wait()."""
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = self.shards(ckpt) if self.sharded else None
+        shards = self.shards(ckpt) if self.group else None
         if not (self.master or shards):
             return
-        if self.async_save:
-            ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors
-            self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, self.out_dir, ckpt, *self.keep, shards,
-                                                        self.master)
+        args = (self.out_dir, copy.deepcopy(ckpt) if self.async_save else ckpt, *self.keep, shards, self.master)
+        if self.async_save:  # a copy: training goes on changing the tensors
+            self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
-            write_checkpoint(self.out_dir, ckpt, *self.keep, shards, self.master)
+            write_checkpoint(*args)
 
     def shards(self, ckpt):
         """Move ckpt's tensors to DCP: returns the call that writes them (async_save: a CPU copy now)."""
@@ -1162,8 +1161,6 @@ class CheckpointWriter:
         dist.barrier()
         sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
         ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
-        # a gloo group of its own: DCP's messages must not interleave with the training's all-reduces
-        self.group = self.group or dist.new_group(backend="gloo")
         kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
         if self.async_save:
             return dcp.async_save(dcp_part(sd), **kw).result
@@ -1263,8 +1260,7 @@ def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metric
     return ckpt
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of a file or folder, or of the newest intact one in a directory (before step
-    before), or (None, None); whole=False leaves a folder's tensors unread."""
+    """(checkpoint, path) of where, or of the newest intact one in it (before step before), or (None, None)."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
@@ -1280,10 +1276,11 @@ def load_checkpoint(where, before=None, whole=True):
                 raise ValueError("not a checkpoint of these scripts")
             if sharded:
                 for name, size in ckpt["shards"].pop("sizes").items():
-                    if os.path.getsize(os.path.join(path, name)) != size:
-                        raise ValueError(f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not {size}")
+                    got = os.path.getsize(os.path.join(path, name))
+                    if got != size:
+                        raise ValueError(f"{name} has {got} bytes, not {size}")
                 ckpt["shards"]["path"] = path
-                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})
+                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})  # else apply_checkpoint reads them
             return ckpt, path
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
             why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
@@ -1294,7 +1291,7 @@ def load_checkpoint(where, before=None, whole=True):
     return None, None
 
 def dcp_part(sd):
-    """The tensors of {model, optim, ema}, which DCP writes: the optimizers' param groups go into state.pt."""
+    """What DCP writes of {model, optim, ema}: the tensors; the param groups go into state.pt."""
     return {k: {"state": sd[k]["state"]} if k == "optim" else sd[k]
             for k in ("model", "optim", "ema") if sd[k] is not None}
 
@@ -1318,7 +1315,7 @@ def read_shards(shards, into=None):
     return {"ema": None, **sd, "optim": {**sd["optim"], "param_groups": shards["param_groups"]}}
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a sharded checkpoint's .metadata, allowing only the classes DCP writes there for tensors."""
+    """Unpickles a sharded checkpoint's .metadata: only the classes DCP writes there."""
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
         ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta",
@@ -1331,7 +1328,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 @contextlib.contextmanager
 def reading(path, fix):
-    """Any error while making sense of `path` stops the run with one line that names it and the fix."""
+    """Any error while making sense of path stops the run with one line that names it and the fix."""
     try:
         yield
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
@@ -1339,8 +1336,7 @@ def reading(path, fix):
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
-    """Whether an update is safe: a loss or grad norm that is non-finite, or sigma running stds over its running mean,
-    is bad; max_bad bad steps in window call for a rollback (PaLM, Chowdhery et al. 2022, 5.1)."""
+    """Bad steps: a non-finite or spiking loss or grad norm; max_bad in window roll back (PaLM, 5.1)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
         self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
@@ -1354,7 +1350,7 @@ class Guard:
         self.mean, self.var = [float(v) for v in s["mean"][:2]], [float(v) for v in s["var"][:2]]
 
     def clip(self, max_norm):
-        """This step's clipping threshold: max_norm (0 = none), lowered to clip_mult x the running grad-norm mean."""
+        """This step's clip: max_norm (0: none), lowered to clip_mult x the running grad-norm mean."""
         limit = max_norm if max_norm > 0 else float("inf")
         return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
 
@@ -1379,7 +1375,7 @@ class Guard:
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
-    """SIGTERM (preemption) or SIGINT (Ctrl-C) sets stop.received: the run saves and exits 0; a second acts at once."""
+    """SIGTERM or SIGINT sets received: the run saves and exits 0; a second acts at once."""
 
     def __enter__(self):
         self.received, main = None, threading.current_thread() is threading.main_thread()  # handlers run there only
@@ -1395,7 +1391,7 @@ class StopSignal:
             signal.signal(sig, handler)
 
 def prepare_default_data(cfg, rank, world_size, command, what, *flags):
-    """With the default data_dir and no data yet, rank 0 runs prepare_data.py `command` (no network); the rest wait."""
+    """With the default data_dir empty, rank 0 runs prepare_data.py (no network); the rest wait."""
     if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
