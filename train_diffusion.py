@@ -1097,7 +1097,8 @@ class Benchmark:
     """--benchmark: the time of `steps` steps after the warm-up; then a trace of PROFILE_STEPS more."""
 
     def __init__(self, steps, profile):
-        self.steps, self.profile, self.times, self.profiler = steps, profile, {}, None
+        self.steps, self.times = steps, {}
+        self.profiler = torch.profiler.profile() if profile else None  # the CPU, and a GPU where there is one
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
     def mark(self, step, train_time):
@@ -1105,8 +1106,7 @@ class Benchmark:
         self.times[step] = train_time
         if step == BENCH_WARMUP and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
-        if self.profile and step == BENCH_WARMUP + self.steps:
-            self.profiler = torch.profiler.profile()  # the CPU, and a GPU where there is one
+        if self.profiler and step == BENCH_WARMUP + self.steps:
             self.profiler.start()
 
     def report(self, result, signal, rate, what, out_dir, device, master):
@@ -1139,9 +1139,8 @@ def peak_memory_gb(device):
 def finish(line, result, metric=None, out_dir=None, description=""):
     """Print the last line, leave the process group; with out_dir add a row to results.tsv beside it."""
     if out_dir:
-        here = os.path.dirname(os.path.abspath(__file__))
-        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                                                     capture_output=True, text=True).stdout
+        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
         row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
                f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
                description.replace("\t", " ")]
