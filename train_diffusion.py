@@ -1012,7 +1012,7 @@ def check_choices(cfg):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
-    """A Config from --key=value flags over a --preset; -h lists each field's default and comment."""
+    """A Config from --key=value flags over a --preset; -h lists the fields."""
     import argparse
     module, yes = sys.modules[cls.__module__], ("1", "true", "yes", "on")
 
@@ -1094,11 +1094,11 @@ def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **ext
 BENCH_WARMUP, PROFILE_STEPS = 5, 3  # untimed: compile, autotuning, the allocator
 
 class Benchmark:
-    """--benchmark: the time of `steps` steps after the warm-up; then a trace of PROFILE_STEPS more."""
+    """--benchmark: time `steps` steps after a warm-up, then trace PROFILE_STEPS more."""
 
     def __init__(self, steps, profile):
         self.steps, self.times = steps, {}
-        self.profiler = torch.profiler.profile() if profile else None  # the CPU, and a GPU where there is one
+        self.profiler = torch.profiler.profile() if profile else None  # CPU and GPU
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
     def mark(self, step, train_time):
@@ -1137,7 +1137,7 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
 def finish(line, result, metric=None, out_dir=None, description=""):
-    """Print the last line, leave the process group; with out_dir add a row to results.tsv beside it."""
+    """Print the last line, leave the process group; with out_dir, log a row in results.tsv."""
     if out_dir:
         git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                      text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
@@ -1159,11 +1159,11 @@ def preempted(signal, step, train_time, out_dir):
                   {"preempted": True, "steps": step, "train_time": train_time})
 
 def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: in full on the CPU (an FSDP collective), or this rank's shards."""
+    """{model, optim, ema, ema_t}: in full on the CPU, or this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     sd = dict(zip(("model", "optim"), get_state_dict(model, opts, options=options)), ema=None, ema_t=0)
-    if ema:  # through the model, to be sharded as it is; a copy, as on CPU the live tensors swap back
+    if ema:  # through the model, to be sharded as it is; a copy: on CPU they swap back
         ema.swap()
         sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
         ema.swap()
@@ -1190,16 +1190,16 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
     return int(ckpt["step"]), float(ckpt["train_time"]), history
 
 class CheckpointWriter:
-    """Writes checkpoints one at a time, with async_save in a thread; under FSDP each rank its shards."""
+    """Writes checkpoints one at a time (async_save: in a thread); under FSDP, in shards."""
 
     def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
         self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
         self.master, self.pending = master, None
-        # a gloo group of its own: DCP's messages must not interleave with the training's all-reduces
+        # DCP's own gloo group: its messages must not mix with the training's
         self.group = dist.new_group(backend="gloo") if sharded else None
 
     def save(self, ckpt):
-        """Write ckpt (every rank calls this); with async_save, a failure stops the run at wait()."""
+        """Write ckpt (every rank calls this); async_save's failure stops the run at wait()."""
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
         shards = self.shards(ckpt) if self.group else None
@@ -1212,7 +1212,7 @@ class CheckpointWriter:
             write_checkpoint(*args)
 
     def shards(self, ckpt):
-        """Move ckpt's tensors to DCP: returns the call that writes them (async_save: a CPU copy now)."""
+        """Move ckpt's tensors to DCP; returns the call that writes them."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
         if self.master:  # a torn folder of this step: none of its files may mix with these
@@ -1232,12 +1232,12 @@ class CheckpointWriter:
             self.pending = None
 
 def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
-    """Write ckpt_STEP.pt atomically (or shards() and state.pt), then prune; a failure stops the run."""
+    """Write ckpt_STEP.pt atomically (or shards() and state.pt), then prune."""
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
         if shards:
-            shards()  # DCP gathers every rank's result: once rank 0's returns, all the shards are on disk
+            shards()  # rank 0's returns once every rank's shards are on disk
             if not master:
                 return
             ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
@@ -1301,7 +1301,7 @@ def resumed(path, step, done, out_dir):
 MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
 
 def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
-    """The newest intact checkpoint from before the first bad step; rollbacks counts them per step."""
+    """The newest intact checkpoint before the first bad step; rollbacks counts them."""
     if world_size > 1:
         dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
@@ -1319,7 +1319,7 @@ def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metric
     return ckpt
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of where, or of the newest intact one in it (before step before), or (None, None)."""
+    """(checkpoint, path) of where, or of the newest intact one in it (before before)."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
@@ -1339,7 +1339,7 @@ def load_checkpoint(where, before=None, whole=True):
                     if got != size:
                         raise ValueError(f"{name} has {got} bytes, not {size}")
                 ckpt["shards"]["path"] = path
-                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})  # else apply_checkpoint reads them
+                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})
             return ckpt, path
         except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
             why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
@@ -1355,7 +1355,7 @@ def dcp_part(sd):
             for k in ("model", "optim", "ema") if sd[k] is not None}
 
 def read_shards(shards, into=None):
-    """{model, optim, ema} of a sharded checkpoint, read into `into` (this rank's shards) or whole; safely."""
+    """{model, optim, ema} of a sharded checkpoint, read into `into` (this rank's) or whole."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -1387,7 +1387,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 @contextlib.contextmanager
 def reading(path, fix):
-    """Any error while making sense of path stops the run with one line that names it and the fix."""
+    """Any error while reading path stops the run with one line that names the fix."""
     try:
         yield
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
@@ -1395,7 +1395,7 @@ def reading(path, fix):
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
-    """Bad steps: a non-finite or spiking loss or grad norm; max_bad in window roll back (PaLM, 5.1)."""
+    """Flags non-finite or spiking losses and grad norms; max_bad in window roll back (PaLM 5.1)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
         self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
@@ -1409,23 +1409,23 @@ class Guard:
         self.mean, self.var = [float(v) for v in s["mean"][:2]], [float(v) for v in s["var"][:2]]
 
     def clip(self, max_norm):
-        """This step's clip: max_norm (0: none), lowered to clip_mult x the running grad-norm mean."""
+        """max_norm (0: none), lowered to clip_mult x the running grad-norm mean."""
         limit = max_norm if max_norm > 0 else float("inf")
         return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
 
     def check(self, step, loss, gnorm):
-        """None if the update is safe, else the reason; good values update the running statistics."""
+        """None if the update is safe, else the reason; good values update the statistics."""
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
         for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
-            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a floor: a flat loss has a tiny std
+            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a flat loss has a tiny std
             if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
                 reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
         if reason:
             self.bad = [s for s in self.bad if s > step - self.window] + [step]
             return reason
         self.n += 1
-        a = max(1.0 / self.n, 1.0 / self.window)  # a plain mean at first, then an exponential moving average
+        a = max(1.0 / self.n, 1.0 / self.window)  # a mean, then an EMA
         for i, v in enumerate((loss, gnorm)):
             d = v - self.mean[i]
             self.mean[i], self.var[i] = self.mean[i] + a * d, (1 - a) * (self.var[i] + a * d * d)
