@@ -49,99 +49,99 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, imagefolder...)
-    out_dir: str = "out/vit"           # checkpoints, metrics.jsonl, config.json, plots; results.tsv goes beside it
-    preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
+    data_dir: str = "data/shapes"  # images from prepare_data.py
+    out_dir: str = "out/vit"  # checkpoints, metrics.jsonl, plots
+    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
     # model
-    image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
-    n_layer: int = 4                   # transformer blocks
-    n_head: int = 4                    # attention heads
-    n_embd: int = 0                    # model width; 0 = 128, or 64 on a train split under 10,000 images
+    image_size: int = 0  # 0 = the data's; else must equal it
+    patch_size: int = 8  # pixels per side of a patch
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
     mlp: Literal["gelu", "swiglu"] = "gelu"
-    mlp_ratio: float = 4.0             # MLP hidden width / n_embd (SwiGLU uses 2/3 of it, same parameter count)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # pre-norm either way
-    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    qk_norm: bool = True  # RMSNorm on queries and keys
     pos_emb: Literal["sincos", "learned"] = "sincos"
-    pool: Literal["gap", "cls"] = "gap"  # average the patch tokens, or read a class token
-    registers: int = 0                 # extra learned tokens that attention may use as scratch (Darcet et al. 2024)
-    layer_scale: float = 0.0           # LayerScale init, a learned per-channel gain on each branch (CaiT); 0 = off
-    drop_path: float = 0.0             # stochastic depth rate of the last block, rising linearly from 0
-    init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
+    pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
+    registers: int = 0  # scratch tokens (Darcet et al. 2024)
+    layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
+    drop_path: float = 0.0  # stochastic depth of the last block
+    init_std: float = 0.02  # hidden weights; outputs start at 0
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0                 # optimizer steps; 0 = from epochs or time_budget
-    epochs: float = 0.0                # passes over the train split; 0 = from max_steps or time_budget
-    time_budget: float = 200.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
-    batch_size: int = 128              # micro-batch per rank, in images
-    grad_accum: int = 1                # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps
+    epochs: float = 0.0  # passes over the train split
+    time_budget: float = 200.0  # seconds of training, evals excluded
+    batch_size: int = 128  # micro-batch per rank, in images
+    grad_accum: int = 1  # micro-steps per optimizer step
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # Muon on 2-D hidden matrices, AdamW on the rest
-    lr: float = 2e-3                   # peak LR
-    weight_decay: float = 0.05         # decoupled, on 2-D hidden matrices only
-    beta1: float = 0.9                 # AdamW
-    beta2: float = 0.95                # AdamW
-    grad_clip: float = 1.0             # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after linear warmup
-    warmup_steps: int = 100            # linear warmup, in optimizer steps
-    cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
-    final_lr_frac: float = 0.0         # LR at the end of cosine/wsd, as a fraction of the peak
-    ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: hidden 2-D
+    lr: float = 2e-3  # peak LR
+    weight_decay: float = 0.05  # on 2-D hidden matrices only
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100  # linear warmup
+    cooldown_frac: float = 0.2  # wsd: the final decay's share
+    final_lr_frac: float = 0.0  # the last LR, over the peak
+    ema: float = 0.999  # decay of the weights' EMA; 0 = off
     # augmentation, on the device
-    translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
-    flip: Literal["auto", "true", "false"] = "auto"  # random horizontal flips; auto = the data's flip_ok
-    mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
-    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, either per batch
-    label_smoothing: float = 0.1       # target mass spread evenly over all classes
+    translate: int = 4  # random shift, in pixels; 0 = off
+    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
+    mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
+    cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
+    label_smoothing: float = 0.1
     # eval, logging, checkpoints
-    eval_every: int = 400              # steps between evals; 0 = only at the end
-    eval_images: int = 1000            # val images per periodic eval; the final eval reads the whole val split
-    tta_flip: bool = False             # average the predictions on each val image and its mirror image
-    log_every: int = 25                # steps between log lines
-    save_every: int = 0                # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
-    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
-    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
-    wandb: str = ""                    # wandb project name; empty = off
-    description: str = ""              # free text for the results.tsv experiment log
-    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
-    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
-    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
-    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
-    guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
+    eval_every: int = 400  # steps; 0 = only at the end
+    eval_images: int = 1000  # per periodic eval; the final: all
+    tta_flip: bool = False  # average predictions with the mirror's
+    log_every: int = 25
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept
+    milestone_every: int = 0  # also keep steps multiple of this
+    async_save: bool = False  # write in a background thread
+    resume: bool = False  # from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project; empty = off
+    description: str = ""  # for the results.tsv experiment log
+    # guards: a bad step is skipped; repeated ones roll back
+    loss_spike: float = 6.0  # running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm
+    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    guard_window: int = 100  # steps of the running statistics
+    rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # bf16 where fast (fp16 on old GPUs), else fp32
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on for CUDA on Linux
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # used under torchrun
-    offload: Literal["none", "params"] = "none"  # with fsdp, shards, grads and optimizer state in CPU memory
-    seed: int = 1337                   # init, data order, augmentation
-    benchmark: bool = False            # time steps on synthetic images and exit; needs no data
-    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
-    profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # per op the faster (kernels.use), Triton, or PyTorch's
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    compile: Literal["auto", "true", "false"] = "auto"
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
+    seed: int = 1337  # init, data order, augmentation
+    benchmark: bool = False  # time steps on random images, exit
+    bench_steps: int = 20  # timed steps, after 5 warm-up steps
+    profile: bool = False  # --benchmark: trace.json, top ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"
     # prediction
-    predict: str = ""                  # an image file or a folder of them: print class probabilities and exit
-    ckpt: str = ""                     # checkpoint file or directory for --predict; empty = out_dir
-    top_k: int = 5                     # classes shown per image by --predict
+    predict: str = ""  # an image or folder: print probabilities
+    ckpt: str = ""  # checkpoint for --predict; empty = out_dir
+    top_k: int = 5  # classes shown per image by --predict
 
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
-    # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
-                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512,
-                    lr=2e-3, warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000,
-                    tta_flip=True),
+    "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
+    # one GPU, minutes; DeiT's and Beyer et al.'s recipe (2022)
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8,
+                    n_head=6, n_embd=384, optimizer="adamw", layer_scale=0.1, drop_path=0.1,
+                    time_budget=0.0, epochs=60, batch_size=512, lr=2e-3, warmup_steps=500, mixup=0.8,
+                    cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
-               "registers", "layer_scale")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
+               "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
 
 # -----------------------------------------------------------------------------
 # Model
 
 class Norm(nn.Module):
-    """RMSNorm (default) or bias-free LayerNorm over the last dim."""
+    """RMSNorm, or LayerNorm without bias, over the last dim."""
 
     def __init__(self, dim, kind="rmsnorm", eps=1e-6):
         super().__init__()
@@ -164,17 +164,17 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
-        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # no mask
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)
+        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, nh * hd)
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
-        if self.swiglu:  # three matrices: 2/3 of the width keeps the parameters (Shazeer 2020)
+        if self.swiglu:  # 2/3 of the width keeps the parameters (Shazeer 2020)
             hidden = 2 * hidden // 3
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, hidden * (1 + self.swiglu), bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
@@ -184,7 +184,7 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 def drop_path(x, p, training):
-    """Stochastic depth (Huang et al. 2016): zero x for a random p of samples, rescale the rest."""
+    """Stochastic depth (Huang et al. 2016), per sample."""
     if not training or p == 0:
         return x
     keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
@@ -195,32 +195,31 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
         self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
-        self.drop = drop
-        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None  # LayerScale
-        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None
+        self.drop, ls = drop, cfg.layer_scale  # LayerScale (Touvron et al. 2021)
+        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
+        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
 
     def forward(self, x):
         a = self.attn(self.norm1(x))
-        x = x + drop_path(a * self.ls1 if self.ls1 is not None else a, self.drop, self.training)
+        x = x + drop_path(a if self.ls1 is None else a * self.ls1, self.drop, self.training)
         m = self.mlp(self.norm2(x))
-        return x + drop_path(m * self.ls2 if self.ls2 is not None else m, self.drop, self.training)
+        return x + drop_path(m if self.ls2 is None else m * self.ls2, self.drop, self.training)
 
 class ViT(nn.Module):
     def __init__(self, cfg, image_size, channels, num_classes, mean, std):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, as a matmul
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
             self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls] and registers
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls], registers
         self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
-        self.norm = Norm(d, cfg.norm)
-        self.head = nn.Linear(d, num_classes)
+        self.norm, self.head = Norm(d, cfg.norm), nn.Linear(d, num_classes)
         # the data's channel statistics: the model takes pixels in [0, 1]
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
@@ -228,47 +227,50 @@ class ViT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter and buffer (the model was built on the meta device)."""
-        c = self.cfg
+        """Initialise it in place (it was built on the meta device)."""
+        c, s = self.cfg, self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
-                nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
+                nn.init.zeros_(p)  # blocks start as the identity
             elif name.split(".")[-1] in ("ls1", "ls2"):
-                nn.init.constant_(p, c.layer_scale)  # LayerScale (Touvron et al. 2021)
+                nn.init.constant_(p, c.layer_scale)
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=c.init_std, a=-2 * c.init_std, b=2 * c.init_std)
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         if c.pos_emb == "sincos":
             self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
         self.mean.copy_(torch.tensor(self.init_args[0]))
         self.std.copy_(torch.tensor(self.init_args[1]))
 
     def forward(self, x, features=False):
-        """x (B, H, W, C) pixels in [0, 1] -> logits (B, classes), or features (B, d)."""
+        """x (B, H, W, C) in [0, 1] -> logits (B, K), or features (B, d)."""
         B, H, W, C = x.shape
         p, g = self.cfg.patch_size, self.grid
         x = (x - self.mean) / self.std
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         if self.n_extra:  # [cls] and registers go first, with no position
             x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # no registers
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)
         return f if features else self.head(f)
 
     def flops_per_image(self):
-        """Training FLOPs per image: 6 per matmul weight per token, plus attention (PaLM)."""
-        T = self.grid ** 2 + self.n_extra
-        n = self.patch.weight.numel() + sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
-        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
+        """Training FLOPs: 6 per weight per token, and attention."""
+        T, c = self.grid ** 2 + self.n_extra, self.cfg
+        n = sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
+        n += self.patch.weight.numel()
+        attn = 12 * c.n_layer * c.n_embd * T
+        return T * (6 * n + attn) + 6 * self.head.weight.numel()
 
 def build_model(cfg, meta, device):
-    """Build on the meta device, materialise on device, initialise under cfg.seed."""
+    """Build on the meta device, then initialise under cfg.seed."""
+    m = meta
     with torch.device("meta"):
-        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
+        model = ViT(cfg, m["image_size"][0], m["channels"], m["num_classes"], m["mean"], m["std"])
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_weights()
