@@ -280,14 +280,12 @@ def build_model(cfg, meta, device):
 # Data
 
 def augment(x, cfg, flip):
-    """Shift each image of x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
-    B, H, W, _ = x.shape
-    dev = x.device
-    if cfg.translate:
-        t = cfg.translate
-        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+    """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
+    (B, H, W, _), dev, t = x.shape, x.device, cfg.translate
+    if t:  # a random crop of the reflect-padded image (B, H+2t, W+2t, C)
+        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)
         dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)
-        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)  # (B, H), (B, W)
+        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)
         x = xp[torch.arange(B, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
     if flip:
         x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < 0.5, x.flip(2), x)
@@ -301,17 +299,17 @@ def mix(x, y, cfg):
     if alpha == 0:
         return x, y, y, 1.0
     lam = torch.distributions.Beta(alpha, alpha).sample().item()
-    if use_cutmix:  # paste a box of area 1 - lam from the partner; lam is then the area kept
-        B, H, W, _ = x.shape
-        h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
-        cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
-        y0, y1, x0, x1 = max(cy - h // 2, 0), min(cy + h // 2, H), max(cx - w // 2, 0), min(cx + w // 2, W)
-        x = x.clone()
-        x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
-        lam = 1 - (y1 - y0) * (x1 - x0) / (H * W)
-    else:
-        x = lam * x + (1 - lam) * x.flip(0)
-    return x, y, y.flip(0), lam
+    if not use_cutmix:
+        return lam * x + (1 - lam) * x.flip(0), y, y.flip(0), lam
+    # paste a box of area 1 - lam from the partner; lam is then the area kept
+    B, H, W, _ = x.shape
+    h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
+    cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
+    y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
+    x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
+    x = x.clone()
+    x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
+    return x, y, y.flip(0), 1 - (y1 - y0) * (x1 - x0) / (H * W)
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
@@ -320,8 +318,8 @@ def mix(x, y, cfg):
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
     scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but a batched matmul per shape, in
-    bf16 only if the run is (torch.optim.Muon's bf16 is ~100x slower where a CPU emulates it)."""
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but batched per shape, and in bf16
+    only if the run is (a CPU emulates bf16 ~100x slower)."""
 
     def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -338,7 +336,7 @@ class Muon(torch.optim.Optimizer):
             for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
                 torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - mom)
-                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
+                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov (n, r, c)
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
                 torch._foreach_mul_(ps, 1 - lr * wd)
                 torch._foreach_add_(ps, x.unbind(0), alpha=-lr * 0.2 * math.sqrt(max(ps[0].shape)))
@@ -356,31 +354,32 @@ def orthogonalise(x):
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """AdamW, with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
-    named = list(raw.named_parameters())
-    hidden = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
-    decay_rest = [p for n, p in named if p.ndim == 2 and n.startswith(("patch.", "head."))]
-    # norms, biases, positions and the [cls] and register tokens
-    no_decay = [p for n, p in named if not (p.ndim == 2 and n.startswith(("blocks.", "patch.", "head.")))]
-    opts, decay = [], hidden + decay_rest
+    """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
+    named = [(n.split(".")[0], p) for n, p in raw.named_parameters()]
+    hidden = [p for top, p in named if p.ndim == 2 and top == "blocks"]
+    decay = [p for top, p in named if p.ndim == 2 and top in ("patch", "head")]
+    # norms, biases, positions, [cls] and registers
+    rest = [p for top, p in named if p.ndim != 2 or top not in ("blocks", "patch", "head")]
+    opts, wd = [], cfg.weight_decay
     if cfg.optimizer == "muon":
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype))
-        decay = decay_rest
-    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"))
-    for opt in opts:
-        for g in opt.param_groups:
-            g["peak_lr"] = g["lr"]
+        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
+    else:
+        decay = hidden + decay
+    groups = [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
+    fused = device.type == "cuda"
+    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused))
+    for g in (g for opt in opts for g in opt.param_groups):
+        g["peak_lr"] = g["lr"]
     return opts
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
+    """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # warmup-stable-decay (Hu et al. 2024)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # (Hu et al. 2024)
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
@@ -499,77 +498,81 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # Training loop
 
 @torch.no_grad()
-def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_images=None, tta_flip=False):
-    """Top-1, top-5, mean loss and confusion matrix (true, predicted) of the first n_images val images (None: all)."""
+def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
+    """Top-1, top-5, mean loss and confusion (true, predicted) of the first n val images."""
     model.eval()
-    n = len(y_all) if n_images is None else min(n_images, len(y_all))
-    stats = torch.zeros(3, device=y_all.device, dtype=torch.float64)  # top-1 hits, top-5 hits, loss sum
-    conf = torch.zeros(num_classes * num_classes, device=y_all.device, dtype=torch.float64)
-    for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
+    # top-1 hits, top-5 hits, the loss's sum, then the confusion counts
+    sums = torch.zeros(3 + K * K, device=y_all.device, dtype=torch.float64)
+    for it in range(math.ceil(n / (B * world_size))):  # as many forwards on every rank (FSDP)
         i = (it * world_size + rank) * B
-        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
+        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # past the end: uncounted
         x, y = x_all[i:j].float() / 255, y_all[i:j]
         with ctx:
             logits = model(x).float()
-            if tta_flip:
-                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)  # mean probs
-        top = logits.topk(min(5, num_classes), dim=-1).indices  # (b, 5)
-        stats += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
-                                  F.cross_entropy(logits, y, reduction="sum")]).double()
-        conf += w * torch.bincount(y * num_classes + top[:, 0], minlength=num_classes ** 2).double()
+            if tta_flip:  # the mean of both predictions' probabilities
+                both = torch.stack((logits, model(x.flip(2)).float()))
+                logits = both.log_softmax(-1).logsumexp(0)
+        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        sums[:3] += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), loss]).double()
+        sums[3:] += w * torch.bincount(y * K + top[:, 0], minlength=K * K).double()
     model.train()
-    total = all_mean(torch.cat((stats, conf)), world_size) * world_size
-    return {"val_acc": (total[0] / n).item(), "val_top5": (total[1] / n).item(), "val_loss": (total[2] / n).item(),
-            "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
+    total = all_mean(sums, world_size) * world_size
+    acc, top5, loss = (total[:3] / n).tolist()
+    return {"val_acc": acc, "val_top5": top5, "val_loss": loss,
+            "confusion": total[3:].view(K, K).long().cpu().numpy()}
 
-def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_size, step, final=False):
-    """(record, confusion matrix, tag "" or "ema_" of the better) of the weights and their EMA on val images."""
-    n = None if final else cfg.eval_images
-    args = (val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+def evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
+    """(record, confusion, "" or "ema_": the better) of the weights and their EMA."""
+    n = len(val_y) if final else min(cfg.eval_images, len(val_y))
+    args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
     res = {"": evaluate(model, *args)}
     if ema:
         ema.swap()
         res["ema_"] = evaluate(model, *args)
         ema.swap()
-    rec = {"step": step, **{tag + k: v for tag, r in res.items() for k, v in r.items() if k != "confusion"}}
+    rec = {"step": step}
+    for tag, r in res.items():
+        rec |= {tag + k: v for k, v in r.items() if k != "confusion"}
     best = max(res, key=lambda t: res[t]["val_acc"])
     conf = res[best]["confusion"]
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
-    of_ema = f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}" if ema else ""
-    print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
-          f"{rec['val_loss']:.4f}{of_ema} | {min(n or len(val_y), len(val_y))} images"
-          + (" (flip TTA)" if cfg.tta_flip else ""))
+    line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
+    line += f" | loss {rec['val_loss']:.4f}"
+    if ema:
+        line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
+    print(f"{line} | {n} images" + (" (flip TTA)" if cfg.tta_flip else ""))
     return rec, conf, best
 
 def plot_results(out_dir, history, confusion, classes):
-    """accuracy.png (val accuracy of the model and its EMA, train loss, against step) and confusion.png."""
+    """accuracy.png (val accuracy, its EMA's, train loss) and confusion.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
-        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
-        if pts:
+        if pts := [(h["step"], 100 * h[key]) for h in history if key in h]:
             ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=os.path.basename(os.path.abspath(out_dir)))
+    title = os.path.basename(os.path.abspath(out_dir))
+    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
-    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    if losses:
+    if losses := [(h["step"], h["loss"]) for h in history if "loss" in h]:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*losses), color="gray", alpha=0.5, label="train loss")
+        ax2.plot(*zip(*losses), color="gray", alpha=0.5)
         ax2.set_ylabel("train loss")
     K = len(classes)
     fig2, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
-    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # each row: where that class's images went
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # where a class went
     ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     if K <= 30:
         ax.set_xticks(range(K), classes, rotation=90)
         ax.set_yticks(range(K), classes)
         for i, j in zip(*np.nonzero(confusion)):
-            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if rates[i, j] > 0.5 else "black")
-    ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
+            color = "white" if rates[i, j] > 0.5 else "black"
+            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
+    title = f"confusion on val ({int(confusion.sum())} images)"
+    ax.set(xlabel="predicted", ylabel="true", title=title)
     for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=120)
@@ -580,131 +583,134 @@ def main(cfg):
     check_config(cfg)
     if cfg.predict:
         return predict_main(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save. A signal stops it."""
+    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0 = time.perf_counter()
+    wall0, master = time.perf_counter(), rank == 0
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
+    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
     (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+    data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean", "std")}
 
-    # cfg settles here, before anything derives from it: the width (auto: under 10k images 128 stalls near chance
-    # for ~500 steps where 64 learns, README) and the precision (auto: a resumed run's, else decided now)
-    width = cfg.n_embd or (64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
+    # cfg settles here, before anything derives from it. The width: under 10k images, 128
+    # stalls near chance for ~500 steps where 64 learns (README). The precision: a resumed run's.
+    width = cfg.n_embd or (64 if len(loader.y) < 10000 and not cfg.benchmark else 128)
     layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
-    # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
+    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
     raw = build_model(cfg, meta, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
-    steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    # throughput: per step, its unit, and the seconds a step would take at the GPU's peak (MFU: those over its time)
+    # per step: images, and the seconds it would take at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
-    # the loop's state is these locals; a resume sets them from the checkpoint, and the loader's place
+    # the loop's state is these locals; a resume sets them, and the loader's place
     step, train_time, history, rollbacks = 0, 0.0, [], {}
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            train_loader.load_state(ckpt["data"])
+            loader.load_state(ckpt["data"])
         resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
-    metrics = start_log(cfg, rank == 0)  # the file of every logged value (None on ranks > 0)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is then a folder of every rank's shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
-    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
-          f" | {(H // cfg.patch_size) ** 2} patches"
-          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
-          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+    metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
+          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum"
+          f" {accum} x world {world_size}) | {budget}"
+          + ("" if time_budget else f" ({max_steps / steps_per_epoch:.1f} epochs)")
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), then log, eval and save
+    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        # augmentation and stochastic depth draw from the global RNG, seeded by (seed, step, rank): a resumed run
-        # draws the same numbers as an uninterrupted one, and the checkpoint needs no RNG state
+        # augmentation and stochastic depth draw from the global RNG seeded by (seed, step,
+        # rank): a resumed run draws the same numbers, and the checkpoint needs no RNG state
         torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
-        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)  # of the budget
+        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
+        loss_sum, ls = torch.zeros((), device=device), cfg.label_smoothing
         for micro in range(accum):
-            x, y = train_loader.next()
+            x, y = loader.next()
             x, ya, yb, lam = mix(augment(x.float() / 255, cfg, flip), y, cfg)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()
-                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
-                    if lam < 1:  # a mixed batch: each partner's loss, weighted by its share
-                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
+                    loss = F.cross_entropy(logits, ya, label_smoothing=ls)
+                    if lam < 1:  # a mixed batch: each partner's loss, by its share
+                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=ls)
                     loss = loss / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        now = time.perf_counter()  # the host waits for the GPU in agree(): that wait counts in the next step
+        now = time.perf_counter()  # the host waits for the GPU in agree(): the next step's time
         loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
         t0 = now
-        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        # an fp16 overflow is the scaler's to skip
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)  # which skips it when fp16 grads overflowed
+                scaler.step(opt)
             if ema and not overflow:
                 ema.update()
         scaler.update()
         step += 1
 
-        if reason:  # a skipped update; repeated ones roll back to a checkpoint, past the batches read since (PaLM 5.1)
+        if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
         if reason and guard.rollback_due():
             writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, rank == 0, metrics, step)
+            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, master, metrics, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             t0, lap = time.perf_counter(), (step, train_time)
             continue
         done = train_time >= time_budget if time_budget else step >= max_steps
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # seconds a step since
-            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
-                     epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
+            epoch = loader.epoch + loader.pos / len(loader.y)
+            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate,
+                     train_time, epoch=epoch)
             history.append({"step": step, "loss": loss})
-        if cfg.benchmark:
-            bench.mark(step, train_time)  # timing starts after the warm-up; --profile traces the steps after the timed
+        if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
+            bench.mark(step, train_time)
             continue
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
-            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step,
-                                            done and not stopped)
+            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
+                                            step, done and not stopped)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
         if last_step or (cfg.save_every and step % cfg.save_every == 0):
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(), "step": step,
-                         "guard": guard.state(), "train_time": train_time, "history": history, "data_info": data_info,
-                         "config": dataclasses.asdict(cfg), "world_size": world_size, "data": train_loader.state(),
-                         "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean",
-                                                            "std")}})
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time,
+                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
         t0 += time.perf_counter() - paused
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
@@ -713,56 +719,59 @@ def train(cfg, stop):
         return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if cfg.benchmark:  # the time of the steps after the warm-up (a signal leaves none)
-        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
-                f"{device} {dtype} compile={compiled}")
-        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
-    if rank == 0:
+    if cfg.benchmark:  # the steps after the warm-up (a signal leaves none)
+        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
+                f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
+        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
+    if master:
         side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
-    worst = np.argsort(rec["per_class_acc"])[:3]
-    weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
-    key, epochs = f"{best}val_acc", step * images_per_step / len(train_loader.y)
-    return finish(f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc {100 * rec[key]:.2f}% "
-                  f"({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, accuracy.png and "
-                  f"confusion.png in {cfg.out_dir}", {**result, **rec, "train_loss": loss,
-                  "images": step * images_per_step}, key, rank == 0 and cfg.out_dir, cfg.description)
+    acc = rec["per_class_acc"]
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
+    key, epochs = f"{best}val_acc", step * images_per_step / len(loader.y)
+    line = (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc "
+            f"{100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | "
+            f"checkpoint, accuracy.png and confusion.png in {cfg.out_dir}")
+    result |= {**rec, "train_loss": loss, "images": step * images_per_step}
+    return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
 def load_image(path, size, channels):
-    """An image file as (size, size, channels) uint8, its centre square resized to size, as prepare_data.py does."""
+    """An image file as (size, size, channels) uint8: its centre square, resized as prepare_data.py does."""
     from PIL import Image, ImageOps
     try:
         with Image.open(path) as im:
             im = im.convert("RGB" if channels == 3 else "L")
             a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a broken file, a pixel bomb
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # or a pixel bomb
         die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
     return a.reshape(size, size, channels)
 
 def predict_main(cfg):
-    """--predict: class probabilities of each image in a file or folder, from a checkpoint's EMA weights (if any)."""
+    """--predict: class probabilities of each image, from a checkpoint's EMA weights (if any)."""
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
-    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(
-        f for f in glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True) if f.lower().endswith(exts))
+    files = [cfg.predict]
+    if not os.path.isfile(cfg.predict):
+        exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
+        found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)
+        files = sorted(f for f in found if f.lower().endswith(exts))
     if not files:
         die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
     _, _, device = setup_dist(cfg.device)
     with reading(path, "pass a checkpoint written by train_vit.py"):
-        meta = ckpt["data_meta"]
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        meta, fields = ckpt["data_meta"], Config.__dataclass_fields__
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
         model = build_model(trained, meta, device).eval()
-        model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
+        model.load_state_dict(ckpt.get("ema") or ckpt["model"])
         size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
     print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
     out = {}
     for i in range(0, len(files), 256):
         batch = files[i:i + 256]
-        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch])).to(device)
+        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch]))
         with torch.no_grad():
-            probs = model(x.float() / 255).float().softmax(-1).cpu()
+            probs = model(x.to(device).float() / 255).float().softmax(-1).cpu()
         for f, p in zip(batch, probs):
             top = p.topk(min(cfg.top_k, len(classes)))
             out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
@@ -775,22 +784,22 @@ def check_config(cfg):
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    at_least = dict.fromkeys("patch_size n_layer n_head batch_size grad_accum guard_window top_k".split(), 1)
-    at_least |= dict.fromkeys(("n_embd translate mixup cutmix registers layer_scale epochs image_size loss_spike "
-                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
-    for k, low in at_least.items():
-        if getattr(cfg, k) < low:
-            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k"),
+                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size "
+                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
-        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.predict or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
-# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
+# must match, sin-cos positions, an image dir, its loader, the EMA of the weights.
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
@@ -803,63 +812,64 @@ def sincos_2d(h, w, dim):
     # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
     ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    parts = [f(pos.flatten()[:, None] * omega) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
-    path = os.path.join(data_dir, "meta.json")
+    path, fix = os.path.join(data_dir, "meta.json"), "re-run prepare_data.py for this data dir"
     if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
+            f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, fix), open(path) as f:
         meta = json.load(f)
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
-                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
+                and all(len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
+                        for k in ("mean", "std"))):
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
+                f"as meta.json says; {fix}")
         if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
-                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+                f"0..{K - 1}); {fix}")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
     """meta, the train split's loader, and the val images and labels on the device."""
     if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
-        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (n,), generator=g).numpy())}
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size],
+                "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
+        arrays = {"train": (x.numpy(), torch.randint(0, 10, (n,), generator=g).numpy())}
     else:
         prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
         meta, arrays = load_image_data(cfg.data_dir)
-    H, W = meta["image_size"]
+    (H, W), p = meta["image_size"], cfg.patch_size
     if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
+            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % p:
+        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
     loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
-    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
-    return meta, loader, *val
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays.get("val", ())]
+    return meta, loader, *(val or [None, None])
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
     if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
@@ -871,8 +881,8 @@ class ImageLoader:
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
+                f"ranks = {B * world_size}; lower --batch_size")
         self.load_state({"epoch": 0, "pos": 0})
 
     def state(self):
@@ -883,13 +893,13 @@ class ImageLoader:
 
     def next(self):
         """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
+        n, step, i = len(self.y), self.B * self.world_size, self.rank * self.B
         if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
             self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        idx = self.order[self.pos + i:self.pos + i + self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
 
