@@ -688,21 +688,19 @@ def train(cfg, stop):
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, "
           + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches"
           + f" | {cfg.objective}" + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
           + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
-          + ("" if time_budget else f" ({max_steps / steps_per_epoch:.1f} epochs)")
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        # noise, timesteps, label dropout and flips are drawn for the global batch from a
-        # generator seeded by (seed, step), and each rank takes its slice: a resumed run draws
-        # the same numbers (the checkpoint needs no RNG state), for any number of ranks
+        # noise, timesteps, label dropout, flips: drawn for the global batch, seeded by (seed, step),
+        # a slice per rank: a resumed run draws the same (no RNG state saved), for any world size
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
         mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
@@ -743,7 +741,6 @@ def train(cfg, stop):
                 ema.update()
         scaler.update()
         step += 1
-
         if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
@@ -772,10 +769,9 @@ def train(cfg, stop):
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
         if last_step or (cfg.save_every and step % cfg.save_every == 0):
             writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
-                         "step": step, "guard": guard.state(), "train_time": train_time,
-                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                         "world_size": world_size, "data": loader.state(), "num_classes": K,
-                         "data_meta": data_meta})
+                         "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
+                         "data_info": data_info, "config": dataclasses.asdict(cfg), "world_size": world_size,
+                         "data": loader.state(), "num_classes": K, "data_meta": data_meta})
         t0 += time.perf_counter() - paused
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
@@ -789,11 +785,10 @@ def train(cfg, stop):
                 f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
         return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
     key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
-    epochs = step * images_per_step / len(loader.y)
     keys = ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
     scores = " | ".join(f"{k} {rec[k]:.4f}" for k in keys if k in rec)
-    line = (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | {scores} | "
-            f"checkpoint and samples.png in {cfg.out_dir}")
+    line = (f"done: {step} steps, {step * images_per_step / len(loader.y):.1f} epochs in "
+            f"{train_time:.0f} s | {scores} | checkpoint and samples.png in {cfg.out_dir}")
     result |= {**rec, "train_loss": loss, "images": step * images_per_step}
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 

@@ -631,11 +631,10 @@ def train(cfg, stop):
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
           f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum"
           f" {accum} x world {world_size}) | {budget}"
-          + ("" if time_budget else f" ({max_steps / steps_per_epoch:.1f} epochs)")
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
@@ -679,7 +678,6 @@ def train(cfg, stop):
                 ema.update()
         scaler.update()
         step += 1
-
         if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
