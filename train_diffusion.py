@@ -1,12 +1,10 @@
 """
 train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file.
 
-Rectified flow by default (the network predicts the clean image, the loss is on the velocity;
-logit-normal timesteps; Euler or Heun), or DDPM epsilon-prediction (cosine schedule, min-SNR,
-DDIM). adaLN-Zero conditioning on timestep and class, label dropout for classifier-free
-guidance, samples from an EMA of the weights; AdamW; precision, compile, DDP or FSDP2, exact
-resume and guards as in train_gpt.py. Quality, offline: the held-out denoising loss and, with a
-train_vit.py classifier, its accuracy on the samples and the Frechet distance of its features.
+Rectified flow predicting the clean image (logit-normal t; Euler or Heun), or DDPM epsilon
+(cosine schedule, min-SNR, DDIM); adaLN-Zero, classifier-free guidance, an EMA of the weights.
+Scored by the held-out denoising loss and, with a train_vit.py classifier, its accuracy on the
+samples and the Frechet distance of its features.
 
   python train_diffusion.py            # CPU demo: upright shapes, 7 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
@@ -793,7 +791,7 @@ def train(cfg, stop):
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
 def sample_main(cfg):
-    """--sample: a grid from a checkpoint's EMA weights (rows = classes) and, with --eval_classifier, its scores."""
+    """--sample: a grid from a checkpoint's EMA weights (rows: classes); --eval_classifier scores it."""
     check_choices(cfg)
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
@@ -802,9 +800,10 @@ def sample_main(cfg):
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
     with reading(path, "pass a checkpoint written by train_diffusion.py"):
-        meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items()
-                                                     if k in Config.__dataclass_fields__})
-        K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
+        fields = Config.__dataclass_fields__
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
+        meta, K = ckpt["data_meta"], ckpt["num_classes"]
+        (H, W), C = meta["image_size"], meta["channels"]
         model = build_model(trained, H, C, K, device)
         model.load_state_dict(ckpt["ema"] or ckpt["model"])
     cfg = dataclasses.replace(cfg, objective=trained.objective)
@@ -812,22 +811,22 @@ def sample_main(cfg):
     rows = K or cfg.per_class
     n = max(rows * cfg.per_class, cfg.final_samples if cfg.eval_classifier else 0)
     sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
-    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | {sampler} "
-          f"{cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
+    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | "
+          f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
     t0 = time.perf_counter()
     samples = draw_samples(model, n, (H, W, C), K, cfg, cosine_alpha_bar(), 256, 0, 1, ctx)
-    out = cfg.sample_out or os.path.join(os.path.dirname(path), f"sample_{sampler}{cfg.sample_steps}_cfg"
-                                         f"{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png")
+    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
+    out = cfg.sample_out or os.path.join(os.path.dirname(path), name)
     write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
     res = {"grid": out, "sample_s": time.perf_counter() - t0}
     if cfg.eval_classifier:
-        _, arrays = load_image_data(trained.data_dir, ("val",)) if os.path.exists(trained.data_dir) else (None, None)
-        if arrays is None:
-            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its val images")
-        val_x = torch.from_numpy(np.array(arrays["val"][0])).to(device)
-        res.update(Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x).score(samples, K))
-    print(f"wrote {out} in {res['sample_s']:.1f} s"
-          + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
+        if not os.path.exists(trained.data_dir):
+            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs "
+                "its val images")
+        val_x = torch.from_numpy(np.array(load_image_data(trained.data_dir, ("val",))[1]["val"][0]))
+        res |= Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x.to(device)).score(samples, K)
+    scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
+    print(f"wrote {out} in {res['sample_s']:.1f} s{scores}")
     return res
 
 def check_config(cfg):
@@ -835,13 +834,14 @@ def check_config(cfg):
     check_choices(cfg)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    at_least = dict.fromkeys(("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps "
-                              "per_class").split(), 1)
-    at_least |= dict.fromkeys(("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples loss_spike "
-                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
-    for k, low in {**at_least, "num_classes": -1}.items():
-        if getattr(cfg, k) < low:
-            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
+                          "sample_steps per_class"),
+                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples "
+                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
+                      (-1, "num_classes")):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
@@ -849,7 +849,7 @@ def check_config(cfg):
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
-    if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.sample or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):

@@ -1,10 +1,8 @@
 """
 train_vit.py: a Vision Transformer, trained from scratch on images held on the GPU, in one file.
 
-Patch embedding, 2-D sin-cos positions, pre-norm blocks (RMSNorm, QK-norm, GELU or SwiGLU,
-LayerScale, stochastic depth, registers), average pooling; augmentation on the device; Muon or
-AdamW; an EMA of the weights; bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the
-guards of train_gpt.py.
+Patch embedding, sin-cos positions, pre-norm blocks (RMSNorm, QK-norm, GELU or SwiGLU,
+LayerScale, stochastic depth, registers); augmentation on the device; Muon or AdamW; an EMA.
 
   python train_vit.py                  # CPU demo: generates the shapes dataset, ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
