@@ -258,7 +258,7 @@ def build_model(cfg, image_size, channels, num_classes, device):
 # -----------------------------------------------------------------------------
 # Diffusion: noising, training target and samplers
 # t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
-# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al. 2022; Lipman et al. 2022)
+# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al.; Lipman et al. 2022)
 # ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
 
 T_DDPM = 1000
@@ -346,7 +346,7 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
+# Quality: the held-out denoising loss; samples scored by a train_vit.py classifier
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
@@ -421,13 +421,10 @@ class Judge:
             if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
                 die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
                     f"{m['image_size']}); train it with train_vit.py on this --data_dir")
-            fields = train_vit.Config.__dataclass_fields__
-            known = {k: v for k, v in ckpt["config"].items() if k in fields}
+            known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
             self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
-        self.inception = None  # or the Inception network of FID
-        if fid_weights:
-            self.inception = torch.jit.load(fid_weights, map_location=device).eval()
+        self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
@@ -456,8 +453,8 @@ class Judge:
         return res
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -569,8 +566,7 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # -----------------------------------------------------------------------------
 # Training loop
 
-def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size,
-                  step, final):
+def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
     """The record: the denoising loss of the weights and their EMA; the EMA's samples, scored."""
     rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
     for tag in ("", "ema_") if ema else ("",):
@@ -587,8 +583,8 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
         ema.swap()
     grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
     if rank == 0:
-        side_path("writing the sample grid", write_grid, grid,
-                  samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
+        grid_images = samples[:rows * cfg.per_class].cpu().numpy()
+        side_path("writing the sample grid", write_grid, grid, grid_images, rows, meta["classes"] if K else None)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
     line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
@@ -627,8 +623,7 @@ def conditioning(cfg, meta):
     """The classes the model is conditioned on: 0 (none) for one class or --num_classes=0."""
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
-        die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; "
-            "use -1 (the data's) or 0 (none)")
+        die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
     return 0 if cfg.num_classes == 0 or K == 1 else K
 
 def main(cfg):
@@ -821,8 +816,7 @@ def sample_main(cfg):
     res = {"grid": out, "sample_s": time.perf_counter() - t0}
     if cfg.eval_classifier:
         if not os.path.exists(trained.data_dir):
-            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs "
-                "its val images")
+            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its images")
         val_x = torch.from_numpy(np.array(load_image_data(trained.data_dir, ("val",))[1]["val"][0]))
         res |= Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x.to(device)).score(samples, K)
     scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
@@ -986,8 +980,8 @@ class EMA:
 # === end shared ===
 
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
+# the guards, signals, reporting. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):

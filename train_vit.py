@@ -204,7 +204,7 @@ class Block(nn.Module):
         return x + drop_path(m if self.ls2 is None else m * self.ls2, self.drop, self.training)
 
 class ViT(nn.Module):
-    def __init__(self, cfg, image_size, channels, num_classes, mean, std):
+    def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
@@ -219,12 +219,11 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
         self.norm, self.head = Norm(d, cfg.norm), nn.Linear(d, num_classes)
         # the data's channel statistics: the model takes pixels in [0, 1]
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
-        self.init_args = (list(mean), list(std))
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("std", torch.ones(channels))
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self, mean, std):
         """Initialise it in place (it was built on the meta device)."""
         c, s = self.cfg, self.cfg.init_std
         for name, p in self.named_parameters():
@@ -238,8 +237,8 @@ class ViT(nn.Module):
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         if c.pos_emb == "sincos":
             self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
-        self.mean.copy_(torch.tensor(self.init_args[0]))
-        self.std.copy_(torch.tensor(self.init_args[1]))
+        self.mean.copy_(torch.tensor(mean))
+        self.std.copy_(torch.tensor(std))
 
     def forward(self, x, features=False):
         """x (B, H, W, C) in [0, 1] -> logits (B, K), or features (B, d)."""
@@ -259,19 +258,16 @@ class ViT(nn.Module):
     def flops_per_image(self):
         """Training FLOPs: 6 per weight per token, and attention."""
         T, c = self.grid ** 2 + self.n_extra, self.cfg
-        n = sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
-        n += self.patch.weight.numel()
-        attn = 12 * c.n_layer * c.n_embd * T
-        return T * (6 * n + attn) + 6 * self.head.weight.numel()
+        n = self.patch.weight.numel() + sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
+        return T * (6 * n + 12 * c.n_layer * c.n_embd * T) + 6 * self.head.weight.numel()
 
 def build_model(cfg, meta, device):
     """Build on the meta device, then initialise under cfg.seed."""
-    m = meta
     with torch.device("meta"):
-        model = ViT(cfg, m["image_size"][0], m["channels"], m["num_classes"], m["mean"], m["std"])
+        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"])
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
-    model.init_weights()
+    model.init_weights(meta["mean"], meta["std"])
     return model
 
 # -----------------------------------------------------------------------------
@@ -365,8 +361,7 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
     else:
         decay = hidden + decay
     groups = [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
-    fused = device.type == "cuda"
-    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused))
+    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"))
     for g in (g for opt in opts for g in opt.param_groups):
         g["peak_lr"] = g["lr"]
     return opts
@@ -382,8 +377,8 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -508,8 +503,7 @@ def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
         with ctx:
             logits = model(x).float()
             if tta_flip:  # the mean of both predictions' probabilities
-                both = torch.stack((logits, model(x.flip(2)).float()))
-                logits = both.log_softmax(-1).logsumexp(0)
+                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)
         top = logits.topk(min(5, K), dim=-1).indices  # (b, 5)
         loss = F.cross_entropy(logits, y, reduction="sum")
         sums[:3] += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), loss]).double()
@@ -551,8 +545,7 @@ def plot_results(out_dir, history, confusion, classes):
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
         if pts := [(h["step"], 100 * h[key]) for h in history if key in h]:
             ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    title = os.path.basename(os.path.abspath(out_dir))
-    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=title)
+    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=os.path.basename(os.path.abspath(out_dir)))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
     if losses := [(h["step"], h["loss"]) for h in history if "loss" in h]:
@@ -569,8 +562,7 @@ def plot_results(out_dir, history, confusion, classes):
         for i, j in zip(*np.nonzero(confusion)):
             color = "white" if rates[i, j] > 0.5 else "black"
             ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
-    title = f"confusion on val ({int(confusion.sum())} images)"
-    ax.set(xlabel="predicted", ylabel="true", title=title)
+    ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
     for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=120)
@@ -924,8 +916,8 @@ class EMA:
 # === end shared ===
 
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
+# the guards, signals, reporting. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):
