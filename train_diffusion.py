@@ -729,7 +729,7 @@ def train(cfg, stop):
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)
+                scaler.step(opt)  # which skips it if fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()

@@ -162,9 +162,9 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
         y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, nh * hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -172,7 +172,7 @@ class MLP(nn.Module):
         self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
         if self.swiglu:  # 2/3 of the width keeps the parameters (Shazeer 2020)
             hidden = 2 * hidden // 3
-        self.fc = nn.Linear(cfg.n_embd, hidden * (1 + self.swiglu), bias=False)
+        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
@@ -228,7 +228,7 @@ class ViT(nn.Module):
         c, s = self.cfg, self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
-                nn.init.zeros_(p)  # blocks start as the identity
+                nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
             elif name.split(".")[-1] in ("ls1", "ls2"):
                 nn.init.constant_(p, c.layer_scale)
             elif p.ndim == 1:  # biases 0, norm gains 1
@@ -245,18 +245,18 @@ class ViT(nn.Module):
         B, H, W, C = x.shape
         p, g = self.cfg.patch_size, self.grid
         x = (x - self.mean) / self.std
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         if self.n_extra:  # [cls] and registers go first, with no position
             x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # not registers
         return f if features else self.head(f)
 
     def flops_per_image(self):
-        """Training FLOPs: 6 per weight per token, and attention."""
+        """Training FLOPs: 6 per weight per token, and attention (PaLM)."""
         T, c = self.grid ** 2 + self.n_extra, self.cfg
         n = self.patch.weight.numel() + sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
         return T * (6 * n + 12 * c.n_layer * c.n_embd * T) + 6 * self.head.weight.numel()
@@ -663,7 +663,7 @@ def train(cfg, stop):
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)
+                scaler.step(opt)  # which skips it if fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
