@@ -130,8 +130,7 @@ class Config:
     sample_out: str = ""  # --sample's PNG; empty: beside --ckpt
 
 PRESETS = {
-    # 1.3M parameters predicting the clean image, 420 s on 2 cores, on upright shapes: at
-    # every angle, a small model's samples blur into blobs (BENCHMARKS.md)
+    # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
     # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
     "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2,
@@ -140,8 +139,7 @@ PRESETS = {
                     ema=0.9999, warmup_steps=1000, eval_every=10000, eval_images=10000,
                     eval_samples=1000, final_samples=10000, sample_steps=50),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective",
-               "predict")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 
 # -----------------------------------------------------------------------------
 # Model
@@ -199,7 +197,7 @@ class DiT(nn.Module):
         self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
-        # a row per class and a last one for "no label", for guidance; none if unconditional
+        # a row per class and one for "no label" (guidance); none if unconditional
         self.y_emb = nn.Embedding(num_classes + 1, d) if num_classes else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.final_ada = nn.Linear(d, 2 * d)
@@ -233,9 +231,8 @@ class DiT(nn.Module):
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
         x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
-            # x-prediction (Li & He 2025, "Back to Basics"): the clean image lies near a
-            # low-dimensional manifold, which a width-d token carries even if p*p*C > d
-            # (noise cannot); the loss gets the velocity (x_t - x_0) / t
+            # x-prediction (Li & He 2025): a clean image lies near a low-dimensional manifold that a
+            # width-d token carries even if p*p*C > d (noise cannot); the loss gets v = (x_t - x_0) / t
             x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
         return x
 
@@ -270,19 +267,19 @@ def cosine_alpha_bar(T=T_DDPM, s=0.008):
     return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
 
 def sample_t(B, cfg, gen):
-    """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform steps for ddpm."""
+    """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
     if cfg.objective == "flow":
         return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
     return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
-    """(x_t, the model's target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
+    """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
     if cfg.objective == "flow":
         tb = t.view(-1, 1, 1, 1)
         return (1 - tb) * x0 + tb * noise, noise - x0, None
     ab = alpha_bar.to(x0.device)[(t * T_DDPM).round().long()].float()  # (B,)
     x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
-    # min-SNR-gamma for epsilon: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
+    # min-SNR-gamma: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
     snr = ab / (1 - ab)
     return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
 
@@ -328,7 +325,7 @@ def to_model(x):
 # Optimizer and schedule
 
 def build_optimizers(cfg, raw, device):
-    """AdamW; weight decay on the blocks' matrices only (not embeddings, adaLN, norms, biases)."""
+    """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
     decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
     rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
@@ -349,9 +346,9 @@ def lr_mult(cfg, step, progress):
 # Quality: the held-out denoising loss; samples scored by a train_vit.py classifier
 
 @torch.no_grad()
-def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
-    """(mean, per-t) error of the model's target on the first n_images val images (0: all), at 8
-    fixed timesteps with fixed noise (the same for any B and ranks), so that evals compare."""
+def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
+    """(mean, per-t) error on the first n_images val images (0: all), at 8 fixed timesteps with
+    fixed noise (the same for any B and ranks), so that evals compare."""
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
@@ -375,8 +372,7 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
 @torch.no_grad()
 def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none)."""
-    # the noise comes from cfg.sample_seed alone, not the ranks, which each draw an equal
-    # share (as many forwards) and gather them all
+    # noise from cfg.sample_seed alone; each rank draws an equal share (as many forwards)
     share, g = math.ceil(n / world_size), torch.Generator().manual_seed(cfg.sample_seed)
     noise = torch.randn(share * world_size, *shape, generator=g)
     labels = torch.arange(share * world_size) % max(K, 1)
@@ -386,7 +382,7 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
-        with ctx:  # autocasts the model's matmuls; the sampler's steps are fp32 either way
+        with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
             x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
         out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
     model.train()
@@ -412,17 +408,17 @@ class Judge:
     and the Frechet distance of its features ('FD-ViT'); FID proper with --fid_weights."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
-        import train_vit  # only this metric needs the classifier's code
+        import train_vit as tv  # only this metric needs the classifier's code
         ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
-        if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
-            die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
         with reading(where, "pass a checkpoint written by train_vit.py"):
+            if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
+                die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
             m = ckpt["data_meta"]
             if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
                 die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
                     f"{m['image_size']}); train it with train_vit.py on this --data_dir")
-            known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
-            self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
+            known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
+            self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
         self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])  # once
@@ -567,7 +563,7 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # Training loop
 
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
-    """The record: the denoising loss of the weights and their EMA; the EMA's samples, scored."""
+    """The denoising loss of the weights and their EMA; the EMA's samples, scored."""
     rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
     for tag in ("", "ema_") if ema else ("",):
         if tag:
@@ -583,19 +579,16 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
         ema.swap()
     grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
     if rank == 0:
-        grid_images = samples[:rows * cfg.per_class].cpu().numpy()
-        side_path("writing the sample grid", write_grid, grid, grid_images, rows, meta["classes"] if K else None)
+        side_path("writing the sample grid", write_grid, grid, samples[:rows * cfg.per_class].cpu().numpy(), rows,
+                  meta["classes"] if K else None)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
-    line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
-    if ema:
-        line += f" | ema val loss {rec['ema_val_loss']:.4f}"
-    if "clf_acc" in rec:
-        line += f" | classifier acc {100 * rec['clf_acc']:.1f}%"
-    for k, name in (("fd_vit", "FD-ViT"), ("fid", "FID")):
-        if k in rec:
-            line += f" | {name} {rec[k]:.2f}"
-    print(f"{line} | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
+    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+          + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
+          + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
+          + (f" | FD-ViT {rec['fd_vit']:.2f}" if "fd_vit" in rec else "")
+          + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
+          + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
@@ -628,7 +621,7 @@ def conditioning(cfg, meta):
 
 def main(cfg):
     """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
-    if cfg.sample:  # checked there, against the objective of the checkpoint
+    if cfg.sample:  # checked there, against the checkpoint's objective
         return sample_main(cfg)
     check_config(cfg)
     with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
@@ -668,7 +661,7 @@ def train(cfg, stop):
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    # per step: images, and the seconds it would take at the GPU's peak (for MFU)
+    # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
@@ -692,8 +685,8 @@ def train(cfg, stop):
     # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        # noise, timesteps, label dropout, flips: drawn for the global batch, seeded by (seed, step),
-        # a slice per rank: a resumed run draws the same (no RNG state saved), for any world size
+        # noise, t, label dropout, flips: drawn for the global batch seeded by (seed, step), a slice
+        # per rank: a resumed run draws the same numbers, for any world size
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
         mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
@@ -747,9 +740,8 @@ def train(cfg, stop):
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
             dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
-            epoch = loader.epoch + loader.pos / len(loader.y)
-            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate,
-                     train_time, epoch=epoch)
+            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
+                     epoch=loader.epoch + loader.pos / len(loader.y))
             history.append({"step": step, "loss": loss})
         if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
             bench.mark(step, train_time)
@@ -786,12 +778,13 @@ def train(cfg, stop):
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
 def sample_main(cfg):
-    """--sample: a grid from a checkpoint's EMA weights (rows: classes); --eval_classifier scores it."""
+    """--sample: a grid from a checkpoint's EMA weights; --eval_classifier scores it."""
     check_choices(cfg)
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None or "objective" not in ckpt["config"]:
-        die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    with reading(path, "pass a checkpoint written by train_diffusion.py"):
+        if ckpt is None or "objective" not in ckpt["config"]:
+            die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
     with reading(path, "pass a checkpoint written by train_diffusion.py"):

@@ -523,17 +523,13 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step,
         ema.swap()
         res["ema_"] = evaluate(model, *args)
         ema.swap()
-    rec = {"step": step}
-    for tag, r in res.items():
-        rec |= {tag + k: v for k, v in r.items() if k != "confusion"}
+    rec = {"step": step, **{tag + k: v for tag, r in res.items() for k, v in r.items() if k != "confusion"}}
     best = max(res, key=lambda t: res[t]["val_acc"])
     conf = res[best]["confusion"]
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
-    line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
-    line += f" | loss {rec['val_loss']:.4f}"
-    if ema:
-        line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
-    print(f"{line} | {n} images" + (" (flip TTA)" if cfg.tta_flip else ""))
+    of_ema = f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}" if ema else ""
+    print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
+          f"{rec['val_loss']:.4f}{of_ema} | {n} images" + (" (flip TTA)" if cfg.tta_flip else ""))
     return rec, conf, best
 
 def plot_results(out_dir, history, confusion, classes):
@@ -608,7 +604,7 @@ def train(cfg, stop):
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    # per step: images, and the seconds it would take at the GPU's peak (for MFU)
+    # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
@@ -681,9 +677,8 @@ def train(cfg, stop):
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
             dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
-            epoch = loader.epoch + loader.pos / len(loader.y)
-            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate,
-                     train_time, epoch=epoch)
+            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
+                     epoch=loader.epoch + loader.pos / len(loader.y))
             history.append({"step": step, "loss": loss})
         if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
             bench.mark(step, train_time)
