@@ -145,7 +145,7 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_nor
 # Model
 
 def timestep_embedding(t, dim=256):
-    """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1] scaled to DDPM's 0..1000."""
+    """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1], scaled to 0..1000."""
     half = dim // 2
     freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
     args = 1000 * t.float()[:, None] * freqs[None]
@@ -343,7 +343,7 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# Quality: the held-out denoising loss; samples scored by a train_vit.py classifier
+# Quality: the held-out denoising loss, and samples scored by a classifier
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
@@ -405,7 +405,7 @@ def frechet_distance(a, b):
 
 class Judge:
     """Scores samples with a train_vit.py classifier of the same data: its accuracy on them,
-    and the Frechet distance of its features ('FD-ViT'); FID proper with --fid_weights."""
+    the Frechet distance of its features (FD-ViT), and FID with --fid_weights."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
@@ -425,7 +425,7 @@ class Judge:
 
     @torch.no_grad()
     def features(self, x):
-        """{name: features (n, d)} of uint8 images (n, H, W, C), and the classifier's logits."""
+        """{name: features (n, d)} of uint8 images (n, H, W, C), and the logits."""
         out = {"logits": [], "vit": [], "inception": []}
         for i in range(0, len(x), 500):
             xb = x[i:i + 500].float() / 255
@@ -871,9 +871,8 @@ def load_image_data(data_dir, splits=("train", "val")):
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
-                and all(len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
-                        for k in ("mean", "std"))):
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")

@@ -809,9 +809,8 @@ def load_image_data(data_dir, splits=("train", "val")):
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
-                and all(len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
-                        for k in ("mean", "std"))):
+        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
+                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
