@@ -592,7 +592,7 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
-    """A PNG of uint8 images (rows * cols, H, W, C): image r + j * rows at row r, column j."""
+    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
     cols, gap = n // rows, 2
@@ -613,7 +613,7 @@ def write_grid(path, images, rows, labels=None, zoom=2):
     os.replace(f"{path}.tmp", path)
 
 def conditioning(cfg, meta):
-    """The classes the model is conditioned on: 0 (none) for one class or --num_classes=0."""
+    """Classes to condition on: 0 (none) for one class or --num_classes=0."""
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
