@@ -1,12 +1,10 @@
 """
 train_diffusion.py: a class-conditional diffusion transformer (DiT) on pixels, in one file.
 
-Rectified flow by default (the network predicts the clean image, the loss is on the velocity;
-logit-normal timesteps; Euler or Heun), or DDPM epsilon-prediction (cosine schedule, min-SNR,
-DDIM). adaLN-Zero conditioning on timestep and class, label dropout for classifier-free
-guidance, samples from an EMA of the weights; AdamW; precision, compile, DDP or FSDP2, exact
-resume and guards as in train_gpt.py. Quality, offline: the held-out denoising loss and, with a
-train_vit.py classifier, its accuracy on the samples and the Frechet distance of its features.
+Rectified flow predicting the clean image (logit-normal t; Euler or Heun), or DDPM epsilon
+(cosine schedule, min-SNR, DDIM); adaLN-Zero, classifier-free guidance, an EMA of the weights.
+Scored by the held-out denoising loss and, with a train_vit.py classifier, its accuracy on the
+samples and the Frechet distance of its features.
 
   python train_diffusion.py            # CPU demo: upright shapes, 7 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
@@ -51,94 +49,94 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes_upright"  # images from prepare_data.py (shapes, cifar10, mnist, imagefolder...)
-    out_dir: str = "out/diffusion"     # checkpoints, metrics.jsonl, config.json, sample grids; results.tsv beside it
-    preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
-    num_classes: int = -1              # -1 = the data's classes (unconditional if it has one); 0 = unconditional
-    flip: Literal["auto", "true", "false"] = "auto"  # random horizontal flips; auto = the data's flip_ok
+    data_dir: str = "data/shapes_upright"  # images from prepare_data.py
+    out_dir: str = "out/diffusion"  # checkpoints, metrics.jsonl, grids
+    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
+    num_classes: int = -1  # -1 = the data's; 0 = unconditional
+    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
     # model
-    image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
-    n_layer: int = 4                   # transformer blocks
-    n_head: int = 4                    # attention heads
-    n_embd: int = 128                  # model width
-    mlp_ratio: float = 4.0             # MLP hidden width / n_embd
-    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
-    init_std: float = 0.02             # std of the hidden weights at init; adaLN and the output layer start at zero
-    class_dropout: float = 0.1         # fraction of labels replaced by the null label in training, for guidance
+    image_size: int = 0  # 0 = the data's; else must equal it
+    patch_size: int = 8  # pixels per side of a patch
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: float = 4.0  # MLP width / n_embd
+    qk_norm: bool = True  # RMSNorm on queries and keys
+    init_std: float = 0.02  # hidden weights; adaLN, output start at 0
+    class_dropout: float = 0.1  # labels dropped, for guidance
     # objective
-    objective: Literal["flow", "ddpm"] = "flow"  # rectified-flow velocity, or DDPM epsilon on a cosine schedule
-    t_mean: float = 0.8                # flow: t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); > 0: noisier
-    t_std: float = 0.8                 # flow: see t_mean
-    predict: Literal["x", "v"] = "x"  # flow's network outputs the clean image (and the velocity follows) or v
-    min_snr: float = 5.0               # ddpm: weight min(SNR, gamma) / SNR (Hang et al. 2023); 0 = plain epsilon MSE
+    objective: Literal["flow", "ddpm"] = "flow"  # ddpm: epsilon, cosine
+    t_mean: float = 0.8  # flow: t = sigmoid(N(t_mean, t_std^2)) (SD3)
+    t_std: float = 0.8  # flow: see t_mean
+    predict: Literal["x", "v"] = "x"  # flow: the clean image, or v
+    min_snr: float = 5.0  # ddpm: min-SNR-gamma weight; 0 = plain MSE
     # sampling
-    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler for flow, ddim for ddpm
-    sample_steps: int = 32             # sampler steps (heun makes two model calls per step)
-    cfg_scale: float = 2.0             # classifier-free guidance: 1 = the conditional model alone, 0 = unconditional
-    sample_seed: int = 0               # noise of the sample grids and the quality metrics: the same at every eval
-    per_class: int = 8                 # columns of the sample grid (rows are classes)
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"
+    sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
+    cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = uncond.
+    sample_seed: int = 0  # noise of the samples, fixed across evals
+    per_class: int = 8  # columns of the sample grid (rows: classes)
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0                 # optimizer steps; 0 = from epochs or time_budget
-    epochs: float = 0.0                # passes over the train split; 0 = from max_steps or time_budget
-    time_budget: float = 420.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
-    batch_size: int = 64               # micro-batch per rank, in images
-    grad_accum: int = 1                # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps
+    epochs: float = 0.0  # passes over the train split
+    time_budget: float = 420.0  # seconds of training, evals excluded
+    batch_size: int = 64  # micro-batch per rank, in images
+    grad_accum: int = 1  # micro-steps per optimizer step
     # optimizer and schedule
-    lr: float = 2e-3                   # peak LR
-    weight_decay: float = 0.0          # decoupled, on 2-D hidden matrices only
-    beta1: float = 0.9                 # AdamW
-    beta2: float = 0.95                # AdamW
-    grad_clip: float = 1.0             # max global grad norm; 0 = off
-    schedule: Literal["constant", "cosine"] = "constant"  # after linear warmup
-    warmup_steps: int = 100            # linear warmup, in optimizer steps
-    final_lr_frac: float = 0.0         # LR at the end of cosine, as a fraction of the peak
-    ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
+    lr: float = 2e-3  # peak LR
+    weight_decay: float = 0.0  # on 2-D hidden matrices only
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 100  # linear warmup
+    final_lr_frac: float = 0.0  # the last LR, over the peak
+    ema: float = 0.999  # decay of the weights' EMA; 0 = off
     # eval, logging, checkpoints
-    eval_every: int = 1000             # steps between evals; 0 = only at the end
-    eval_images: int = 500             # val images in the denoising loss (each at 8 timesteps); 0 = all
-    eval_samples: int = 200            # samples drawn at each periodic eval (the grid and the classifier metrics)
-    final_samples: int = 500           # samples drawn at the final eval and by --sample with --eval_classifier
-    eval_classifier: str = ""          # a train_vit.py checkpoint on this data: accuracy on samples, Frechet distance
-    fid_weights: str = ""              # optional Inception TorchScript (clean-fid's inception-2015-12-05.pt) for FID
-    log_every: int = 50                # steps between log lines
-    save_every: int = 0                # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
-    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
-    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
-    wandb: str = ""                    # wandb project name; empty = off
-    description: str = ""              # free text for the results.tsv experiment log
-    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
-    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
-    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
-    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
-    guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
+    eval_every: int = 1000  # steps; 0 = only at the end
+    eval_images: int = 500  # in the denoising loss; 0 = all
+    eval_samples: int = 200  # samples per periodic eval
+    final_samples: int = 500  # at the end, and by --sample
+    eval_classifier: str = ""  # a train_vit.py checkpoint: scores
+    fid_weights: str = ""  # clean-fid's Inception TorchScript, FID
+    log_every: int = 50
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept
+    milestone_every: int = 0  # also keep steps multiple of this
+    async_save: bool = False  # write in a background thread
+    resume: bool = False  # from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project; empty = off
+    description: str = ""  # for the results.tsv experiment log
+    # guards: a bad step is skipped; repeated ones roll back
+    loss_spike: float = 6.0  # running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm
+    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    guard_window: int = 100  # steps of the running statistics
+    rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # bf16 where fast (fp16 on old GPUs), else fp32
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on for CUDA on Linux
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # used under torchrun
-    offload: Literal["none", "params"] = "none"  # with fsdp, shards, grads and optimizer state in CPU memory
-    seed: int = 1337                   # init, data order, noise and timesteps
-    benchmark: bool = False            # time steps on synthetic images and exit; needs no data
-    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
-    profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # per op the faster (kernels.use), Triton, or PyTorch's
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    compile: Literal["auto", "true", "false"] = "auto"
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
+    seed: int = 1337  # init, data order, noise and timesteps
+    benchmark: bool = False  # time steps on random images, exit
+    bench_steps: int = 20  # timed steps, after 5 warm-up steps
+    profile: bool = False  # --benchmark: trace.json, top ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"
     # sampling from a checkpoint
-    sample: bool = False               # write a sample grid from --ckpt's EMA weights (and score it) and exit
-    ckpt: str = ""                     # checkpoint file or directory for --sample; empty = out_dir
-    sample_out: str = ""               # PNG written by --sample; empty = named after the sampler, beside the checkpoint
+    sample: bool = False  # write --ckpt's sample grid, score it, exit
+    ckpt: str = ""  # checkpoint for --sample; empty = out_dir
+    sample_out: str = ""  # --sample's PNG; empty: beside --ckpt
 
 PRESETS = {
-    # the defaults: 1.3M parameters, 16 patches of 8x8 predicting the clean image, 420 s on 2 cores, on upright shapes
-    # (prepare_data.py shapes --rotate=off): at every angle, a small model's samples blur into blobs (BENCHMARKS.md)
+    # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
-    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images, 256 tokens; not yet measured for quality
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2, n_layer=12, n_head=6,
-                    n_embd=384, predict="v", t_mean=0.0, t_std=1.0, time_budget=0.0, epochs=400, batch_size=256,
-                    lr=3e-4, cfg_scale=1.5, ema=0.9999, warmup_steps=1000, eval_every=10000, eval_images=10000,
+    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2,
+                    n_layer=12, n_head=6, n_embd=384, predict="v", t_mean=0.0, t_std=1.0,
+                    time_budget=0.0, epochs=400, batch_size=256, lr=3e-4, cfg_scale=1.5,
+                    ema=0.9999, warmup_steps=1000, eval_every=10000, eval_images=10000,
                     eval_samples=1000, final_samples=10000, sample_steps=50),
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
@@ -147,7 +145,7 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_nor
 # Model
 
 def timestep_embedding(t, dim=256):
-    """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1] scaled to DDPM's 0..1000."""
+    """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1], scaled to 0..1000."""
     half = dim // 2
     freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
     args = 1000 * t.float()[:, None] * freqs[None]
@@ -160,10 +158,9 @@ def modulate(x, shift, scale):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.hd = cfg.n_embd // cfg.n_head
+        self.hd, self.qk_norm = cfg.n_embd // cfg.n_head, cfg.qk_norm
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.hd)), nn.Parameter(torch.ones(self.hd))
 
@@ -172,7 +169,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
         if self.qk_norm:
             q, k = kernels.rms_norm(q, self.q_norm), kernels.rms_norm(k, self.k_norm)
-        y = kernels.attention(q, k, v, causal=False)  # no mask
+        y = kernels.attention(q, k, v, causal=False)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class Block(nn.Module):
@@ -187,7 +184,7 @@ class Block(nn.Module):
         self.ada = nn.Linear(d, 6 * d)
 
     def forward(self, x, c):
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c)).chunk(6, dim=-1)  # each (B, d)
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c)).chunk(6, dim=-1)  # (B, d)
         x = x + gate1[:, None] * self.attn(modulate(kernels.rms_norm(x), shift1, scale1))
         h = F.gelu(self.fc(modulate(kernels.rms_norm(x), shift2, scale2)), approximate="tanh")
         return x + gate2[:, None] * self.proj(h)
@@ -197,10 +194,10 @@ class DiT(nn.Module):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, as a matmul
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
-        # a row per class and a last one for "no label", for guidance; none if unconditional
+        # a row per class and one for "no label" (guidance); none if unconditional
         self.y_emb = nn.Embedding(num_classes + 1, d) if num_classes else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.final_ada = nn.Linear(d, 2 * d)
@@ -208,22 +205,22 @@ class DiT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter and buffer (the model was built on the meta device)."""
-        c = self.cfg
+        """Initialise it in place (it was built on the meta device)."""
+        c, s = self.cfg, self.cfg.init_std
         for name, p in self.named_parameters():
             if "ada." in name or name.startswith("out."):
                 nn.init.zeros_(p)  # adaLN-Zero: blocks start as the identity, the output as 0
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=c.init_std, a=-2 * c.init_std, b=2 * c.init_std)
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
 
     def forward(self, x, t, y=None):
         """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
         B, H, W, C = x.shape
         p, g, x_t = self.cfg.patch_size, self.grid, x
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
+        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         c = self.t_mlp(timestep_embedding(t))  # (B, d): every block's conditioning
         if self.y_emb is not None:
@@ -234,21 +231,20 @@ class DiT(nn.Module):
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
         x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
-            # x-prediction (Li & He 2025, "Back to Basics"): the network outputs the clean
-            # image, near a low-dimensional manifold, which a width-d token carries even if
-            # p*p*C > d (noise cannot), and returns the velocity (x_t - x_0) / t to the loss
+            # x-prediction (Li & He 2025): a clean image lies near a low-dimensional manifold that a
+            # width-d token carries even if p*p*C > d (noise cannot); the loss gets v = (x_t - x_0) / t
             x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
         return x
 
     def flops_per_image(self):
-        """Training FLOPs per image: 6 per per-token matmul weight (not adaLN's), plus attention."""
-        T = self.grid ** 2
+        """Training FLOPs: 6 per weight per token (not adaLN's), and attention."""
+        T, c = self.grid ** 2, self.cfg
         mats = [p for k, p in self.blocks.named_parameters() if p.ndim == 2 and "ada." not in k]
         n = self.patch.weight.numel() + self.out.weight.numel() + sum(p.numel() for p in mats)
-        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
+        return T * (6 * n + 12 * c.n_layer * c.n_embd * T)
 
 def build_model(cfg, image_size, channels, num_classes, device):
-    """Build on the meta device, materialise on device, initialise under cfg.seed."""
+    """Build on the meta device, then initialise under cfg.seed."""
     with torch.device("meta"):
         model = DiT(cfg, image_size, channels, num_classes)
     model.to_empty(device=device)
@@ -259,7 +255,7 @@ def build_model(cfg, image_size, channels, num_classes, device):
 # -----------------------------------------------------------------------------
 # Diffusion: noising, training target and samplers
 # t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
-# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al. 2022; Lipman et al. 2022)
+# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al.; Lipman et al. 2022)
 # ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
 
 T_DDPM = 1000
@@ -271,49 +267,48 @@ def cosine_alpha_bar(T=T_DDPM, s=0.008):
     return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
 
 def sample_t(B, cfg, gen):
-    """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform steps for ddpm."""
+    """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
     if cfg.objective == "flow":
         return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
     return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
-    """(x_t, the model's target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
+    """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
     if cfg.objective == "flow":
         tb = t.view(-1, 1, 1, 1)
         return (1 - tb) * x0 + tb * noise, noise - x0, None
     ab = alpha_bar.to(x0.device)[(t * T_DDPM).round().long()].float()  # (B,)
     x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
-    # min-SNR-gamma for epsilon: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
+    # min-SNR-gamma: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
     snr = ab / (1 - ab)
     return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
+
+def guided(model, x, t, y, scale, null):
+    """The model's output at x (B, ...), t, with guidance (Ho & Salimans 2022) if labelled."""
+    tt = torch.full((x.size(0),), float(t), device=x.device)
+    if y is None:
+        return model(x, tt, None).float()
+    yy = torch.cat((y, torch.full_like(y, null)))  # labels and null labels in one batch
+    cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
+    return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     """Images (B, H, W, C), fp32, integrated from noise (t = 1) to t = 0 by model(x, t, y)."""
-    x, B = noise.float(), noise.size(0)
-    if y is not None:  # guidance (Ho & Salimans 2022): labels and null labels in one batch
-        yy = torch.cat((y, torch.full_like(y, null)))
-
-    def pred(x, t):
-        tt = torch.full((B,), float(t), device=x.device)
-        if y is None:
-            return model(x, tt, None).float()
-        cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
-        return uncond + scale * (cond - uncond)
-
+    x = noise.float()
     if cfg.objective == "flow":  # Euler, or Heun (Karras et al. 2022)
         ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
         for a, b in zip(ts[:-1], ts[1:]):
-            v = pred(x, a)
-            if cfg.sampler == "heun" and b > 0:  # the mean slope of both ends; the last step is Euler
-                v = 0.5 * (v + pred(x + (b - a) * v, b))
+            v = guided(model, x, a, y, scale, null)
+            if cfg.sampler == "heun" and b > 0:  # the mean slope of both ends; the last is Euler
+                v = 0.5 * (v + guided(model, x + (b - a) * v, b, y, scale, null))
             x = x + (b - a) * v
         return x
     # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps
     ab = alpha_bar.to(x.device)
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
-        eps = pred(x, i / T_DDPM)
+        eps = guided(model, x, i / T_DDPM, y, scale, null)
         x0 = ((x - (1 - ab[i]).sqrt() * eps) / ab[i].sqrt()).clamp(-1, 1).float()  # kept in range
         eps = ((x - ab[i].sqrt() * x0) / (1 - ab[i]).sqrt()).float()
         x = ab[j].sqrt().float() * x0 + (1 - ab[j]).sqrt().float() * eps
@@ -330,7 +325,7 @@ def to_model(x):
 # Optimizer and schedule
 
 def build_optimizers(cfg, raw, device):
-    """AdamW; weight decay on the blocks' matrices only (not embeddings, adaLN, norms, biases)."""
+    """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
     decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
     rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
@@ -340,7 +335,7 @@ def build_optimizers(cfg, raw, device):
     return [opt]
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup, then cosine or no decay over progress in [0, 1]."""
+    """Linear warmup, then cosine or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
@@ -348,12 +343,12 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# Quality: held-out denoising loss, and samples scored by a classifier trained with train_vit.py
+# Quality: the held-out denoising loss, and samples scored by a classifier
 
 @torch.no_grad()
-def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images=0):
-    """(mean, per-t) error of the model's target on the first n_images val images (0: all), at 8
-    fixed timesteps with fixed noise (the same for any B and ranks), so that evals compare."""
+def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
+    """(mean, per-t) error on the first n_images val images (0: all), at 8 fixed timesteps with
+    fixed noise (the same for any B and ranks), so that evals compare."""
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
@@ -377,10 +372,9 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
 @torch.no_grad()
 def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none)."""
-    # the noise comes from cfg.sample_seed alone: the samples do not depend on the ranks,
-    # which each draw an equal share (as many forwards) and gather them all
-    share = math.ceil(n / world_size)
-    noise = torch.randn(share * world_size, *shape, generator=torch.Generator().manual_seed(cfg.sample_seed))
+    # noise from cfg.sample_seed alone; each rank draws an equal share (as many forwards)
+    share, g = math.ceil(n / world_size), torch.Generator().manual_seed(cfg.sample_seed)
+    noise = torch.randn(share * world_size, *shape, generator=g)
     labels = torch.arange(share * world_size) % max(K, 1)
     device = next(model.parameters()).device
     model.eval()
@@ -388,7 +382,7 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
-        with ctx:  # autocasts the model's matmuls; the sampler's steps are fp32 either way
+        with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
             x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
         out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
     model.train()
@@ -411,27 +405,27 @@ def frechet_distance(a, b):
 
 class Judge:
     """Scores samples with a train_vit.py classifier of the same data: its accuracy on them,
-    and the Frechet distance of its features ('FD-ViT'); FID proper with --fid_weights."""
+    the Frechet distance of its features (FD-ViT), and FID with --fid_weights."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
-        import train_vit  # only this metric needs the classifier's code
+        import train_vit as tv  # only this metric needs the classifier's code
         ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
-        if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
-            die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one with train_vit.py")
         with reading(where, "pass a checkpoint written by train_vit.py"):
+            if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
+                die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
             m = ckpt["data_meta"]
             if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
                 die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
                     f"{m['image_size']}); train it with train_vit.py on this --data_dir")
-            known = {k: v for k, v in ckpt["config"].items() if k in train_vit.Config.__dataclass_fields__}
-            self.clf = train_vit.build_model(train_vit.Config(**known), m, device).eval()
+            known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
+            self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
         self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
     def features(self, x):
-        """{name: features (n, d)} of uint8 images (n, H, W, C), and the classifier's logits."""
+        """{name: features (n, d)} of uint8 images (n, H, W, C), and the logits."""
         out = {"logits": [], "vit": [], "inception": []}
         for i in range(0, len(x), 500):
             xb = x[i:i + 500].float() / 255
@@ -455,8 +449,8 @@ class Judge:
         return res
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -566,14 +560,14 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # -----------------------------------------------------------------------------
 # Training loop
 
-def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final=False):
-    """The record: the held-out denoising loss of the weights and their EMA, the EMA's samples (grid, scores)."""
+def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
+    """The denoising loss of the weights and their EMA; the EMA's samples, scored."""
     rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
     for tag in ("", "ema_") if ema else ("",):
         if tag:
             ema.swap()
-        rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, cfg, alpha_bar, K, B,
-                                                                        rank, world_size, ctx, cfg.eval_images)
+        args = (cfg, alpha_bar, K, B, rank, world_size, ctx, cfg.eval_images)
+        rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
     rows = K or cfg.per_class
     n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
     t0 = time.perf_counter()
@@ -590,116 +584,117 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx,
     print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
           + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
           + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
-          + (f" | FD-ViT {rec['fd_vit']:.2f}" if judge else "") + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
+          + (f" | FD-ViT {rec['fd_vit']:.2f}" if "fd_vit" in rec else "")
+          + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
           + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
-    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at row r, column j, `zoom` times larger."""
+    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
     cols, gap = n // rows, 2
+    h, w = H * zoom + gap, W * zoom + gap  # a cell and the gap after it
     margin = 8 + 6 * max(map(len, labels)) if labels else 0
-    canvas = np.full((rows * (H * zoom + gap) + gap, margin + cols * (W * zoom + gap) + gap, 3), 255, np.uint8)
+    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)
     big = images.repeat(zoom, 1).repeat(zoom, 2)
     big = big.repeat(3, 3) if C == 1 else big
     for r in range(rows):
         for j in range(cols):
-            y0, x0 = gap + r * (H * zoom + gap), margin + gap + j * (W * zoom + gap)
+            y0, x0 = gap + r * h, margin + gap + j * w
             canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
     im = Image.fromarray(canvas)
-    if labels:
-        draw = ImageDraw.Draw(im)
-        for r, name in enumerate(labels):
-            draw.text((4, gap + r * (H * zoom + gap) + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+    draw = ImageDraw.Draw(im)
+    for r, name in enumerate(labels or ()):
+        draw.text((4, gap + r * h + H * zoom // 2 - 5), name, fill=(0, 0, 0))
     im.save(f"{path}.tmp", format="PNG")
     os.replace(f"{path}.tmp", path)
 
 def conditioning(cfg, meta):
-    """The number of classes the model is conditioned on: 0 (unconditional) for one class or --num_classes=0."""
+    """Classes to condition on: 0 (none) for one class or --num_classes=0."""
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
-        die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0 (none)")
+        die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
     return 0 if cfg.num_classes == 0 or K == 1 else K
 
 def main(cfg):
     """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
-    if cfg.sample:  # checked there, against the objective of the checkpoint
+    if cfg.sample:  # checked there, against the checkpoint's objective
         return sample_main(cfg)
     check_config(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save. A signal stops it."""
+    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0 = time.perf_counter()
+    wall0, master = time.perf_counter(), rank == 0
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the upright shapes dataset",
-                                                  "--rotate=off")
+    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device,
+                                            "the upright shapes dataset", "--rotate=off")
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
-    alpha_bar = cosine_alpha_bar()
-    judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x) if cfg.eval_classifier and rank == 0 \
-        and not cfg.benchmark else None
+    data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
+    alpha_bar, judge = cosine_alpha_bar(), None
+    if cfg.eval_classifier and master and not cfg.benchmark:
+        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
-    # cfg settles here, before anything derives from it: the precision (auto: a resumed run's, else decided now)
+    # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
-    # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
+    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
-    steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    # throughput: per step, its unit, and the seconds a step would take at the GPU's peak (MFU: those over its time)
+    # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
-    # the loop's state is these locals; a resume sets them from the checkpoint, and the loader's place
+    # the loop's state is these locals; a resume sets them, and the loader's place
     step, train_time, history, rollbacks = 0, 0.0, [], {}
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            train_loader.load_state(ckpt["data"])
+            loader.load_state(ckpt["data"])
         resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
-    metrics = start_log(cfg, rank == 0)  # the file of every logged value (None on ranks > 0)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is then a folder of every rank's shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
-    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, "
-          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches | {cfg.objective}"
-          + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
-          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
-          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+    metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, "
+          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches"
+          + f" | {cfg.objective}" + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
+          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), then log, eval and save
+    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        # noise, timesteps, label dropout and flips are drawn for the whole global batch from a generator seeded by
-        # (seed, step), and each rank takes its slice: a resumed run draws the same numbers as an uninterrupted one
-        # (the checkpoint needs no RNG state), and training does not depend on the number of ranks
+        # noise, t, label dropout, flips: drawn for the global batch seeded by (seed, step), a slice
+        # per rank: a resumed run draws the same numbers, for any world size
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
-        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)  # of the budget
+        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
+        loss_sum, mine = torch.zeros((), device=device), slice(rank * B, (rank + 1) * B)
         for micro in range(accum):
-            x, y = train_loader.next()
-            x0, mine = to_model(x), slice(rank * B, (rank + 1) * B)
+            x, y = loader.next()
+            x0 = to_model(x)
             noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
             t = sample_t(B * world_size, cfg, gen)[mine]
             u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
@@ -717,50 +712,49 @@ def train(cfg, stop):
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        now = time.perf_counter()  # the host waits for the GPU in agree(): that wait counts in the next step
+        now = time.perf_counter()  # the host waits for the GPU in agree(): the next step's time
         loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
         t0 = now
-        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        # an fp16 overflow is the scaler's to skip
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)  # which skips it when fp16 grads overflowed
+                scaler.step(opt)  # which skips it if fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
         step += 1
-
-        if reason:  # a skipped update; repeated ones roll back to a checkpoint, past the batches read since (PaLM 5.1)
+        if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
         if reason and guard.rollback_due():
             writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, rank == 0, metrics, step)
+            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, master, metrics, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             t0, lap = time.perf_counter(), (step, train_time)
             continue
         done = train_time >= time_budget if time_budget else step >= max_steps
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # seconds a step since
+            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
             log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
-                     epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+                     epoch=loader.epoch + loader.pos / len(loader.y))
             history.append({"step": step, "loss": loss})
-        if cfg.benchmark:
-            bench.mark(step, train_time)  # timing starts after the warm-up; --profile traces the steps after the timed
+        if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
+            bench.mark(step, train_time)
             continue
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
-            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step,
-                                done and not stopped)
+            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank,
+                                world_size, step, done and not stopped)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
         if last_step or (cfg.save_every and step % cfg.save_every == 0):
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(), "step": step,
-                         "guard": guard.state(), "train_time": train_time, "history": history, "data_info": data_info,
-                         "config": dataclasses.asdict(cfg), "world_size": world_size, "data": train_loader.state(),
-                         "num_classes": K, "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size",
-                                                                              "channels")}})
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
+                         "data_info": data_info, "config": dataclasses.asdict(cfg), "world_size": world_size,
+                         "data": loader.state(), "num_classes": K, "data_meta": data_meta})
         t0 += time.perf_counter() - paused
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
@@ -769,31 +763,33 @@ def train(cfg, stop):
         return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if cfg.benchmark:  # the time of the steps after the warm-up (a signal leaves none)
-        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
-                f"{device} {dtype} compile={compiled}")
-        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
+    if cfg.benchmark:  # the steps after the warm-up (a signal leaves none)
+        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
+                f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
+        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
     key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
-    epochs = step * images_per_step / len(train_loader.y)
-    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
-                        if k in rec)
-    return finish(f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | {scores} | checkpoint and "
-                  f"samples.png in {cfg.out_dir}", {**result, **rec, "train_loss": loss,
-                  "images": step * images_per_step}, key, rank == 0 and cfg.out_dir, cfg.description)
+    keys = ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
+    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in keys if k in rec)
+    line = (f"done: {step} steps, {step * images_per_step / len(loader.y):.1f} epochs in "
+            f"{train_time:.0f} s | {scores} | checkpoint and samples.png in {cfg.out_dir}")
+    result |= {**rec, "train_loss": loss, "images": step * images_per_step}
+    return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
 def sample_main(cfg):
-    """--sample: a grid from a checkpoint's EMA weights (rows = classes) and, with --eval_classifier, its scores."""
+    """--sample: a grid from a checkpoint's EMA weights; --eval_classifier scores it."""
     check_choices(cfg)
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None or "objective" not in ckpt["config"]:
-        die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
+    with reading(path, "pass a checkpoint written by train_diffusion.py"):
+        if ckpt is None or "objective" not in ckpt["config"]:
+            die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
     with reading(path, "pass a checkpoint written by train_diffusion.py"):
-        meta, trained = ckpt["data_meta"], Config(**{k: v for k, v in ckpt["config"].items()
-                                                     if k in Config.__dataclass_fields__})
-        K, (H, W), C = ckpt["num_classes"], meta["image_size"], meta["channels"]
+        fields = Config.__dataclass_fields__
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
+        meta, K = ckpt["data_meta"], ckpt["num_classes"]
+        (H, W), C = meta["image_size"], meta["channels"]
         model = build_model(trained, H, C, K, device)
         model.load_state_dict(ckpt["ema"] or ckpt["model"])
     cfg = dataclasses.replace(cfg, objective=trained.objective)
@@ -801,22 +797,21 @@ def sample_main(cfg):
     rows = K or cfg.per_class
     n = max(rows * cfg.per_class, cfg.final_samples if cfg.eval_classifier else 0)
     sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
-    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | {sampler} "
-          f"{cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
+    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | "
+          f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
     t0 = time.perf_counter()
     samples = draw_samples(model, n, (H, W, C), K, cfg, cosine_alpha_bar(), 256, 0, 1, ctx)
-    out = cfg.sample_out or os.path.join(os.path.dirname(path), f"sample_{sampler}{cfg.sample_steps}_cfg"
-                                         f"{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png")
+    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
+    out = cfg.sample_out or os.path.join(os.path.dirname(path), name)
     write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
     res = {"grid": out, "sample_s": time.perf_counter() - t0}
     if cfg.eval_classifier:
-        _, arrays = load_image_data(trained.data_dir, ("val",)) if os.path.exists(trained.data_dir) else (None, None)
-        if arrays is None:
-            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its val images")
-        val_x = torch.from_numpy(np.array(arrays["val"][0])).to(device)
-        res.update(Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x).score(samples, K))
-    print(f"wrote {out} in {res['sample_s']:.1f} s"
-          + "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s")))
+        if not os.path.exists(trained.data_dir):
+            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its images")
+        val_x = torch.from_numpy(np.array(load_image_data(trained.data_dir, ("val",))[1]["val"][0]))
+        res |= Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x.to(device)).score(samples, K)
+    scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
+    print(f"wrote {out} in {res['sample_s']:.1f} s{scores}")
     return res
 
 def check_config(cfg):
@@ -824,13 +819,14 @@ def check_config(cfg):
     check_choices(cfg)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    at_least = dict.fromkeys(("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps "
-                              "per_class").split(), 1)
-    at_least |= dict.fromkeys(("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples loss_spike "
-                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
-    for k, low in {**at_least, "num_classes": -1}.items():
-        if getattr(cfg, k) < low:
-            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
+                          "sample_steps per_class"),
+                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples "
+                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
+                      (-1, "num_classes")):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
@@ -838,15 +834,15 @@ def check_config(cfg):
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
-    if not (cfg.benchmark or cfg.sample) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.sample or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
-# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
+# must match, sin-cos positions, an image dir, its loader, the EMA of the weights.
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
@@ -859,63 +855,63 @@ def sincos_2d(h, w, dim):
     # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
     ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    parts = [f(pos.flatten()[:, None] * omega) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
-    path = os.path.join(data_dir, "meta.json")
+    path, fix = os.path.join(data_dir, "meta.json"), "re-run prepare_data.py for this data dir"
     if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
+            f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, fix), open(path) as f:
         meta = json.load(f)
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
         if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
                 len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
+                f"as meta.json says; {fix}")
         if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
-                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+                f"0..{K - 1}); {fix}")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
     """meta, the train split's loader, and the val images and labels on the device."""
     if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
-        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (n,), generator=g).numpy())}
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size],
+                "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
+        arrays = {"train": (x.numpy(), torch.randint(0, 10, (n,), generator=g).numpy())}
     else:
         prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
         meta, arrays = load_image_data(cfg.data_dir)
-    H, W = meta["image_size"]
+    (H, W), p = meta["image_size"], cfg.patch_size
     if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
+            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % p:
+        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
     loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
-    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
-    return meta, loader, *val
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays.get("val", ())]
+    return meta, loader, *(val or [None, None])
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
     if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
@@ -927,8 +923,8 @@ class ImageLoader:
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
+                f"ranks = {B * world_size}; lower --batch_size")
         self.load_state({"epoch": 0, "pos": 0})
 
     def state(self):
@@ -939,13 +935,13 @@ class ImageLoader:
 
     def next(self):
         """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
+        n, step, i = len(self.y), self.B * self.world_size, self.rank * self.B
         if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
             self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        idx = self.order[self.pos + i:self.pos + i + self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
 
@@ -974,8 +970,8 @@ class EMA:
 # === end shared ===
 
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
+# the guards, signals, reporting. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):

@@ -576,8 +576,8 @@ def tokenizer_info(data_dir, meta):
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
     scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but a batched matmul per shape, in
-    bf16 only if the run is (torch.optim.Muon's bf16 is ~100x slower where a CPU emulates it)."""
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but batched per shape, and in bf16
+    only if the run is (a CPU emulates bf16 ~100x slower)."""
 
     def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -594,7 +594,7 @@ class Muon(torch.optim.Optimizer):
             for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
                 torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - mom)
-                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
+                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov (n, r, c)
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
                 torch._foreach_mul_(ps, 1 - lr * wd)
                 torch._foreach_add_(ps, x.unbind(0), alpha=-lr * 0.2 * math.sqrt(max(ps[0].shape)))

@@ -1,10 +1,8 @@
 """
 train_vit.py: a Vision Transformer, trained from scratch on images held on the GPU, in one file.
 
-Patch embedding, 2-D sin-cos positions, pre-norm blocks (RMSNorm, QK-norm, GELU or SwiGLU,
-LayerScale, stochastic depth, registers), average pooling; augmentation on the device; Muon or
-AdamW; an EMA of the weights; bf16/fp16, torch.compile, DDP or FSDP2, exact resume and the
-guards of train_gpt.py.
+Patch embedding, sin-cos positions, pre-norm blocks (RMSNorm, QK-norm, GELU or SwiGLU,
+LayerScale, stochastic depth, registers); augmentation on the device; Muon or AdamW; an EMA.
 
   python train_vit.py                  # CPU demo: generates the shapes dataset, ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
@@ -49,99 +47,99 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"      # images from prepare_data.py (shapes, cifar10, cifar100, mnist, imagefolder...)
-    out_dir: str = "out/vit"           # checkpoints, metrics.jsonl, config.json, plots; results.tsv goes beside it
-    preset: str = ""                   # named overrides: cpu_demo|cifar10 (explicit flags still win)
+    data_dir: str = "data/shapes"  # images from prepare_data.py
+    out_dir: str = "out/vit"  # checkpoints, metrics.jsonl, plots
+    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
     # model
-    image_size: int = 0                # 0 = the data's; else must equal it (resize with prepare_data.py --image_size)
-    patch_size: int = 8                # pixels per side of a patch: (image_size / patch_size)^2 tokens (16 on shapes)
-    n_layer: int = 4                   # transformer blocks
-    n_head: int = 4                    # attention heads
-    n_embd: int = 0                    # model width; 0 = 128, or 64 on a train split under 10,000 images
+    image_size: int = 0  # 0 = the data's; else must equal it
+    patch_size: int = 8  # pixels per side of a patch
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
     mlp: Literal["gelu", "swiglu"] = "gelu"
-    mlp_ratio: float = 4.0             # MLP hidden width / n_embd (SwiGLU uses 2/3 of it, same parameter count)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # pre-norm either way
-    qk_norm: bool = True               # RMSNorm on queries and keys, bounds the attention logits
+    mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    qk_norm: bool = True  # RMSNorm on queries and keys
     pos_emb: Literal["sincos", "learned"] = "sincos"
-    pool: Literal["gap", "cls"] = "gap"  # average the patch tokens, or read a class token
-    registers: int = 0                 # extra learned tokens that attention may use as scratch (Darcet et al. 2024)
-    layer_scale: float = 0.0           # LayerScale init, a learned per-channel gain on each branch (CaiT); 0 = off
-    drop_path: float = 0.0             # stochastic depth rate of the last block, rising linearly from 0
-    init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
+    pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
+    registers: int = 0  # scratch tokens (Darcet et al. 2024)
+    layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
+    drop_path: float = 0.0  # stochastic depth of the last block
+    init_std: float = 0.02  # hidden weights; outputs start at 0
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0                 # optimizer steps; 0 = from epochs or time_budget
-    epochs: float = 0.0                # passes over the train split; 0 = from max_steps or time_budget
-    time_budget: float = 200.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
-    batch_size: int = 128              # micro-batch per rank, in images
-    grad_accum: int = 1                # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps
+    epochs: float = 0.0  # passes over the train split
+    time_budget: float = 200.0  # seconds of training, evals excluded
+    batch_size: int = 128  # micro-batch per rank, in images
+    grad_accum: int = 1  # micro-steps per optimizer step
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # Muon on 2-D hidden matrices, AdamW on the rest
-    lr: float = 2e-3                   # peak LR
-    weight_decay: float = 0.05         # decoupled, on 2-D hidden matrices only
-    beta1: float = 0.9                 # AdamW
-    beta2: float = 0.95                # AdamW
-    grad_clip: float = 1.0             # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after linear warmup
-    warmup_steps: int = 100            # linear warmup, in optimizer steps
-    cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
-    final_lr_frac: float = 0.0         # LR at the end of cosine/wsd, as a fraction of the peak
-    ema: float = 0.999                 # decay of the EMA of the weights (warmed up as min(ema, (1+t)/(10+t))); 0 = off
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: hidden 2-D
+    lr: float = 2e-3  # peak LR
+    weight_decay: float = 0.05  # on 2-D hidden matrices only
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100  # linear warmup
+    cooldown_frac: float = 0.2  # wsd: the final decay's share
+    final_lr_frac: float = 0.0  # the last LR, over the peak
+    ema: float = 0.999  # decay of the weights' EMA; 0 = off
     # augmentation, on the device
-    translate: int = 4                 # random shift of up to this many pixels (reflect-padded crop); 0 = off
-    flip: Literal["auto", "true", "false"] = "auto"  # random horizontal flips; auto = the data's flip_ok
-    mixup: float = 0.0                 # Beta(a, a) of mixup (Zhang et al. 2018); 0 = off
-    cutmix: float = 0.0                # Beta(a, a) of cutmix (Yun et al. 2019); 0 = off; with mixup, either per batch
-    label_smoothing: float = 0.1       # target mass spread evenly over all classes
+    translate: int = 4  # random shift, in pixels; 0 = off
+    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
+    mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
+    cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
+    label_smoothing: float = 0.1
     # eval, logging, checkpoints
-    eval_every: int = 400              # steps between evals; 0 = only at the end
-    eval_images: int = 1000            # val images per periodic eval; the final eval reads the whole val split
-    tta_flip: bool = False             # average the predictions on each val image and its mirror image
-    log_every: int = 25                # steps between log lines
-    save_every: int = 0                # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
-    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
-    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
-    wandb: str = ""                    # wandb project name; empty = off
-    description: str = ""              # free text for the results.tsv experiment log
-    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
-    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
-    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
-    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
-    guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
+    eval_every: int = 400  # steps; 0 = only at the end
+    eval_images: int = 1000  # per periodic eval; the final: all
+    tta_flip: bool = False  # average predictions with the mirror's
+    log_every: int = 25
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept
+    milestone_every: int = 0  # also keep steps multiple of this
+    async_save: bool = False  # write in a background thread
+    resume: bool = False  # from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project; empty = off
+    description: str = ""  # for the results.tsv experiment log
+    # guards: a bad step is skipped; repeated ones roll back
+    loss_spike: float = 6.0  # running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm
+    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    guard_window: int = 100  # steps of the running statistics
+    rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # bf16 where fast (fp16 on old GPUs), else fp32
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on for CUDA on Linux
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # used under torchrun
-    offload: Literal["none", "params"] = "none"  # with fsdp, shards, grads and optimizer state in CPU memory
-    seed: int = 1337                   # init, data order, augmentation
-    benchmark: bool = False            # time steps on synthetic images and exit; needs no data
-    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
-    profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # per op the faster (kernels.use), Triton, or PyTorch's
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    compile: Literal["auto", "true", "false"] = "auto"
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
+    seed: int = 1337  # init, data order, augmentation
+    benchmark: bool = False  # time steps on random images, exit
+    bench_steps: int = 20  # timed steps, after 5 warm-up steps
+    profile: bool = False  # --benchmark: trace.json, top ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"
     # prediction
-    predict: str = ""                  # an image file or a folder of them: print class probabilities and exit
-    ckpt: str = ""                     # checkpoint file or directory for --predict; empty = out_dir
-    top_k: int = 5                     # classes shown per image by --predict
+    predict: str = ""  # an image or folder: print probabilities
+    ckpt: str = ""  # checkpoint for --predict; empty = out_dir
+    top_k: int = 5  # classes shown per image by --predict
 
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 0.8M parameters, 16 patches of 8x8, 200 s of training on a 2-core CPU
-    # one GPU, minutes; the settings of the strong small-data ViT recipes (DeiT, Beyer et al. 2022), not yet measured
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8, n_head=6, n_embd=384,
-                    optimizer="adamw", layer_scale=0.1, drop_path=0.1, time_budget=0.0, epochs=60, batch_size=512,
-                    lr=2e-3, warmup_steps=500, mixup=0.8, cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000,
-                    tta_flip=True),
+    "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
+    # one GPU, minutes; DeiT's and Beyer et al.'s recipe (2022)
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8,
+                    n_head=6, n_embd=384, optimizer="adamw", layer_scale=0.1, drop_path=0.1,
+                    time_budget=0.0, epochs=60, batch_size=512, lr=2e-3, warmup_steps=500, mixup=0.8,
+                    cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm", "qk_norm", "pos_emb", "pool",
-               "registers", "layer_scale")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
+               "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
 
 # -----------------------------------------------------------------------------
 # Model
 
 class Norm(nn.Module):
-    """RMSNorm (default) or bias-free LayerNorm over the last dim."""
+    """RMSNorm, or LayerNorm without bias, over the last dim."""
 
     def __init__(self, dim, kind="rmsnorm", eps=1e-6):
         super().__init__()
@@ -165,14 +163,14 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
-        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # no mask
+        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
-        if self.swiglu:  # three matrices: 2/3 of the width keeps the parameters (Shazeer 2020)
+        if self.swiglu:  # 2/3 of the width keeps the parameters (Shazeer 2020)
             hidden = 2 * hidden // 3
         self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
@@ -184,7 +182,7 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 def drop_path(x, p, training):
-    """Stochastic depth (Huang et al. 2016): zero x for a random p of samples, rescale the rest."""
+    """Stochastic depth (Huang et al. 2016), per sample."""
     if not training or p == 0:
         return x
     keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
@@ -195,57 +193,55 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
         self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
-        self.drop = drop
-        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None  # LayerScale
-        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if cfg.layer_scale else None
+        self.drop, ls = drop, cfg.layer_scale  # LayerScale (Touvron et al. 2021)
+        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
+        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
 
     def forward(self, x):
         a = self.attn(self.norm1(x))
-        x = x + drop_path(a * self.ls1 if self.ls1 is not None else a, self.drop, self.training)
+        x = x + drop_path(a if self.ls1 is None else a * self.ls1, self.drop, self.training)
         m = self.mlp(self.norm2(x))
-        return x + drop_path(m * self.ls2 if self.ls2 is not None else m, self.drop, self.training)
+        return x + drop_path(m if self.ls2 is None else m * self.ls2, self.drop, self.training)
 
 class ViT(nn.Module):
-    def __init__(self, cfg, image_size, channels, num_classes, mean, std):
+    def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
         self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution, as a matmul
+        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
             self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls] and registers
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls], registers
         self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
-        self.norm = Norm(d, cfg.norm)
-        self.head = nn.Linear(d, num_classes)
+        self.norm, self.head = Norm(d, cfg.norm), nn.Linear(d, num_classes)
         # the data's channel statistics: the model takes pixels in [0, 1]
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
-        self.init_args = (list(mean), list(std))
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("std", torch.ones(channels))
 
     @torch.no_grad()
-    def init_weights(self):
-        """Initialise every parameter and buffer (the model was built on the meta device)."""
-        c = self.cfg
+    def init_weights(self, mean, std):
+        """Initialise it in place (it was built on the meta device)."""
+        c, s = self.cfg, self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
                 nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
             elif name.split(".")[-1] in ("ls1", "ls2"):
-                nn.init.constant_(p, c.layer_scale)  # LayerScale (Touvron et al. 2021)
+                nn.init.constant_(p, c.layer_scale)
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=c.init_std, a=-2 * c.init_std, b=2 * c.init_std)
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         if c.pos_emb == "sincos":
             self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
-        self.mean.copy_(torch.tensor(self.init_args[0]))
-        self.std.copy_(torch.tensor(self.init_args[1]))
+        self.mean.copy_(torch.tensor(mean))
+        self.std.copy_(torch.tensor(std))
 
     def forward(self, x, features=False):
-        """x (B, H, W, C) pixels in [0, 1] -> logits (B, classes), or features (B, d)."""
+        """x (B, H, W, C) in [0, 1] -> logits (B, K), or features (B, d)."""
         B, H, W, C = x.shape
         p, g = self.cfg.patch_size, self.grid
         x = (x - self.mean) / self.std
@@ -256,36 +252,34 @@ class ViT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # no registers
+        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # not registers
         return f if features else self.head(f)
 
     def flops_per_image(self):
-        """Training FLOPs per image: 6 per matmul weight per token, plus attention (PaLM)."""
-        T = self.grid ** 2 + self.n_extra
+        """Training FLOPs: 6 per weight per token, and attention (PaLM)."""
+        T, c = self.grid ** 2 + self.n_extra, self.cfg
         n = self.patch.weight.numel() + sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
-        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * self.head.weight.numel()
+        return T * (6 * n + 12 * c.n_layer * c.n_embd * T) + 6 * self.head.weight.numel()
 
 def build_model(cfg, meta, device):
-    """Build on the meta device, materialise on device, initialise under cfg.seed."""
+    """Build on the meta device, then initialise under cfg.seed."""
     with torch.device("meta"):
-        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"], meta["mean"], meta["std"])
+        model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"])
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
-    model.init_weights()
+    model.init_weights(meta["mean"], meta["std"])
     return model
 
 # -----------------------------------------------------------------------------
 # Data
 
 def augment(x, cfg, flip):
-    """Shift each image of x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
-    B, H, W, _ = x.shape
-    dev = x.device
-    if cfg.translate:
-        t = cfg.translate
-        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+    """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
+    (B, H, W, _), dev, t = x.shape, x.device, cfg.translate
+    if t:  # a random crop of the reflect-padded image (B, H+2t, W+2t, C)
+        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)
         dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)
-        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)  # (B, H), (B, W)
+        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)
         x = xp[torch.arange(B, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
     if flip:
         x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < 0.5, x.flip(2), x)
@@ -299,17 +293,17 @@ def mix(x, y, cfg):
     if alpha == 0:
         return x, y, y, 1.0
     lam = torch.distributions.Beta(alpha, alpha).sample().item()
-    if use_cutmix:  # paste a box of area 1 - lam from the partner; lam is then the area kept
-        B, H, W, _ = x.shape
-        h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
-        cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
-        y0, y1, x0, x1 = max(cy - h // 2, 0), min(cy + h // 2, H), max(cx - w // 2, 0), min(cx + w // 2, W)
-        x = x.clone()
-        x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
-        lam = 1 - (y1 - y0) * (x1 - x0) / (H * W)
-    else:
-        x = lam * x + (1 - lam) * x.flip(0)
-    return x, y, y.flip(0), lam
+    if not use_cutmix:
+        return lam * x + (1 - lam) * x.flip(0), y, y.flip(0), lam
+    # paste a box of area 1 - lam from the partner; lam is then the area kept
+    B, H, W, _ = x.shape
+    h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
+    cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
+    y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
+    x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
+    x = x.clone()
+    x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
+    return x, y, y.flip(0), 1 - (y1 - y0) * (x1 - x0) / (H * W)
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
@@ -318,8 +312,8 @@ def mix(x, y, cfg):
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
     scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but a batched matmul per shape, in
-    bf16 only if the run is (torch.optim.Muon's bf16 is ~100x slower where a CPU emulates it)."""
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but batched per shape, and in bf16
+    only if the run is (a CPU emulates bf16 ~100x slower)."""
 
     def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
@@ -336,7 +330,7 @@ class Muon(torch.optim.Optimizer):
             for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
                 torch._foreach_lerp_(bufs, [p.grad for p in ps], 1 - mom)
-                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov, (n, r, c)
+                x = torch.stack([p.grad.lerp(b, mom) for p, b in zip(ps, bufs)])  # Nesterov (n, r, c)
                 x = orthogonalise(x.to(self.ns_dtype)).to(ps[0].dtype)
                 torch._foreach_mul_(ps, 1 - lr * wd)
                 torch._foreach_add_(ps, x.unbind(0), alpha=-lr * 0.2 * math.sqrt(max(ps[0].shape)))
@@ -354,37 +348,37 @@ def orthogonalise(x):
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """AdamW, with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
-    named = list(raw.named_parameters())
-    hidden = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
-    decay_rest = [p for n, p in named if p.ndim == 2 and n.startswith(("patch.", "head."))]
-    # norms, biases, positions and the [cls] and register tokens
-    no_decay = [p for n, p in named if not (p.ndim == 2 and n.startswith(("blocks.", "patch.", "head.")))]
-    opts, decay = [], hidden + decay_rest
+    """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
+    named = [(n.split(".")[0], p) for n, p in raw.named_parameters()]
+    hidden = [p for top, p in named if p.ndim == 2 and top == "blocks"]
+    decay = [p for top, p in named if p.ndim == 2 and top in ("patch", "head")]
+    # norms, biases, positions, [cls] and registers
+    rest = [p for top, p in named if p.ndim != 2 or top not in ("blocks", "patch", "head")]
+    opts, wd = [], cfg.weight_decay
     if cfg.optimizer == "muon":
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype))
-        decay = decay_rest
-    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
+    else:
+        decay = hidden + decay
+    groups = [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
     opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"))
-    for opt in opts:
-        for g in opt.param_groups:
-            g["peak_lr"] = g["lr"]
+    for g in (g for opt in opts for g in opt.param_groups):
+        g["peak_lr"] = g["lr"]
     return opts
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
+    """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # warmup-stable-decay (Hu et al. 2024)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # (Hu et al. 2024)
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -495,33 +489,33 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # Training loop
 
 @torch.no_grad()
-def evaluate(model, x_all, y_all, num_classes, B, rank, world_size, ctx, n_images=None, tta_flip=False):
-    """Top-1, top-5, mean loss and confusion matrix (true, predicted) of the first n_images val images (None: all)."""
+def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
+    """Top-1, top-5, mean loss and confusion (true, predicted) of the first n val images."""
     model.eval()
-    n = len(y_all) if n_images is None else min(n_images, len(y_all))
-    stats = torch.zeros(3, device=y_all.device, dtype=torch.float64)  # top-1 hits, top-5 hits, loss sum
-    conf = torch.zeros(num_classes * num_classes, device=y_all.device, dtype=torch.float64)
-    for it in range(math.ceil(n / (B * world_size))):  # the same number of forwards on every rank (FSDP gathers)
+    # top-1 hits, top-5 hits, the loss's sum, then the confusion counts
+    sums = torch.zeros(3 + K * K, device=y_all.device, dtype=torch.float64)
+    for it in range(math.ceil(n / (B * world_size))):  # as many forwards on every rank (FSDP)
         i = (it * world_size + rank) * B
-        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # a rank past the end runs one image, uncounted
+        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # past the end: uncounted
         x, y = x_all[i:j].float() / 255, y_all[i:j]
         with ctx:
             logits = model(x).float()
-            if tta_flip:
-                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)  # mean probs
-        top = logits.topk(min(5, num_classes), dim=-1).indices  # (b, 5)
-        stats += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(),
-                                  F.cross_entropy(logits, y, reduction="sum")]).double()
-        conf += w * torch.bincount(y * num_classes + top[:, 0], minlength=num_classes ** 2).double()
+            if tta_flip:  # the mean of both predictions' probabilities
+                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)
+        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        sums[:3] += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), loss]).double()
+        sums[3:] += w * torch.bincount(y * K + top[:, 0], minlength=K * K).double()
     model.train()
-    total = all_mean(torch.cat((stats, conf)), world_size) * world_size
-    return {"val_acc": (total[0] / n).item(), "val_top5": (total[1] / n).item(), "val_loss": (total[2] / n).item(),
-            "confusion": total[3:].view(num_classes, num_classes).long().cpu().numpy()}
+    total = all_mean(sums, world_size) * world_size
+    acc, top5, loss = (total[:3] / n).tolist()
+    return {"val_acc": acc, "val_top5": top5, "val_loss": loss,
+            "confusion": total[3:].view(K, K).long().cpu().numpy()}
 
-def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_size, step, final=False):
-    """(record, confusion matrix, tag "" or "ema_" of the better) of the weights and their EMA on val images."""
-    n = None if final else cfg.eval_images
-    args = (val_x, val_y, num_classes, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+def evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
+    """(record, confusion, "" or "ema_": the better) of the weights and their EMA."""
+    n = len(val_y) if final else min(cfg.eval_images, len(val_y))
+    args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
     res = {"": evaluate(model, *args)}
     if ema:
         ema.swap()
@@ -533,38 +527,35 @@ def evaluate_both(cfg, model, ema, val_x, val_y, num_classes, ctx, rank, world_s
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
     of_ema = f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}" if ema else ""
     print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
-          f"{rec['val_loss']:.4f}{of_ema} | {min(n or len(val_y), len(val_y))} images"
-          + (" (flip TTA)" if cfg.tta_flip else ""))
+          f"{rec['val_loss']:.4f}{of_ema} | {n} images" + (" (flip TTA)" if cfg.tta_flip else ""))
     return rec, conf, best
 
 def plot_results(out_dir, history, confusion, classes):
-    """accuracy.png (val accuracy of the model and its EMA, train loss, against step) and confusion.png."""
+    """accuracy.png (val accuracy, its EMA's, train loss) and confusion.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
-        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
-        if pts:
+        if pts := [(h["step"], 100 * h[key]) for h in history if key in h]:
             ax.plot(*zip(*pts), style, label=key.replace("_", " "))
     ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=os.path.basename(os.path.abspath(out_dir)))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
-    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    if losses:
+    if losses := [(h["step"], h["loss"]) for h in history if "loss" in h]:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*losses), color="gray", alpha=0.5, label="train loss")
+        ax2.plot(*zip(*losses), color="gray", alpha=0.5)
         ax2.set_ylabel("train loss")
     K = len(classes)
     fig2, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
-    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # each row: where that class's images went
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # where a class went
     ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
     if K <= 30:
         ax.set_xticks(range(K), classes, rotation=90)
         ax.set_yticks(range(K), classes)
         for i, j in zip(*np.nonzero(confusion)):
-            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7,
-                    color="white" if rates[i, j] > 0.5 else "black")
+            color = "white" if rates[i, j] > 0.5 else "black"
+            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
     ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
     for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
         fig.tight_layout()
@@ -576,131 +567,131 @@ def main(cfg):
     check_config(cfg)
     if cfg.predict:
         return predict_main(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
+    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
 
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save. A signal stops it."""
+    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0 = time.perf_counter()
+    wall0, master = time.perf_counter(), rank == 0
     # data: both splits held whole on the device as uint8; random images for --benchmark
-    meta, train_loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
+    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
     (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+    data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean", "std")}
 
-    # cfg settles here, before anything derives from it: the width (auto: under 10k images 128 stalls near chance
-    # for ~500 steps where 64 learns, README) and the precision (auto: a resumed run's, else decided now)
-    width = cfg.n_embd or (64 if len(train_loader.y) < 10000 and not cfg.benchmark else 128)
+    # cfg settles here, before anything derives from it. The width: under 10k images, 128
+    # stalls near chance for ~500 steps where 64 learns (README). The precision: a resumed run's.
+    width = cfg.n_embd or (64 if len(loader.y) < 10000 and not cfg.benchmark else 128)
     layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
     B, accum = cfg.batch_size, cfg.grad_accum
     images_per_step = B * accum * world_size
 
-    # model, optimizers, EMA and guard; the budget: steps (--max_steps or --epochs), or seconds of training
+    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
     raw = build_model(cfg, meta, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
-    steps_per_epoch = len(train_loader.y) // (B * world_size) / accum
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
-    # throughput: per step, its unit, and the seconds a step would take at the GPU's peak (MFU: those over its time)
+    # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
-    # the loop's state is these locals; a resume sets them from the checkpoint, and the loader's place
+    # the loop's state is these locals; a resume sets them, and the loader's place
     step, train_time, history, rollbacks = 0, 0.0, [], {}
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            train_loader.load_state(ckpt["data"])
+            loader.load_state(ckpt["data"])
         resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
-    metrics = start_log(cfg, rank == 0)  # the file of every logged value (None on ranks > 0)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is then a folder of every rank's shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
-    print(f"{n_params / 1e6:.2f}M parameters | {len(train_loader.y)} train images of {H}x{W}x{C}, {K} classes"
-          f" | {(H // cfg.patch_size) ** 2} patches"
-          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | "
-          + (f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)")
+    metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
+          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum"
+          f" {accum} x world {world_size}) | {budget}"
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), then log, eval and save
+    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        # augmentation and stochastic depth draw from the global RNG, seeded by (seed, step, rank): a resumed run
-        # draws the same numbers as an uninterrupted one, and the checkpoint needs no RNG state
+        # augmentation and stochastic depth draw from the global RNG seeded by (seed, step,
+        # rank): a resumed run draws the same numbers, and the checkpoint needs no RNG state
         torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
-        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)  # of the budget
+        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
+        loss_sum, ls = torch.zeros((), device=device), cfg.label_smoothing
         for micro in range(accum):
-            x, y = train_loader.next()
+            x, y = loader.next()
             x, ya, yb, lam = mix(augment(x.float() / 255, cfg, flip), y, cfg)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()
-                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
-                    if lam < 1:  # a mixed batch: each partner's loss, weighted by its share
-                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
+                    loss = F.cross_entropy(logits, ya, label_smoothing=ls)
+                    if lam < 1:  # a mixed batch: each partner's loss, by its share
+                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=ls)
                     loss = loss / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        now = time.perf_counter()  # the host waits for the GPU in agree(): that wait counts in the next step
+        now = time.perf_counter()  # the host waits for the GPU in agree(): the next step's time
         loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
         t0 = now
-        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        # an fp16 overflow is the scaler's to skip
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)  # which skips it when fp16 grads overflowed
+                scaler.step(opt)  # which skips it if fp16 grads overflowed
             if ema and not overflow:
                 ema.update()
         scaler.update()
         step += 1
-
-        if reason:  # a skipped update; repeated ones roll back to a checkpoint, past the batches read since (PaLM 5.1)
+        if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
         if reason and guard.rollback_due():
             writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, rank == 0, metrics, step)
+            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, master, metrics, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             t0, lap = time.perf_counter(), (step, train_time)
             continue
         done = train_time >= time_budget if time_budget else step >= max_steps
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # seconds a step since
+            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
             log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
-                     epoch=train_loader.epoch + train_loader.pos / len(train_loader.y))
+                     epoch=loader.epoch + loader.pos / len(loader.y))
             history.append({"step": step, "loss": loss})
-        if cfg.benchmark:
-            bench.mark(step, train_time)  # timing starts after the warm-up; --profile traces the steps after the timed
+        if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
+            bench.mark(step, train_time)
             continue
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
-            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step,
-                                            done and not stopped)
+            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
+                                            step, done and not stopped)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
         if last_step or (cfg.save_every and step % cfg.save_every == 0):
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(), "step": step,
-                         "guard": guard.state(), "train_time": train_time, "history": history, "data_info": data_info,
-                         "config": dataclasses.asdict(cfg), "world_size": world_size, "data": train_loader.state(),
-                         "data_meta": {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean",
-                                                            "std")}})
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time,
+                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
         t0 += time.perf_counter() - paused
 
     # the end: the benchmark's figures, or how to resume after a signal, or the results
@@ -709,56 +700,59 @@ def train(cfg, stop):
         return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if cfg.benchmark:  # the time of the steps after the warm-up (a signal leaves none)
-        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size} | "
-                f"{device} {dtype} compile={compiled}")
-        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
-    if rank == 0:
+    if cfg.benchmark:  # the steps after the warm-up (a signal leaves none)
+        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
+                f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
+        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
+    if master:
         side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
-    worst = np.argsort(rec["per_class_acc"])[:3]
-    weakest = ", ".join(f"{meta['classes'][i]} {100 * rec['per_class_acc'][i]:.0f}%" for i in worst)
-    key, epochs = f"{best}val_acc", step * images_per_step / len(train_loader.y)
-    return finish(f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc {100 * rec[key]:.2f}% "
-                  f"({'EMA' if best else 'raw'} weights) | weakest: {weakest} | checkpoint, accuracy.png and "
-                  f"confusion.png in {cfg.out_dir}", {**result, **rec, "train_loss": loss,
-                  "images": step * images_per_step}, key, rank == 0 and cfg.out_dir, cfg.description)
+    acc = rec["per_class_acc"]
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
+    key, epochs = f"{best}val_acc", step * images_per_step / len(loader.y)
+    line = (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc "
+            f"{100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | "
+            f"checkpoint, accuracy.png and confusion.png in {cfg.out_dir}")
+    result |= {**rec, "train_loss": loss, "images": step * images_per_step}
+    return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
 def load_image(path, size, channels):
-    """An image file as (size, size, channels) uint8, its centre square resized to size, as prepare_data.py does."""
+    """An image file as (size, size, channels) uint8: its centre square, resized as prepare_data.py does."""
     from PIL import Image, ImageOps
     try:
         with Image.open(path) as im:
             im = im.convert("RGB" if channels == 3 else "L")
             a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # a broken file, a pixel bomb
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # or a pixel bomb
         die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
     return a.reshape(size, size, channels)
 
 def predict_main(cfg):
-    """--predict: class probabilities of each image in a file or folder, from a checkpoint's EMA weights (if any)."""
+    """--predict: class probabilities of each image, from a checkpoint's EMA weights (if any)."""
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
-    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(
-        f for f in glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True) if f.lower().endswith(exts))
+    files = [cfg.predict]
+    if not os.path.isfile(cfg.predict):
+        exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
+        found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)
+        files = sorted(f for f in found if f.lower().endswith(exts))
     if not files:
         die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
     _, _, device = setup_dist(cfg.device)
     with reading(path, "pass a checkpoint written by train_vit.py"):
-        meta = ckpt["data_meta"]
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__})
+        meta, fields = ckpt["data_meta"], Config.__dataclass_fields__
+        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
         model = build_model(trained, meta, device).eval()
-        model.load_state_dict(ckpt["ema"] if ckpt.get("ema") else ckpt["model"])
+        model.load_state_dict(ckpt.get("ema") or ckpt["model"])
         size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
     print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
     out = {}
     for i in range(0, len(files), 256):
         batch = files[i:i + 256]
-        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch])).to(device)
+        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch]))
         with torch.no_grad():
-            probs = model(x.float() / 255).float().softmax(-1).cpu()
+            probs = model(x.to(device).float() / 255).float().softmax(-1).cpu()
         for f, p in zip(batch, probs):
             top = p.topk(min(cfg.top_k, len(classes)))
             out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
@@ -771,22 +765,22 @@ def check_config(cfg):
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    at_least = dict.fromkeys("patch_size n_layer n_head batch_size grad_accum guard_window top_k".split(), 1)
-    at_least |= dict.fromkeys(("n_embd translate mixup cutmix registers layer_scale epochs image_size loss_spike "
-                               "gnorm_spike clip_mult rollback_after max_steps time_budget").split(), 0)  # budgets too
-    for k, low in at_least.items():
-        if getattr(cfg, k) < low:
-            die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k"),
+                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size "
+                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
-        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
     if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
         die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
-    if not (cfg.benchmark or cfg.predict) and not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.predict or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
 # -----------------------------------------------------------------------------
-# Images: the same bytes in train_vit.py and train_diffusion.py (tests/test_style.py checks): what a resumed run must
-# match, 2-D sin-cos positions, a prepared image dir and its checks, the train split's loader, the EMA of the weights.
+# Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
+# must match, sin-cos positions, an image dir, its loader, the EMA of the weights.
 
 # === shared: images ===
 def run_layout(c, world_size, data_info):
@@ -799,63 +793,63 @@ def sincos_2d(h, w, dim):
     # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
     ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega[None]) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    parts = [f(pos.flatten()[:, None] * omega) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
-    path = os.path.join(data_dir, "meta.json")
+    path, fix = os.path.join(data_dir, "meta.json"), "re-run prepare_data.py for this data dir"
     if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python prepare_data.py shapes "
-            f"--data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
+            f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with reading(path, fix), open(path) as f:
         meta = json.load(f)
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
         if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
                 len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit together")
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {meta['image_size']}, "
-                f"{meta['channels']}) as meta.json says; re-run prepare_data.py for this data dir")
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
+                f"as meta.json says; {fix}")
         if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
             die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
-                f"0..{meta['num_classes'] - 1}); re-run prepare_data.py for this data dir")
+                f"0..{K - 1}); {fix}")
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
     """meta, the train split's loader, and the val images and labels on the device."""
     if cfg.benchmark:  # random images, no val split
         size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size], "channels": 3,
-                "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
-        arrays = {"train": (torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8).numpy(),
-                            torch.randint(0, 10, (n,), generator=g).numpy())}
+        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size],
+                "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
+        arrays = {"train": (x.numpy(), torch.randint(0, 10, (n,), generator=g).numpy())}
     else:
         prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
         meta, arrays = load_image_data(cfg.data_dir)
-    H, W = meta["image_size"]
+    (H, W), p = meta["image_size"], cfg.patch_size
     if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them at that size "
-            f"(prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % cfg.patch_size:
-        die(f"images of {H}x{W} do not split into {cfg.patch_size}x{cfg.patch_size} patches; change --patch_size")
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
+            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % p:
+        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
     loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
-    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays["val"]] if "val" in arrays else [None, None]
-    return meta, loader, *val
+    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays.get("val", ())]
+    return meta, loader, *(val or [None, None])
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
     if cfg.flip != "auto":
         return cfg.flip == "true", "--flip"
     if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or pass --flip=false for digits or text"
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
     return meta["flip_ok"], "the data's flip_ok"
 
 class ImageLoader:
@@ -867,8 +861,8 @@ class ImageLoader:
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
         self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
         if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x ranks = "
-                f"{B * world_size}; lower --batch_size")
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
+                f"ranks = {B * world_size}; lower --batch_size")
         self.load_state({"epoch": 0, "pos": 0})
 
     def state(self):
@@ -879,13 +873,13 @@ class ImageLoader:
 
     def next(self):
         """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step = len(self.y), self.B * self.world_size
+        n, step, i = len(self.y), self.B * self.world_size, self.rank * self.B
         if self.pos + step > n:  # drop the epoch's partial last batch
             self.epoch, self.pos, self.order = self.epoch + 1, 0, None
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
             self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + self.rank * self.B:self.pos + (self.rank + 1) * self.B]
+        idx = self.order[self.pos + i:self.pos + i + self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
 
@@ -914,8 +908,8 @@ class EMA:
 # === end shared ===
 
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
+# the guards, signals, reporting. The recipe above reads without it.
 
 # === shared: machinery ===
 def die(msg):
