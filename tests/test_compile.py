@@ -96,13 +96,15 @@ def one_rank_fsdp(monkeypatch):
 
 def test_fsdp_blocks_compile_whole(one_rank_fsdp):
     """Under --parallel=fsdp each block is compiled on its own (with FSDP2's hooks) at the first GPU preset's
-    architecture: one graph a block, forward and backward, in every trainer."""
+    architecture: one graph a block, forward and backward, in every trainer; the GPT then samples."""
     for module, make, preset in ((tg, gpt, "gpt2_124m"), (tv, vit, "cifar10"), (td, dit, "cifar10")):
         raw, loss, *_ = make(architectures(module, {})[preset])
         cfg = module.Config(device="cpu", compile="true", parallel="fsdp")
         model, on = module.wrap_model(raw, cfg, CPU, torch.float32, 2)
         assert on and model is raw and all(b._compiled_call_impl is not None for b in raw.blocks)
         loss(model).backward()
+        if module is tg:  # sampling runs the compiled blocks eagerly (set_stance): no graph for each length
+            assert model.generate(torch.zeros(1, 1, dtype=torch.long), 3).shape == (1, 4)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -155,8 +157,9 @@ def preset_steps():
 
 def test_flops_per_step_are_what_flop_counter_counts():
     """Each trainer's FLOPs per step (6 per matmul weight per token, plus attention: PaLM's model FLOPs, which MFU
-    uses) is within TOLERANCE of FlopCounterMode's count at every preset's shape, less the attention scores that a
-    flash backward recomputes (hardware FLOPs, not the model's); all that it counts is at most 3% more."""
+    uses) is within TOLERANCE of FlopCounterMode's count at each preset's shape, less the attention scores that a
+    flash backward recomputes (hardware FLOPs, not the model's); all that it counts is at most 3% more. Measured:
+    model FLOPs 0.999-1.000 of ours; all counted 1.002 (dit cpu_demo) to 1.022 (gpt2_124m)."""
     ratios = {}
     with FakeTensorMode():
         for name, ours, step, raw, x in preset_steps():
