@@ -61,7 +61,7 @@ bench() {  # NAME LABEL CMD...: a --benchmark run, and its row: rate, ms/step, M
   fi
 }
 
-stage 90 "1. tests: $TESTS"
+stage 80 "1. tests: $TESTS"
 XDIST=()
 $PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
 if [ $DRY = 1 ]; then
@@ -71,11 +71,11 @@ else
   row "python -m pytest -q ${XDIST[*]} $TESTS" "$(tail -n 1 "$LOGS/pytest.log")"
 fi
 
-stage 60 "2. kernels.py --bench"
+stage 80 "2. kernels.py --bench"
 run kernels $PY kernels.py --bench  # on a CPU: one line, that it needs a GPU, and exit status 1
 grep -q "needs a CUDA GPU\|^linear_ce" "$LOGS/kernels.log" || row "python kernels.py --bench" "failed: see kernels.log"
 
-stage 260 "3. --benchmark of each trainer's GPU preset: the default kernels, then torch's and triton's"
+stage 240 "3. --benchmark of each trainer's GPU preset: the default kernels, then torch's and triton's"
 for k in auto torch triton; do
   for t in gpt vit diffusion; do
     [ $t = gpt ] && p=gpt2_124m n=$GPT_STEPS shrink=("${GPT[@]}") || p=cifar10 n=$IMG_STEPS shrink=("${IMG[@]}")
@@ -84,7 +84,7 @@ for k in auto torch triton; do
   done
 done
 
-stage 70 "4. nanoGPT's train.py at GPT-2 124M's shape (B 32 x T 1024 x 16 micro-steps), on random tokens"
+stage 80 "4. nanoGPT's train.py at GPT-2 124M's shape (B 32 x T 1024 x 16 micro-steps), on random tokens"
 if [ -n "${NANOGPT:-}" ]; then
   mkdir -p "$LOGS/nanogpt_data"
   $PY -c "import numpy as np; [np.random.default_rng(0).integers(0, 50257, $NTOKENS, dtype=np.uint16).tofile(
