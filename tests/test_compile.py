@@ -148,7 +148,8 @@ def preset_steps():
         raw, x = tg.GPT(cfg, 50257 if "gpt2" in name else 4353), torch.randint(0, 4353, (1, cfg.seq_len))
         yield f"gpt {name}", raw.flops_per_token() * x.numel(), gpt_step, raw, x
     for name, over in tv.PRESETS.items():
-        raw, x = tv.ViT(tv.Config(**{"n_embd": 128, **over}), 32, 3, 10, [0.5] * 3, [0.25] * 3), torch.rand(2, 32, 32, 3)
+        cfg = tv.Config(**{"n_embd": 128, **over})  # cpu_demo's width on its data
+        raw, x = tv.ViT(cfg, 32, 3, 10, [0.5] * 3, [0.25] * 3), torch.rand(2, 32, 32, 3)
         yield f"vit {name}", raw.flops_per_image() * len(x), vit_step, raw, x
     for name, over in td.PRESETS.items():
         raw, x = td.DiT(td.Config(**over), 32, 3, 10), torch.rand(2, 32, 32, 3)
