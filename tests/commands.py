@@ -137,6 +137,10 @@ def run_command(argv, execute, tiny=workshop_tiny):
         assert args[:1] == ["install"] and not execute, f"pip: only 'pip install', and never run here: {argv}"
         assert "-r" not in args or os.path.exists(os.path.join(ROOT, args[args.index("-r") + 1])), argv
         return None
+    if head == "bash":  # bench.sh, a GPU session's one command: it must parse (tests/test_bench.py runs its --dry-run)
+        assert args[:1] == ["bench.sh"] and not execute, f"bash: only bench.sh, and never run here: {argv}"
+        subprocess.run(["bash", "-n", os.path.join(ROOT, "bench.sh")], check=True)
+        return None
     if head == "torchrun":  # torchrun's own parser, then the script's part under the script's parser
         from torch.distributed.run import get_args_parser
         assert not execute, f"torchrun starts several processes and is never run here: {argv}"

@@ -46,6 +46,8 @@ def why_parse_only(argv):
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     if argv[0] == "pip":
         return "an install"
+    if argv[0] == "bash":
+        return "a GPU (bench.sh's --dry-run is tests/test_bench.py's)"
     if argv[0] == "torchrun":
         return "several processes"
     if argv[1:3] == ["-m", "pytest"]:

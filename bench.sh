@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# bench.sh: a GPU session's measurements in one command (issue 48). In order: the GPU tests, kernels.py --bench,
+# each trainer's --benchmark on its GPU preset (the default kernels, then --kernels=torch and --kernels=triton),
+# nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), and a CUDA-graphs trial (torch.compile's
+# reduce-overhead mode) of the ViT and DiT presets. It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
+#
+#   bash bench.sh                        # one GPU, within BUDGET seconds (570): each stage has a share, and a
+#                                        # command that would overrun it is stopped, and its row says so
+#   NANOGPT=../nanoGPT bash bench.sh     # with nanoGPT's row: the same shape, compile on, bf16, random tokens
+#   TESTS=tests/ bash bench.sh           # the whole suite first (225 s with -n 14 on an H100, 2026-11-25)
+#   bash bench.sh --dry-run              # on a CPU: every command runs, shrunk (tests/test_bench.py)
+set -uo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python} DRY=0 ROWS=() FAILED=0 STAGE_END=0
+[ "${1:-}" = --dry-run ] && DRY=1
+LOGS=$(mkdir -p "${LOGS:-/tmp/bench}" && cd "${LOGS:-/tmp/bench}" && pwd)
+TESTS=${TESTS:-tests/test_kernels.py tests/test_compile.py}  # the tests that run otherwise on a GPU
+BUDGET=${BUDGET:-570} GPT_STEPS=${GPT_STEPS:-5} IMG_STEPS=${IMG_STEPS:-20}  # timed steps, after 5 warm-up ones
+GPT=() IMG=() NANO=() NTOKENS=$((1 << 22))  # what --dry-run appends to shrink each command
+if [ $DRY = 1 ]; then
+  BUDGET=1500 GPT_STEPS=1 IMG_STEPS=1 NTOKENS=$((1 << 14))
+  CPU=(--device=cpu --compile=false --dtype=float32 --n_layer=1 --n_head=2 --n_embd=32)
+  GPT=("${CPU[@]}" --seq_len=32 --batch_size=2 --total_batch=0 --vocab_size=512)
+  IMG=("${CPU[@]}" --batch_size=4 --image_size=16 --patch_size=4)
+  NANO=(--device=cpu --compile=False --dtype=float32 --n_layer=1 --n_head=2 --n_embd=32 --batch_size=2
+        --block_size=32 --gradient_accumulation_steps=1)
+fi
+
+stage() {  # SHARE TITLE: a stage may run until SHARE (of 570) more seconds are spent, and what earlier ones left
+  STAGE_END=$((STAGE_END + $1 * BUDGET / 570))
+  echo "### $2 (until ${STAGE_END} s; now ${SECONDS} s)"
+}
+
+run() {  # NAME CMD...: CMD within its stage's time, its output in $LOGS/NAME.log; 0 if it ran and exited 0
+  local name=$1 left=$((STAGE_END - SECONDS)) rc=1
+  shift
+  echo "skipped: its stage's time was spent" > "$LOGS/$name.log"
+  if [ $left -ge 15 ]; then
+    timeout -k 10 $left "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+    [ $rc = 124 ] && echo "stopped after $left s: its stage's time was spent" >> "$LOGS/$name.log"
+  fi
+  echo "$name: rc $rc at ${SECONDS} s | $(tail -n 1 "$LOGS/$name.log")"
+  return $rc
+}
+
+row() {  # COMMAND RESULT: a row of the table; a failed one makes the exit status 1
+  ROWS+=("| \`$1\` | $2 |")
+  case $2 in failed*) FAILED=1 ;; esac
+}
+
+bench() {  # NAME LABEL CMD...: a --benchmark run, and its row: rate, ms/step, MFU and peak memory of its last line
+  local name=$1 label=$2
+  shift 2
+  if run "$name" "$@"; then
+    local note=$(grep -m 1 -o "skipping cudagraphs.*" "$LOGS/$name.log" | cut -c 1-100)  # why CUDA graphs were not
+    local fields=$(grep '^benchmark |' "$LOGS/$name.log" | awk -F' [|] ' '{print $(NF-3)", "$(NF-2)", "$(NF-1)", "$NF}')
+    row "$label" "$fields${note:+ ($note)}"
+  else
+    row "$label" "failed: $(tail -n 1 "$LOGS/$name.log")"
+  fi
+}
+
+stage 80 "1. tests: $TESTS"
+XDIST=()
+$PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
+if [ $DRY = 1 ]; then
+  run pytest $PY -m pytest -q --collect-only $TESTS || row "python -m pytest -q $TESTS" "failed: does not collect"
+else
+  run pytest $PY -m pytest -q "${XDIST[@]}" $TESTS
+  row "python -m pytest -q ${XDIST[*]} $TESTS" "$(tail -n 1 "$LOGS/pytest.log")"
+fi
+
+stage 80 "2. kernels.py --bench"
+run kernels $PY kernels.py --bench  # on a CPU: one line, that it needs a GPU, and exit status 1
+grep -q "needs a CUDA GPU\|^linear_ce" "$LOGS/kernels.log" || row "python kernels.py --bench" "failed: see kernels.log"
+
+stage 240 "3. --benchmark of each trainer's GPU preset: the default kernels, then torch's and triton's"
+for k in auto torch triton; do
+  for t in gpt vit diffusion; do
+    [ $t = gpt ] && p=gpt2_124m n=$GPT_STEPS shrink=("${GPT[@]}") || p=cifar10 n=$IMG_STEPS shrink=("${IMG[@]}")
+    flags="--benchmark --preset=$p --bench_steps=$n --kernels=$k"
+    bench "${t}_$k" "python train_$t.py $flags" $PY train_$t.py $flags "${shrink[@]}"
+  done
+done
+
+stage 80 "4. nanoGPT's train.py at GPT-2 124M's shape (B 32 x T 1024 x 16 micro-steps), on random tokens"
+if [ -n "${NANOGPT:-}" ]; then
+  mkdir -p "$LOGS/nanogpt_data"
+  $PY -c "import numpy as np; [np.random.default_rng(0).integers(0, 50257, $NTOKENS, dtype=np.uint16).tofile(
+    '$LOGS/nanogpt_data/' + s) for s in ('train.bin', 'val.bin')]"
+  cmd=(train.py --dataset="$LOGS/nanogpt_data" --batch_size=32 --block_size=1024 --gradient_accumulation_steps=16
+       --max_iters=$((GPT_STEPS + 2)) --eval_interval=1000 --eval_iters=1 --dropout=0.0 --out_dir="$LOGS/nanogpt_out")
+  if (cd "$NANOGPT" && run nanogpt $PY "${cmd[@]}" "${NANO[@]}"); then
+    # ms an iteration: the median after iteration 1 (0 compiles); its MFU is of an A100's 312 TFLOPS: rescaled
+    row "cd nanoGPT && python ${cmd[*]//$LOGS/\$LOGS}" "$($PY -c "import re, statistics, torch, train_gpt as tg
+log = open('$LOGS/nanogpt.log').read()
+its = re.findall(r'iter (\d+): loss \S+, time ([\d.]+)ms, mfu (-?[\d.]+)%', log)
+ms = statistics.median(float(t) for i, t, _ in its if int(i) >= min(2, len(its) - 1))
+tokens = int(re.search(r'tokens per iteration will be: ([\d,]+)', log)[1].replace(',', ''))
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'
+peak, mfu = next((v for k, v in tg.PEAK_FLOPS.items() if k in gpu), 0), float(its[-1][2])
+print(f'{tg.fmt_rate(tokens / ms * 1e3)} tok/s, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / peak:.1f}%' if
+      peak and mfu > 0 else '-'))")"
+  else
+    row "nanoGPT train.py" "failed: $(tail -n 1 "$LOGS/nanogpt.log")"
+  fi
+else
+  echo "skipped: NANOGPT=path/to/nanoGPT is not set"
+fi
+
+stage 90 "5. CUDA graphs: the ViT and DiT presets under torch.compile(mode=\"reduce-overhead\")"
+GRAPHS="import functools, runpy, sys, torch
+torch.compile = functools.partial(torch.compile, mode='reduce-overhead')  # CUDA graphs around each compiled graph
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')"
+flags="--benchmark --preset=cifar10 --bench_steps=$IMG_STEPS"
+for t in vit diffusion; do
+  bench "${t}_graphs" "python train_$t.py $flags, mode reduce-overhead" $PY -c "$GRAPHS" train_$t.py $flags "${IMG[@]}"
+done
+
+$PY -c "import datetime, platform, torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = 'none'
+gpu = f'On one {torch.cuda.get_device_name()}' if torch.cuda.is_available() else 'Dry run on a CPU (not figures)'
+print(f'\n## {gpu}, {datetime.date.today()} (bench.sh, $SECONDS s)\n')
+print(f'Python {platform.python_version()}, torch {torch.__version__}, triton {tv}; logs in $LOGS\n')"
+printf '%s\n' "| command | result |" "|---|---|" "${ROWS[@]}"
+if grep -q '|' "$LOGS/kernels.log"; then
+  printf '\n`python kernels.py --bench`:\n\n```text\n%s\n```\n' "$(grep '^#\||' "$LOGS/kernels.log")"
+fi
+exit $FAILED

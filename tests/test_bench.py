@@ -1,0 +1,37 @@
+"""bench.sh, the GPU session's one command, arrives working: its --dry-run runs every command of it on the CPU, shrunk
+(the tests only collected, kernels.py --bench to its one line that it needs a GPU), and prints a row for each."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commands import ROOT
+
+# nanoGPT's train.py takes --key=value for the globals it defines; a stand-in that checks the names bench.sh passes
+# and prints its lines (the real one ran this way on the CPU, 2026-11-25, karpathy/nanoGPT 3adf61e)
+NANOGPT_KEYS = {"dataset", "batch_size", "block_size", "gradient_accumulation_steps", "max_iters", "eval_interval",
+                "eval_iters", "dropout", "out_dir", "device", "compile", "dtype", "n_layer", "n_head", "n_embd"}
+STAND_IN = f"""import sys
+for a in sys.argv[1:]:
+    assert a.startswith("--") and a[2:].split("=")[0] in {sorted(NANOGPT_KEYS)}, a
+print("tokens per iteration will be: 64")
+for i in range(4):
+    print(f"iter {{i}}: loss 10.0, time {{100 + i}}.00ms, mfu -100.00%")
+"""
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_command(tmp_path):
+    """The dry run exits 0 with a row for each of its 12 runs (3 trainers x 3 kernel choices, nanoGPT, 2 with CUDA
+    graphs), each with a rate, and the header of a BENCHMARKS.md section."""
+    (tmp_path / "nanoGPT").mkdir()
+    (tmp_path / "nanoGPT" / "train.py").write_text(STAND_IN)
+    env = {**os.environ, "PYTHON": sys.executable, "LOGS": str(tmp_path / "logs"), "NANOGPT": str(tmp_path / "nanoGPT"),
+           "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench.sh"), "--dry-run"], capture_output=True, text=True, env=env,
+                       timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [r for r in p.stdout.splitlines() if r.startswith("| `")]
+    assert len(rows) == 12 and all(" tok/s, " in r or " img/s, " in r for r in rows), p.stdout
+    assert "## Dry run on a CPU (not figures)" in p.stdout and "102.5 ms/iter" in p.stdout
