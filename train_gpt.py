@@ -184,6 +184,10 @@ def apply_rope(x, cos, sin):
     xf = x.float()  # a roll, not a split and a cat: 2x faster on a CPU
     return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
 
+def width_mult(cfg):
+    """muP's width multiplier m = n_embd / base_width, else 1."""
+    return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
+
 class KVCache:
     """Past keys and values for sampling: (B, Hkv, max_len, D)."""
 
@@ -271,10 +275,6 @@ class Block(nn.Module):
         if self.checkpointing == "selective" and torch.is_grad_enabled():
             return x + recompute(lambda x: self.mlp(self.norm2(x)), x)
         return x + self.mlp(self.norm2(x))
-
-def width_mult(cfg):
-    """muP's width multiplier m = n_embd / base_width, else 1."""
-    return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
 
 class GPT(nn.Module):
     """Embedding, pre-norm blocks, a final norm and the head. --mup
@@ -666,8 +666,7 @@ def lr_mult(cfg, step, progress):
     return warm
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: devices, precision, compile, DDP/FSDP2, grad sync (shared by every train_*.py)
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -852,29 +851,6 @@ class Start:
         """What a resume must share besides run_layout's config fields."""
         return {}
 
-def main(cfg, start=Start()):
-    """Train (or --benchmark, --sample, --consolidate) per cfg; returns the final metrics."""
-    check_config(cfg)
-    if cfg.sample:
-        return sample_main(cfg)
-    if cfg.consolidate:
-        return consolidate_main(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
-        while True:
-            found = list_checkpoints(cfg.out_dir)
-            try:
-                return train(cfg, stop, start)
-            except torch.cuda.OutOfMemoryError:  # nothing saved: the batch in halves
-                if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
-                    raise  # under torchrun the other ranks are mid-step
-                cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
-                flags = f"--batch_size={cfg.batch_size}"
-                flags += "" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}"
-                print(f"out of GPU memory: starting again with {flags} (same tokens per step); "
-                      f"pass {flags} next time")
-            gc.collect()  # out here, where no traceback holds the tensors
-            torch.cuda.empty_cache()
-
 def token_data(cfg, rank, world_size):
     """(meta, tokenizer) of data_dir (prepared first if the default)."""
     if cfg.benchmark:
@@ -885,6 +861,17 @@ def token_data(cfg, rank, world_size):
         tokenizer = tokenizer_info(cfg.data_dir, meta)
         load_tokenizer(tokenizer)  # a bad file fails now, not at the first sample
     return meta, tokenizer
+
+def micro_steps(c, world_size):
+    """grad_accum, or what makes total_batch (whole: check_config)."""
+    B, T = c["batch_size"], c["seq_len"]
+    return c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
+
+def run_layout(c, world_size, data_info):
+    """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
+    rows = c["batch_size"] * micro_steps(c, world_size) * world_size
+    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
+            **data_info}
 
 def train(cfg, stop, start=Start()):
     """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
@@ -915,7 +902,7 @@ def train(cfg, stop, start=Start()):
         train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
         val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
 
-    # the budget: steps (--max_steps or --tokens), or seconds
+    # model, optimizers, guard; the budget: steps (--max_steps or --tokens), or seconds
     raw = start.build(cfg, vocab_size, device, init)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
@@ -1032,13 +1019,6 @@ def train(cfg, stop, start=Start()):
     result.update(rec, train_loss=loss, tokens=step * tokens_per_step)
     return finish(line, result, metric, rank == 0 and cfg.out_dir, cfg.description)
 
-def sample_main(cfg):
-    """--sample: continue --prompt from a checkpoint."""
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
-    ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
-    print(f"# {path} (step {step})\n{text}")
-    return {"text": text, "ids": ids}
-
 def load_model(where, device, weights=None):
     """(model in eval mode, tokenizer, step, path); weights(ckpt): the state dict."""
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
@@ -1051,6 +1031,13 @@ def load_model(where, device, weights=None):
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
+def sample_main(cfg):
+    """--sample: continue --prompt from a checkpoint."""
+    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
+    ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
+    print(f"# {path} (step {step})\n{text}")
+    return {"text": text, "ids": ids}
+
 def consolidate_main(cfg):
     """--consolidate: an FSDP run's sharded checkpoint as one file in --out_dir."""
     ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
@@ -1062,17 +1049,6 @@ def consolidate_main(cfg):
     out = list_checkpoints(cfg.out_dir)[-1][1]
     print(f"wrote {path} as one file: {out}")
     return {"path": out}
-
-def micro_steps(c, world_size):
-    """grad_accum, or what makes total_batch (whole: check_config)."""
-    B, T = c["batch_size"], c["seq_len"]
-    return c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-
-def run_layout(c, world_size, data_info):
-    """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
-    rows = c["batch_size"] * micro_steps(c, world_size) * world_size
-    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
-            **data_info}
 
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
@@ -1104,9 +1080,31 @@ def check_config(cfg):
     if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
         die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
 
+def main(cfg, start=Start()):
+    """Train (or --benchmark, --sample, --consolidate) per cfg; returns the final metrics."""
+    check_config(cfg)
+    if cfg.sample:
+        return sample_main(cfg)
+    if cfg.consolidate:
+        return consolidate_main(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
+        while True:
+            found = list_checkpoints(cfg.out_dir)
+            try:
+                return train(cfg, stop, start)
+            except torch.cuda.OutOfMemoryError:  # nothing saved: the batch in halves
+                if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
+                    raise  # under torchrun the other ranks are mid-step
+                cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
+                flags = f"--batch_size={cfg.batch_size}"
+                flags += "" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}"
+                print(f"out of GPU memory: starting again with {flags} (same tokens per step); "
+                      f"pass {flags} next time")
+            gc.collect()  # out here, where no traceback holds the tensors
+            torch.cuda.empty_cache()
+
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, shared by every train_*.py: flags, checkpoint I/O, guards, signals, reporting
 
 # === shared: machinery ===
 def die(msg):
