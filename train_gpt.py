@@ -57,7 +57,7 @@ class Config:
     out_dir: str = "out/gpt"  # checkpoints, metrics.jsonl, config.json
     preset: str = ""  # cpu_demo|gpt2_124m|gpt2_350m; flags still win
     # model
-    n_layer: int = 4
+    n_layer: int = 4  # transformer blocks
     n_head: int = 4  # query heads
     n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
     n_embd: int = 128
@@ -118,10 +118,9 @@ class Config:
     guard_window: int = 100  # steps in the running statistics
     rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    activation_checkpointing: Literal[
-        "none", "blocks", "selective"] = "none"  # recompute
+    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # in backward
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 if fast
     compile: Literal["auto", "true", "false"] = "auto"  # auto: CUDA
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     offload: Literal["none", "params"] = "none"  # fsdp: to CPU
@@ -129,7 +128,7 @@ class Config:
     benchmark: bool = False  # time steps on random tokens, exit
     bench_steps: int = 20  # timed, after 5 warm-up steps
     profile: bool = False  # benchmark: trace.json of 3 more steps
-    kernels: Literal["auto", "triton", "torch"] = "auto"
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
     # sampling
     sample: bool = False  # sample from a checkpoint, don't train
     ckpt: str = ""  # checkpoint to sample; empty = out_dir
