@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint as recompute  # activations, in backward
 
 import kernels  # Triton kernels on CUDA; PyTorch's ops elsewhere
 
@@ -253,10 +253,6 @@ class MLP(nn.Module):
             h = F.gelu(h, approximate="tanh")
         return self.proj(h)
 
-def recompute(f, *args):
-    """f(*args), its activations recomputed in backward."""
-    return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
-
 class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -266,13 +262,13 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache=None):
         if self.checkpointing == "blocks" and torch.is_grad_enabled():
-            return recompute(self.sublayers, x, cos, sin, cache)
+            return recompute(self.sublayers, x, cos, sin, cache, use_reentrant=False)
         return self.sublayers(x, cos, sin, cache)
 
     def sublayers(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
-            return x + recompute(lambda x: self.mlp(self.norm2(x)), x)
+            return x + recompute(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
 class GPT(nn.Module):
@@ -356,8 +352,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         for lookup in (self.wte if self.head is not None else None, self.wpe):
             n -= lookup.weight.numel() if lookup is not None else 0  # no matmul
-        c = self.cfg
-        return 6 * n + 12 * c.n_layer * c.n_embd * c.seq_len
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
@@ -374,8 +369,7 @@ class GPT(nn.Module):
                 else:
                     logits = logits / temperature
                     if top_k:
-                        k = min(top_k, logits.size(-1))
-                        kth = torch.topk(logits, k).values[:, -1:]
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                         logits = logits.masked_fill(logits < kth, -math.inf)
                     nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
                 out = torch.cat((out, nxt), dim=1)
@@ -807,11 +801,9 @@ def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled after prompt (or an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
     eot, given = tok.get("eot_id"), encode(prompt)
-    if prompt and not given:
-        why = f"none of its characters is in the {tok['tokenizer']} vocabulary"
-        if encode is encode_ids:
-            why = f"give token ids, e.g. --prompt='17 42' (no {tok['tokenizer']} tokenizer here)"
-        die(f"--prompt={prompt!r} is no text of this vocabulary: {why}")
+    if prompt and not given:  # encode_ids: a tokenizer we lack
+        die(f"--prompt={prompt!r}: none of its characters is in the {tok['tokenizer']} vocabulary"
+            + (" (give token ids, e.g. --prompt='17 42')" if encode is encode_ids else ""))
     # no end-of-text token (nanoGPT's data): a newline, as nanoGPT's sample.py, else 0
     ids = ([eot] if eot is not None else []) + given or encode("\n")[:1] or [0]
     device = next(model.parameters()).device
@@ -861,14 +853,11 @@ def token_data(cfg, rank, world_size):
         load_tokenizer(tokenizer)  # a bad file fails now, not at the first sample
     return meta, tokenizer
 
-def micro_steps(c, world_size):
-    """grad_accum, or what makes total_batch (whole: check_config)."""
-    B, T = c["batch_size"], c["seq_len"]
-    return c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-
 def run_layout(c, world_size, data_info):
     """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
-    rows = c["batch_size"] * micro_steps(c, world_size) * world_size
+    B, T = c["batch_size"], c["seq_len"]
+    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
+    rows = B * accum * world_size
     return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
             **data_info}
 
@@ -885,12 +874,11 @@ def train(cfg, stop, start=Start()):
             f"raise it or use 0 (from data)")
     info = {"vocab_size": vocab_size, **start.layout(cfg)}
     layout = run_layout({**dataclasses.asdict(cfg), **arch}, world_size, info)
-    ckpt, path = None, None  # --benchmark neither resumes nor saves
-    if not cfg.benchmark:
-        ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, **arch, dtype=str(dtype).removeprefix("torch."))
-    B, T, accum = cfg.batch_size, cfg.seq_len, micro_steps(vars(cfg), world_size)
+    B, T = cfg.batch_size, cfg.seq_len
+    accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum  # whole
     tokens_per_step = B * T * accum * world_size
     # a lane per row of a step; val's too, so a short eval samples the whole split
     if cfg.benchmark:
