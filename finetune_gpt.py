@@ -1,18 +1,19 @@
 """
-finetune_gpt.py: train_gpt.py's GPT from other weights (GPT-2, a checkpoint), fine-tuned whole or with LoRA, distilled
-from a teacher, trained on the INT8 grid (QAT), exported as int8 or as a Hugging Face GPT-2. It imports train_gpt.py
-and runs its loop (every train_gpt.py flag works here), adding only where a run starts (FineTune) and what follows.
+finetune_gpt.py: train_gpt.py's GPT from other weights (GPT-2, a checkpoint),
+fine-tuned whole or with LoRA, distilled from a teacher, trained on the INT8
+grid (QAT), exported as int8 or as a Hugging Face GPT-2. It runs train_gpt.py's
+loop (all its flags work here), adding where a run starts (FineTune) and exports.
 
   python finetune_gpt.py --sample --init_from=gpt2 --prompt="The meaning of life is"
-  python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2              # GPT-2 on your text: out/finetune
+  python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2  # GPT-2
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 --lora_rank=8 --lr=1e-3 --out_dir=out/lora
-  python finetune_gpt.py --merge_lora --ckpt=out/lora --out_dir=out/lora_merged   # the adapters merged in
-  python finetune_gpt.py --teacher=out/gpt --n_layer=2 --out_dir=out/student      # distil into a smaller model
-  python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat                            # train on the int8 grid
-  python finetune_gpt.py --export=int8 --ckpt=out/gpt_qat --out_dir=out/gpt_int8  # int8 weights; val loss before/after
-  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf         # a folder GPT2LMHeadModel loads
+  python finetune_gpt.py --merge_lora --ckpt=out/lora --out_dir=out/lora_merged
+  python finetune_gpt.py --teacher=out/gpt --n_layer=2 --out_dir=out/student  # distil
+  python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat  # train on the int8 grid
+  python finetune_gpt.py --export=int8 --ckpt=out/gpt_qat --out_dir=out/gpt_int8
+  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf  # for HF
   torchrun --nproc_per_node=8 finetune_gpt.py --preset=finetune --init_from=gpt2-xl --data_dir=data/mine_gpt2
-  python finetune_gpt.py -h                                                       # every flag, with its default
+  python finetune_gpt.py -h  # every flag, with its default
 """
 import contextlib
 import dataclasses
@@ -28,79 +29,77 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from safetensors.torch import load_file, save_file  # the format's own reader: other people's files, parsed safely
+from safetensors.torch import load_file, save_file  # others' files, parsed safely
 
 import train_gpt as tg
 
 # -----------------------------------------------------------------------------
 # Config
 
-
 @dataclass
 class Config(tg.Config):
-    preset: str = ""                   # named overrides: finetune, or train_gpt.py's (explicit flags still win)
-    init_from: str = ""                # start from: gpt2, gpt2-medium, -large or -xl, a HF GPT-2 folder, a checkpoint
-    lora_rank: int = 0                 # LoRA adapters of this rank on --lora_targets, the rest frozen; 0 = off
-    lora_alpha: float = 16.0           # LoRA: the adapters' output is scaled by alpha / rank
-    lora_targets: str = "attn,mlp"     # LoRA: attn (qkv and out projections) and/or mlp (both matrices), a,b
-    teacher: str = ""                  # distil from this model (a checkpoint, a GPT-2 name or folder); empty = off
-    distill_weight: float = 0.5        # the loss is (1 - w) CE + w T^2 KL(teacher || student)
-    distill_temp: float = 2.0          # T: both softmaxes at this temperature
-    qat: int = 0                       # QAT: hidden weights on a grid of this many bits (8: --export=int8's); 0 = off
-    merge_lora: bool = False           # write --ckpt with its LoRA adapters merged in, a plain model, to --out_dir
-    export: str = ""                   # write --ckpt to --out_dir as int8 (val loss before/after) or hf (Hugging Face)
-
+    preset: str = ""  # named overrides: finetune, or train_gpt.py's
+    init_from: str = ""  # gpt2[-medium|-large|-xl], a HF folder, a checkpoint
+    lora_rank: int = 0  # LoRA adapters of this rank, the rest frozen; 0 = off
+    lora_alpha: float = 16.0  # LoRA: the update is scaled by alpha / rank
+    lora_targets: str = "attn,mlp"  # attn (qkv, proj) and/or mlp (fc, proj)
+    teacher: str = ""  # distil from: a checkpoint, GPT-2 name or folder
+    distill_weight: float = 0.5  # w: (1 - w) CE + w T^2 KL(teacher || student)
+    distill_temp: float = 2.0  # T: both softmaxes at this temperature
+    qat: int = 0  # QAT: hidden weights on a grid of this many bits; 0 = off
+    merge_lora: bool = False  # write --ckpt, LoRA merged in, to --out_dir
+    export: str = ""  # write --ckpt to --out_dir as int8 or hf (Hugging Face)
 
 PRESETS = {
     **tg.PRESETS,
-    # GPT-2 124M on your text (--data_dir of GPT-2 tokens): AdamW at a small LR keeps what it knows; Muon's fixed-size
-    # updates at 4e-3 would overwrite it. Short rows and evals, so a CPU takes a step every few seconds
-    "finetune": dict(init_from="gpt2", optimizer="adamw", lr=3e-5, weight_decay=0.0, warmup_steps=10, seq_len=256,
-                     batch_size=4, eval_every=50, eval_tokens=8192, sample_tokens=100, out_dir="out/finetune"),
+    # GPT-2 124M on your GPT-2 tokens: AdamW at a small LR keeps what it knows
+    # (Muon's fixed-size updates would overwrite it); short rows: a CPU step in seconds
+    "finetune": dict(init_from="gpt2", optimizer="adamw", lr=3e-5, weight_decay=0.0,
+                     warmup_steps=10, seq_len=256, batch_size=4, eval_every=50,
+                     eval_tokens=8192, sample_tokens=100, out_dir="out/finetune"),
 }
-ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # a resume shares these too; --init_from does not
-
+ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # resumes share these
 
 def check_config(cfg):
-    """train_gpt.py's checks, then the fine-tuning flags', each a one-line message that names the fix."""
+    """train_gpt.py's checks, then the fine-tuning flags'."""
     tg.check_config(cfg)
-    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or set(cfg.lora_targets.split(",")) - {"attn", "mlp"}:
+    targets = set(cfg.lora_targets.split(","))
+    if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or targets - {"attn", "mlp"}:
         tg.die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, "
                f"--init_from=WEIGHTS to adapt, and targets among attn,mlp")
     if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8", "hf"):
-        tg.die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, --export only int8 or hf")
+        tg.die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, "
+               f"--export only int8 or hf")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
         tg.die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
 
 # -----------------------------------------------------------------------------
 # Model: GPT-2's weights in and out, LoRA, fake quantization, a student's loss
 
-GPT2_NAMES, GPT2_TOKENIZER = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), {"tokenizer": "gpt2", "eot_id": 50256}
-# GPT-2's architecture in train_gpt.py's flags (and attention by 1/sqrt(head dim), heads of their own: MHA)
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+GPT2_TOKENIZER = {"tokenizer": "gpt2", "eot_id": 50256}
+# GPT-2's architecture in train_gpt.py's flags (and MHA, scores by 1/sqrt(head dim))
 GPT2_ARCH = dict(pos_emb="learned", bias=True, norm="layernorm", mlp="gelu", tie_embeddings=True, qk_norm=False,
                  logit_softcap=0.0, mup=False)
 
-
 def is_gpt2(name):
-    """Whether --init_from names GPT-2: one of GPT2_NAMES, or a Hugging Face folder (its weights file tells)."""
-    return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in ("model.safetensors",
-                                                                                      "pytorch_model.bin"))
-
+    """Whether --init_from names GPT-2: one of GPT2_NAMES, or a Hugging Face folder."""
+    files = ("model.safetensors", "pytorch_model.bin")
+    return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in files)
 
 def gpt2_folder(name):
-    """The folder of GPT-2 weights: models/NAME for a name (prepare_data.py fetches it the first time), else name."""
+    """GPT-2's folder: models/NAME for a name (prepare_data.py fetches it once), else name."""
     if name not in GPT2_NAMES:
         return name
     folder = os.path.join("models", name)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
     if not os.path.exists(os.path.join(folder, "model.safetensors")) and subprocess.run(
             [sys.executable, script, "gpt2", f"--model={name}", f"--data_dir={folder}"]).returncode:
-        tg.die(f"fetching {name} failed (see above); or pass --init_from=FOLDER, a Hugging Face GPT-2 folder")
+        tg.die(f"fetching {name} failed (see above); or pass --init_from=A_HF_GPT2_FOLDER")
     return folder
 
-
 def gpt2_config(cfg, folder):
-    """(cfg with the architecture of the Hugging Face GPT-2 in folder, its vocab size); seq_len 0: all its positions."""
+    """(cfg with the HF GPT-2 in folder's architecture, its vocab size); seq_len 0: all of it."""
     path = os.path.join(folder, "config.json")
     with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
         hf = json.load(f)
@@ -112,13 +111,11 @@ def gpt2_config(cfg, folder):
         cfg, **GPT2_ARCH, n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=0, n_embd=hf["n_embd"],
         seq_len=cfg.seq_len or hf["n_positions"], norm_eps=hf["layer_norm_epsilon"]), hf["vocab_size"]
 
-
 def check_positions(seq_len, learned, where):
-    """Learned positions (GPT-2's) are a table of `learned` rows, too few for a longer --seq_len; RoPE has no limit."""
+    """Learned positions (GPT-2's) are a table of `learned` rows: --seq_len at most that."""
     if seq_len > learned:
         tg.die(f"--seq_len={seq_len} is longer than the {learned} positions {where} learned (a table of learned "
                f"positions, not RoPE, which could grow); use --seq_len={learned} or less")
-
 
 def gpt2_names(n_layer):
     """{Hugging Face GPT-2's name of a tensor: ours}."""
@@ -130,15 +127,13 @@ def gpt2_names(n_layer):
             names[f"h.{i}.{theirs}.{p}"] = f"blocks.{i}.{ours}.{p}"
     return names
 
-
 def conv1d(name, t):
-    """Tensor t of ours as GPT-2's, or back: its blocks' linear layers are Conv1D, weights (in, out), not (out, in)."""
+    """Tensor t of ours as GPT-2's, or back: GPT-2's Conv1D weights are (in, out)."""
     return t.T if t.ndim == 2 and name.startswith("h.") else t
 
-
 def gpt2_state_dict(folder, cfg, vocab_size):
-    """Our state dict of the Hugging Face GPT-2 weights in folder (model.safetensors or pytorch_model.bin): the vocab
-    padded with zero rows to a multiple of 64, the positions cut to seq_len."""
+    """Our state dict of the HF GPT-2 weights in folder: the vocab padded with zero rows
+    to a multiple of 64, the positions cut to seq_len."""
     path = os.path.join(folder, "model.safetensors")
     path = path if os.path.exists(path) else os.path.join(folder, "pytorch_model.bin")
     with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"):
@@ -149,10 +144,9 @@ def gpt2_state_dict(folder, cfg, vocab_size):
     sd["wpe.weight"] = sd["wpe.weight"][:cfg.seq_len]
     return sd
 
-
 def from_pretrained(name_or_path, device="cpu"):
-    """GPT-2 (gpt2|gpt2-medium|gpt2-large|gpt2-xl, fetched by prepare_data.py, or a Hugging Face GPT-2 folder) as
-    train_gpt.py's GPT in eval mode; its first 50257 logits are those of Hugging Face's GPT2LMHeadModel."""
+    """GPT-2 (a name in GPT2_NAMES or a HF folder) as train_gpt.py's GPT in eval mode;
+    its first 50257 logits are those of Hugging Face's GPT2LMHeadModel."""
     folder = gpt2_folder(name_or_path)
     cfg, vocab_size = gpt2_config(tg.Config(seq_len=0), folder)  # 0: every position GPT-2 has
     model = tg.build_model(cfg, vocab_size, torch.device(device))
@@ -160,80 +154,73 @@ def from_pretrained(name_or_path, device="cpu"):
         model.load_state_dict(gpt2_state_dict(folder, cfg, vocab_size))
     return model.eval()
 
-
 def swap_layers(model, kinds, new):
-    """model with the linear layers of `kinds` in each block (attn: qkv, proj; mlp: fc, proj) replaced by new(layer)."""
+    """model with each block's `kinds` layers (attn: qkv, proj; mlp: fc, proj) as new(layer)."""
     for block, kind in ((block, kind) for block in model.blocks for kind in kinds):
         part = getattr(block, kind)
         for name in ("qkv", "proj") if kind == "attn" else ("fc", "proj"):
             setattr(part, name, new(getattr(part, name)))
     return model
 
-
 class LoRA(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update (Hu et al. 2021): base(x) + alpha / r * x A^T B^T. B
-    starts at zero, so training starts from the base model exactly."""
+    """A frozen linear layer plus a trainable low-rank update (Hu et al. 2021):
+    base(x) + alpha / r * x A^T B^T; B starts at zero: at first, the base model."""
 
     def __init__(self, base, r, alpha):
         super().__init__()
         self.base, self.scale = base.requires_grad_(False), alpha / r
-        self.a = nn.Parameter(torch.randn(r, base.in_features, device=base.weight.device) / math.sqrt(base.in_features))
-        self.b = nn.Parameter(torch.zeros(base.out_features, r, device=base.weight.device))
+        n_in, dev = base.in_features, base.weight.device
+        self.a = nn.Parameter(torch.randn(r, n_in, device=dev) / math.sqrt(n_in))
+        self.b = nn.Parameter(torch.zeros(base.out_features, r, device=dev))
 
     def forward(self, x):
         return self.base(x) + F.linear(F.linear(x, self.a), self.b) * self.scale
 
-
 def add_lora(model, cfg):
-    """Freeze the model and wrap the --lora_targets projections of every block in LoRA adapters of --lora_rank."""
+    """Freeze the model; wrap each block's --lora_targets in LoRA adapters."""
     new = lambda layer: LoRA(layer, cfg.lora_rank, cfg.lora_alpha)  # noqa: E731
     return swap_layers(model.requires_grad_(False), cfg.lora_targets.split(","), new)
 
-
 def merge_lora(sd, c):
-    """A plain state dict from one with LoRA adapters (c: its config dict): W + alpha / r * B A for each adapted W."""
+    """A plain state dict of one with LoRA adapters (c: its config): W + alpha / r * B A."""
     out = {k.replace(".base.", "."): v for k, v in sd.items() if not k.endswith((".a", ".b"))}
     for p in (k[:-len("base.weight")] for k in sd if k.endswith(".base.weight")):
         ba = (sd[p + "b"].float() @ sd[p + "a"].float()).to(sd[p + "base.weight"].dtype)
         out[p + "weight"] = sd[p + "base.weight"] + c["lora_alpha"] / c["lora_rank"] * ba
     return out
 
-
 def quantize(w, bits=8):
-    """(integers in [-(2^(bits-1) - 1), 2^(bits-1) - 1], scales (out, 1)): w (out, in) on a symmetric grid per output
-    channel, the scale set by the row's largest |w|."""
+    """(integers in [-(2^(bits-1) - 1), 2^(bits-1) - 1], scales (out, 1)): w (out, in)
+    on a symmetric grid per output channel, scaled by the row's largest |w|."""
     scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / (2 ** (bits - 1) - 1)
     return (w / scale).round(), scale
 
-
 def rounded(w, bits):
-    """w on quantize()'s grid, in floats: the weights that --qat trains through and --export=int8 stores."""
+    """w on quantize()'s grid, in floats: what --qat trains and --export=int8 stores."""
     return torch.mul(*quantize(w, bits))  # integers x their row's scale
-
 
 def dequantize(sd):
     """A float state dict from an --export=int8 one: each int8 weight times its per-row scale."""
     return {k: v.float() * sd[k + "_scale"] if v.dtype == torch.int8 else v for k, v in sd.items()
             if not k.endswith("_scale")}
 
-
 def plain_weights(ckpt):
-    """The float state dict of a plain GPT that computes what a checkpoint's model did: a QAT run's hidden weights on
-    its grid, LoRA adapters merged in, int8 weights dequantized."""
+    """The float state dict of a plain GPT that computes what a checkpoint's did: QAT's
+    weights on its grid, LoRA adapters merged in, int8 weights dequantized."""
     c, sd = ckpt["config"], ckpt["model"]
     if c.get("qat"):  # a LoRA run's rounded base weights are *.base.weight
-        sd = {k: rounded(v, c["qat"]) if k.startswith("blocks.") and k.endswith("weight") and v.ndim == 2 else v
-              for k, v in sd.items()}
+        hidden = lambda k, v: k.startswith("blocks.") and k.endswith("weight") and v.ndim == 2  # noqa: E731
+        sd = {k: rounded(v, c["qat"]) if hidden(k, v) else v for k, v in sd.items()}
     return dequantize(merge_lora(sd, c) if c.get("lora_rank") else sd)
 
-
 class QATLinear(nn.Linear):
-    """The nn.Linear `layer` (its parameters) with the weight fake-quantized in the forward pass (QAT): rounded to
-    quantize()'s grid, which --export=int8 uses, while the gradient passes straight through to it (STE)."""
+    """nn.Linear `layer` (its parameters), its weight fake-quantized in the forward (QAT):
+    on quantize()'s grid, the gradient passing straight through (STE)."""
 
     def __init__(self, layer, bits):
         nn.Module.__init__(self)  # not nn.Linear's, which would make new parameters
-        self.in_features, self.out_features, self.bits = layer.in_features, layer.out_features, bits
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.bits = bits
         self.weight, self.bias = layer.weight, layer.bias
 
     def forward(self, x):
@@ -241,14 +228,13 @@ class QATLinear(nn.Linear):
             r = rounded(self.weight, self.bits)
         return F.linear(x, self.weight + (r - self.weight).detach(), self.bias)
 
-
 class Student(tg.GPT):
-    """train_gpt.py's GPT whose training loss also learns from teacher = (model, weight W, temperature T), if set:
-    (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015). Evals (eval mode) score CE alone."""
-    teacher = None  # a tuple, not a submodule: the teacher's weights are neither trained, saved nor sharded
+    """train_gpt.py's GPT that also learns from teacher = (model, weight W, temperature T):
+    (1 - W) CE + W T^2 KL(teacher || student) (Hinton et al. 2015); evals score CE alone."""
+    teacher = None  # a tuple, not a submodule: neither trained, saved nor sharded
 
     def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        if targets is None or self.teacher is None or not self.training:  # val loss and bpb stay comparable
+        if targets is None or self.teacher is None or not self.training:  # val: comparable
             return super().forward(idx, targets, z_loss, cache)
         x, w = self.hidden(idx)
         model, weight, temp = self.teacher
@@ -257,28 +243,28 @@ class Student(tg.GPT):
         ce = self.loss(x, w, targets, z_loss)
         return (1 - weight) * ce + weight * temp ** 2 * distill_kl(self, x, w, model, xt, wt, temp)
 
-
 def distill_kl(student, x, w, teacher, xt, wt, temp):
-    """KL(teacher || student) of the softmaxes at temperature temp over the real vocab, summed over it and averaged
-    over positions. In chunks of rows, each recomputed in the backward pass: the (B*T, V) logits never exist at once."""
+    """KL(teacher || student) of the softmaxes at temperature temp, averaged over positions;
+    in chunks of rows recomputed in backward: never all (B*T, V) logits at once."""
     x, xt = x.flatten(0, 1), xt.flatten(0, 1)
     rows = max(1, tg.kernels.SMALL_LOGITS // w.size(0))
 
     def chunk(xs, xts):
         s, t = student.logits(xs, w) / temp, teacher.logits(xts, wt) / temp
-        return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="sum")
-    return sum(torch.utils.checkpoint.checkpoint(chunk, x[i:i + rows], xt[i:i + rows], use_reentrant=False)
-               for i in range(0, len(x), rows)) / len(x)
+        return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True,
+                        reduction="sum")
+    parts = (torch.utils.checkpoint.checkpoint(chunk, x[i:i + rows], xt[i:i + rows],
+                                               use_reentrant=False) for i in range(0, len(x), rows))
+    return sum(parts) / len(x)
 
 # -----------------------------------------------------------------------------
 # Where a run starts: train_gpt.py's train() builds its model through this
 
-
 class FineTune(tg.Start):
-    """--init_from's weights (else a fresh GPT: --qat or --teacher alone), then --qat's rounding, LoRA and a teacher."""
+    """--init_from's weights (else a fresh GPT), then --qat's rounding, LoRA and a teacher."""
 
     def arch(self, cfg, meta, tokenizer, rank, world_size):
-        """(architecture, vocab size, for build(): weights and the data's tokenizer) of --init_from, else the flags'."""
+        """(architecture, vocab size, for build(): weights, tokenizer) of --init_from."""
         if not cfg.init_from:
             return {}, cfg.vocab_size or meta["vocab_size"], {"tokenizer": tokenizer}
         arch, init = load_init(cfg, rank, world_size)
@@ -292,7 +278,7 @@ class FineTune(tg.Start):
         return arch, vocab_size, {**init, "tokenizer": tokenizer}
 
     def build(self, cfg, vocab_size, device, init):
-        """The model, its weights those of --init_from (only they: the optimizer, schedule and step start afresh)."""
+        """The model with --init_from's weights (the optimizer and step start afresh)."""
         raw = tg.build_model(cfg, vocab_size, device, Student)
         if "model" in init:
             raw.load_state_dict(init.pop("model"))
@@ -308,17 +294,18 @@ class FineTune(tg.Start):
     def layout(self, cfg):
         return {k: getattr(cfg, k) for k in ADAPT_FIELDS}
 
-
 def load_init(cfg, rank, world_size):
-    """--init_from: ({field: value} of its architecture, {model, vocab_size, tokenizer}) of GPT-2 or a checkpoint."""
+    """--init_from: (its architecture's fields, {model, vocab_size, tokenizer})."""
     if is_gpt2(cfg.init_from):
-        folder = gpt2_folder(cfg.init_from) if rank == 0 else None  # a named GPT-2 is fetched once; the others wait
+        folder = gpt2_folder(cfg.init_from) if rank == 0 else None  # fetched once
         if world_size > 1:
             dist.barrier()
         folder = folder or gpt2_folder(cfg.init_from)
         cfg, vocab_size = gpt2_config(cfg, folder)
-        init = dict(model=gpt2_state_dict(folder, cfg, vocab_size), vocab_size=vocab_size, tokenizer=GPT2_TOKENIZER)
-        print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.seq_len}")
+        init = dict(model=gpt2_state_dict(folder, cfg, vocab_size), vocab_size=vocab_size,
+                    tokenizer=GPT2_TOKENIZER)
+        print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, "
+              f"context {cfg.seq_len}")
         return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
     ckpt, path = tg.load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
     if ckpt is None:
@@ -326,9 +313,9 @@ def load_init(cfg, rank, world_size):
                f"model.safetensors); give a checkpoint of train_gpt.py, a GPT-2 folder, or one of "
                f"{', '.join(GPT2_NAMES)}")
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
-        tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume to continue that run)")
+        tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume)")
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
-        c = ckpt["config"]  # its architecture, but this run's --seq_len: RoPE's tables are built for any length
+        c = ckpt["config"]  # its architecture, this run's --seq_len: RoPE takes any
         cfg = dataclasses.replace(cfg, **{k: c[k] for k in tg.ARCH_FIELDS if k in c and k != "seq_len"})
         init = dict(model=plain_weights(ckpt), vocab_size=ckpt["data_info"]["vocab_size"],
                     tokenizer=ckpt["tokenizer"])
@@ -339,9 +326,8 @@ def load_init(cfg, rank, world_size):
           (f"; context {c['seq_len']} -> {cfg.seq_len}" if cfg.seq_len != c["seq_len"] else ""))
     return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
 
-
 def load_teacher(cfg, device, vocab_size, tokenizer):
-    """--teacher: the model to distil from, frozen in eval mode; it must read the student's tokens (None: any)."""
+    """--teacher: the model to distil from, frozen, in eval mode; it reads our tokens."""
     teacher, tok, _, path = load_model(cfg.teacher, device)
     ours = tokenizer or tok
     if teacher.vocab_size != vocab_size or any(tok.get(k) != ours.get(k) for k in ("tokenizer", "ranks", "itos")):
@@ -351,10 +337,9 @@ def load_teacher(cfg, device, vocab_size, tokenizer):
           f"(1 - {cfg.distill_weight:g}) CE + {cfg.distill_weight:g} x {cfg.distill_temp:g}^2 KL(teacher || student)")
     return teacher.requires_grad_(False)
 
-
 def load_model(where, device):
-    """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or a Hugging Face folder) or of a checkpoint (LoRA
-    adapters merged in, int8 weights dequantized, a QAT run's rounding kept): what --sample and --teacher read."""
+    """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or HF folder) or of a
+    checkpoint as plain_weights() reads it: what --sample and --teacher read."""
     if is_gpt2(where):
         return from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
     return tg.load_model(where, device, plain_weights)
@@ -362,18 +347,18 @@ def load_model(where, device):
 # -----------------------------------------------------------------------------
 # After training: sample, merge, export
 
-
 def sample_main(cfg):
-    """--sample: continue --prompt from GPT-2 or a checkpoint, with temperature / top-k sampling and a KV cache."""
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.init_from or cfg.out_dir, tg.setup_dist(cfg.device)[2])
-    ids, text = tg.sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
+    """--sample: continue --prompt from GPT-2 or a checkpoint."""
+    where, device = cfg.ckpt or cfg.init_from or cfg.out_dir, tg.setup_dist(cfg.device)[2]
+    model, tokenizer, step, path = load_model(where, device)
+    ids, text = tg.sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
+                          cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
 
-
 def export_main(cfg):
-    """--merge_lora, --export=int8 or hf: --ckpt as a plain model (LoRA merged in) in --out_dir; with int8, the hidden
-    matrices as int8 with an fp32 scale per output channel (the rest as it was), and both models' val loss."""
+    """--merge_lora, --export=int8 or hf: --ckpt as a plain model in --out_dir; int8: hidden
+    matrices as int8 with an fp32 scale a row, and both models' val loss."""
     flag, what = ("--export", cfg.export) if cfg.export else ("--merge_lora", "merged")
     ckpt, path = tg.load_checkpoint(cfg.ckpt) if cfg.ckpt and os.path.exists(cfg.ckpt) else (None, None)
     if ckpt is None or not (cfg.export or ckpt["config"].get("lora_rank")):
@@ -387,14 +372,14 @@ def export_main(cfg):
             return export_hf(cfg, ckpt, path, sd)
         if cfg.export:
             out = dict(sd)
-            for k in (k for k, v in sd.items() if k.startswith("blocks.") and v.ndim == 2):  # most bytes; robust to it
+            for k in (k for k, v in sd.items() if k.startswith("blocks.") and v.ndim == 2):  # most bytes
                 q, out[k + "_scale"] = quantize(sd[k].float())
                 out[k] = q.to(torch.int8)
         ckpt.update(model=out, optim=None, config={**ckpt["config"], "lora_rank": 0, "qat": 0, "out_dir": cfg.out_dir})
     tg.write_checkpoint(cfg.out_dir, ckpt)
     size = [sum(v.numel() * v.element_size() for v in d.values()) / 1e6 for d in (sd, out)]
     result = {"path": tg.list_checkpoints(cfg.out_dir)[-1][1], "float_mb": size[0], "int8_mb": size[1]}
-    if cfg.export and os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # the cost in val loss, on all of val
+    if cfg.export and os.path.exists(os.path.join(cfg.data_dir, "meta.json")):  # its cost in val loss
         meta, (_, _, device) = tg.load_meta(cfg.data_dir), tg.setup_dist(cfg.device)
         for name, where in (("float", path), ("int8", result["path"])):
             model, _, step, _ = load_model(where, device)
@@ -408,11 +393,10 @@ def export_main(cfg):
         for k in ("val_loss", "val_bpb") if "int8_" + k in result))
     return result
 
-
 def export_hf(cfg, ckpt, path, sd):
-    """--export=hf: a GPT-2-shaped checkpoint (sd: its plain weights) as a Hugging Face folder, config.json and
-    model.safetensors, that GPT2LMHeadModel.from_pretrained loads with the same logits: the vocab_size real rows of the
-    embedding (ours is padded to a multiple of 64), Conv1D's (in, out) weights."""
+    """--export=hf: a GPT-2-shaped checkpoint (sd: its plain weights) as a HF folder that
+    GPT2LMHeadModel.from_pretrained loads with the same logits: the vocab's real rows
+    (ours are padded to a multiple of 64), Conv1D's (in, out) weights."""
     c, vocab = {**dataclasses.asdict(tg.Config()), **ckpt["config"]}, ckpt["data_info"]["vocab_size"]
     off = [f"{k}={c[k]!r} (GPT-2: {v!r})" for k, v in {**GPT2_ARCH, "window": 0}.items() if c[k] != v]
     off += [f"n_kv_head={c['n_kv_head']} (GPT-2: {c['n_head']} or 0)"] if c["n_kv_head"] not in (0, c["n_head"]) else []
@@ -425,14 +409,13 @@ def export_hf(cfg, ckpt, path, sd):
                 n_embd=c["n_embd"], n_layer=c["n_layer"], n_head=c["n_head"], layer_norm_epsilon=c["norm_eps"],
                 activation_function="gelu_new", tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    save_file({f"transformer.{k}": v.float().contiguous() for k, v in hf.items()},  # format pt: transformers wants it
+    save_file({f"transformer.{k}": v.float().contiguous() for k, v in hf.items()},  # transformers wants pt
               os.path.join(cfg.out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(conf, f, indent=2)
     print(f"wrote {path} as a Hugging Face GPT-2 in {cfg.out_dir} (config.json, model.safetensors): {c['n_layer']} "
           f"layers, width {c['n_embd']}, {c['seq_len']} positions, {vocab} {ckpt['tokenizer']['tokenizer']} tokens")
     return {"path": cfg.out_dir}
-
 
 def main(cfg):
     """Fine-tune (or --sample, --merge_lora, --export) per cfg; returns a dict of final metrics."""

@@ -1,19 +1,18 @@
 """
-train_gpt.py: a modern GPT, trained from scratch, in one file you can read top to bottom.
+train_gpt.py: a modern GPT, trained from scratch, in one file.
 
-A decoder-only transformer (RoPE, pre-norm, QK-norm, SwiGLU, zero-init projections, GQA as
-an option) on prepare_data.py's token shards: Muon + AdamW, warmup + cosine or WSD,
-bf16/fp16, torch.compile, DDP or FSDP2, exact resume, a KV-cache sampler.
+A decoder-only transformer (RoPE, pre-norm, QK-norm, SwiGLU; GQA,
+sliding windows and muP as options) on prepare_data.py's shards:
+Muon + AdamW, warmup + cosine or WSD, bf16/fp16, torch.compile,
+DDP or FSDP2, exact resume, a KV-cache sampler.
 
-  python train_gpt.py                  # CPU demo: prepares the stdlib corpus, ~4 min
-  python train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
-  torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m --data_dir=data/fineweb10B
-  torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train_gpt.py ...
+  python train_gpt.py          # CPU demo on the stdlib corpus, ~4 min
+  torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m
   python train_gpt.py --sample --ckpt=out/gpt --prompt="def "
   python train_gpt.py --benchmark --preset=gpt2_124m
-  python train_gpt.py -h               # every flag, with its default
+  python train_gpt.py -h       # every flag, with its default
 
-Fine-tuning (GPT-2's weights, LoRA, distillation, INT8, Hugging Face export): finetune_gpt.py.
+Fine-tuning, LoRA, distillation, INT8, export: finetune_gpt.py.
 """
 import base64
 import contextlib
@@ -44,9 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint as recompute  # activations, in backward
 
-import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on CUDA; PyTorch elsewhere
+import kernels  # Triton kernels on CUDA; PyTorch's ops elsewhere
 
 # -----------------------------------------------------------------------------
 # Config
@@ -54,111 +53,112 @@ import kernels  # Triton attention, RMSNorm and fused linear + cross-entropy on 
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/stdlib_bpe"  # shards from prepare_data.py, or nanoGPT's train.bin/val.bin (+ meta.pkl)
-    out_dir: str = "out/gpt"           # checkpoints, metrics.jsonl, config.json; results.tsv goes beside it
-    preset: str = ""                   # named overrides: cpu_demo|gpt2_124m|gpt2_350m (explicit flags still win)
+    data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards, or nanoGPT's .bin
+    out_dir: str = "out/gpt"  # checkpoints, metrics.jsonl, config.json
+    preset: str = ""  # cpu_demo|gpt2_124m|gpt2_350m; flags still win
     # model
-    n_layer: int = 4                   # transformer blocks
-    n_head: int = 4                    # query heads
-    n_kv_head: int = 0                 # key/value heads (GQA); 0 = n_head (MHA), 1 = MQA
-    n_embd: int = 128                  # model width
-    seq_len: int = 128                 # context length in tokens
-    vocab_size: int = 0                # tokens in the vocabulary; 0 = the data's (meta.json)
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # query heads
+    n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
+    n_embd: int = 128
+    seq_len: int = 128  # context length
+    vocab_size: int = 0  # 0 = the data's
     mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # pre-norm (as good as RMSNorm, and faster on CPU)
-    qk_norm: bool = True               # --norm on queries and keys, bounds the attention logits
-    tie_embeddings: bool = False       # share the input embedding with the output head
-    logit_softcap: float = 0.0         # cap * tanh(logits / cap); 0 = off (Gemma 2 uses 30)
-    rope_base: float = 10000.0         # RoPE theta
-    window: int = 0                    # sliding-window attention: a query sees the last W positions; 0 = all before it
-    window_pattern: int = 0            # with --window, every k-th layer stays global (local and global, as Gemma 2)
-    pos_emb: Literal["rope", "learned"] = "rope"  # absolute positions, as GPT-2
-    bias: bool = False                 # biases in the linear layers and LayerNorms, as GPT-2
-    norm_eps: float = 1e-6             # epsilon of the norms (GPT-2: 1e-5)
-    init_std: float = 0.02             # std of the hidden weights at init; output projections and head start at zero
-    mup: bool = False                  # maximal update parametrisation: the best LR transfers across width (see GPT)
-    base_width: int = 128              # muP: the n_embd at which muP equals the standard parametrisation; tune LR here
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # pre-norm
+    qk_norm: bool = True  # norm queries and keys
+    tie_embeddings: bool = False  # the head is the input embedding
+    logit_softcap: float = 0.0  # cap * tanh(logits / cap); 0 = off
+    rope_base: float = 10000.0  # RoPE theta
+    window: int = 0  # sliding-window attention; 0 = all positions
+    window_pattern: int = 0  # every k-th layer global (Gemma 2)
+    pos_emb: Literal["rope", "learned"] = "rope"  # learned: GPT-2
+    bias: bool = False  # biases in linears and norms, as GPT-2
+    norm_eps: float = 1e-6  # GPT-2: 1e-5
+    init_std: float = 0.02  # std of the hidden weights at init
+    mup: bool = False  # muP: the best LR transfers across width
+    base_width: int = 128  # muP: the n_embd where muP = SP
     # budget: max_steps, else tokens, else time_budget
-    max_steps: int = 0                 # optimizer steps; 0 = from tokens or time_budget
-    tokens: str = ""                   # training tokens, e.g. 2.5e9, or auto = 20 x parameters (Chinchilla)
-    time_budget: float = 240.0         # seconds of training (eval excluded); the LR schedule follows elapsed time
-    batch_size: int = 32               # micro-batch per rank, in sequences
-    grad_accum: int = 1                # micro-steps per optimizer step
-    total_batch: int = 0               # tokens per optimizer step over all ranks; sets grad_accum; 0 = use grad_accum
+    max_steps: int = 0  # optimizer steps
+    tokens: str = ""  # e.g. 2.5e9; auto = 20 x params (Chinchilla)
+    time_budget: float = 240.0  # seconds of training, eval excluded
+    batch_size: int = 32  # micro-batch per rank, in sequences
+    grad_accum: int = 1  # micro-steps per optimizer step
+    total_batch: int = 0  # tokens a step, all ranks; sets grad_accum
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # Muon on 2-D hidden matrices, AdamW on the rest
-    lr: float = 4e-3                   # peak LR; Muon's update RMS is matched to AdamW's, so one LR serves both
-    embed_lr: float = 0.0              # AdamW LR of the input embedding; 0 = auto: 10 x lr with Muon on >= 1,024 tokens
-    weight_decay: float = 0.1          # decoupled, on 2-D hidden matrices only
-    beta1: float = 0.9                 # AdamW
-    beta2: float = 0.95                # AdamW
-    grad_clip: float = 1.0             # max global grad norm; 0 = off
-    z_loss: float = 0.0                # weight of logsumexp(logits)^2 (PaLM uses 1e-4); 0 = off
-    seq_len_warmup: int = 0            # steps in which the training length grows from seq_len_start to seq_len; 0 = off
-    seq_len_start: int = 64            # the first length of --seq_len_warmup (more rows of it: as many tokens a step)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after linear warmup
-    warmup_steps: int = 20             # linear warmup, in optimizer steps
-    cooldown_frac: float = 0.2         # wsd: fraction of the run spent in the final linear decay
-    final_lr_frac: float = 0.1         # LR at the end of cosine/wsd, as a fraction of the peak
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: + AdamW
+    lr: float = 4e-3  # peak LR, of Muon and AdamW alike
+    embed_lr: float = 0.0  # of the input embedding; 0 = auto
+    weight_decay: float = 0.1  # on hidden matrices only
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    z_loss: float = 0.0  # weight of logsumexp^2 (PaLM: 1e-4)
+    seq_len_warmup: int = 0  # steps to grow the length; 0 = off
+    seq_len_start: int = 64  # the first length of seq_len_warmup
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20  # linear LR warmup
+    cooldown_frac: float = 0.2  # wsd: the final decay's share
+    final_lr_frac: float = 0.1  # the last LR, of the peak
     # eval, logging, checkpoints
-    eval_every: int = 250              # steps between evals; 0 = only at the end
-    eval_tokens: int = 65536           # val tokens per periodic eval; the final eval reads up to 4M
-    log_every: int = 25                # steps between log lines
-    sample_tokens: int = 200           # tokens sampled at each eval; 0 = off
-    save_every: int = 0                # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2                 # newest checkpoints kept (milestones are kept besides)
-    milestone_every: int = 0           # keep every checkpoint whose step is a multiple of this; 0 = none
-    async_save: bool = False           # write checkpoints in a background thread (from a CPU copy of the state)
-    resume: bool = False               # go on from the newest complete checkpoint in out_dir (auto on torchrun restart)
-    wandb: str = ""                    # wandb project name; empty = off
-    description: str = ""              # free text for the results.tsv experiment log
-    # guards: a bad step's update is skipped; repeated bad steps roll back (see "When training goes wrong", README)
-    loss_spike: float = 6.0            # a loss this many running stds above its running mean is a spike; 0 = off
-    gnorm_spike: float = 0.0           # the same for the grad norm; 0 = off
-    clip_mult: float = 0.0             # dynamic clipping at this multiple of the running grad-norm mean; 0 = off
-    guard_window: int = 100            # steps in the running statistics and in the bad-step count
-    rollback_after: int = 5            # bad steps in guard_window that roll back to the last good checkpoint; 0 = never
+    eval_every: int = 250  # steps; 0 = only at the end
+    eval_tokens: int = 65536  # a periodic eval's; the final's <= 4M
+    log_every: int = 25  # steps between log lines
+    sample_tokens: int = 200  # sampled at each eval; 0 = off
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept, and milestones
+    milestone_every: int = 0  # steps of checkpoints kept for good
+    async_save: bool = False  # write checkpoints in a thread
+    resume: bool = False  # from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project; empty = off
+    description: str = ""  # for the results.tsv log
+    # guards: a bad step is skipped; repeated ones roll back
+    loss_spike: float = 6.0  # running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm
+    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    guard_window: int = 100  # steps in the running statistics
+    rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # recompute blocks (or MLPs) in backward
+    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # in backward
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # bf16 where fast (fp16 on old GPUs), else fp32
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on for CUDA on Linux
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # used under torchrun
-    offload: Literal["none", "params"] = "none"  # with fsdp, shards, grads and optimizer state in CPU memory
-    seed: int = 1337                   # init and sampling
-    benchmark: bool = False            # time steps on synthetic tokens and exit; needs no data
-    bench_steps: int = 20              # timed steps in --benchmark, after 5 warm-up steps
-    profile: bool = False              # --benchmark: 3 more steps under torch.profiler; trace.json in out_dir, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # per op the faster (kernels.use), Triton, or PyTorch's
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 if fast
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: CUDA
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
+    seed: int = 1337  # init and sampling
+    benchmark: bool = False  # time steps on random tokens, exit
+    bench_steps: int = 20  # timed, after 5 warm-up steps
+    profile: bool = False  # benchmark: trace.json of 3 more steps
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
     # sampling
-    sample: bool = False               # sample from a checkpoint instead of training
-    ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
-    consolidate: str = ""              # write this sharded checkpoint (an FSDP run's folder) as one file to --out_dir
-    prompt: str = ""                   # text to continue; empty = start of a document
-    max_new_tokens: int = 500          # tokens to generate in sample mode
-    temperature: float = 0.8           # 0 = greedy
-    top_k: int = 50                    # sample among the k most likely tokens; 0 = all
+    sample: bool = False  # sample from a checkpoint, don't train
+    ckpt: str = ""  # checkpoint to sample; empty = out_dir
+    consolidate: str = ""  # FSDP checkpoint to write as one file
+    prompt: str = ""  # text to continue
+    max_new_tokens: int = 500
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 50  # 0 = all tokens
 
-# what prepares the default data_dir: prepare_data.py's command, what it is, its flags (a BPE beats bytes by 0.23 bpb)
+# prepare_data.py's command for the default data_dir, what it makes, its flags
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
-
-# GPT-2's sizes on FineWeb, RMSNorm; Muon won at 124M on one H100 (BENCHMARKS.md), 350M keeps AdamW, unmeasured
-GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, tokens="auto", batch_size=32,
-            warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, optimizer="adamw", norm="rmsnorm")
+# GPT-2's sizes on FineWeb (BENCHMARKS.md: Muon won at 124M)
+GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0,
+            tokens="auto", batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20,
+            save_every=2000, optimizer="adamw", norm="rmsnorm")
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 2.0M parameters, 240 s of training on a 2-core CPU
-    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, optimizer="muon", lr=4e-3, out_dir="out/gpt2_124m"),
-    "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4, out_dir="out/gpt2_350m"),
+    "cpu_demo": {},  # the defaults: 2.0M parameters, 240 s on a 2-core CPU
+    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, optimizer="muon", out_dir="out/gpt2_124m"),
+    "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4,
+                      out_dir="out/gpt2_350m"),
 }
-ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "mlp", "norm", "qk_norm", "tie_embeddings",
-               "logit_softcap", "rope_base", "pos_emb", "bias", "norm_eps", "mup", "base_width")
-ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # a resume shares these too
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
+    logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # resumes share
 
 # -----------------------------------------------------------------------------
 # Model
 
 class Norm(nn.Module):
-    """LayerNorm (a bias only with --bias) or RMSNorm over the last dim."""
+    """LayerNorm (a bias only with --bias) or RMSNorm."""
 
     def __init__(self, dim, cfg):
         super().__init__()
@@ -169,29 +169,33 @@ class Norm(nn.Module):
     def forward(self, x):
         if self.kind == "rmsnorm":
             return kernels.rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 def rope_tables(seq_len, head_dim, base, device):
-    """RoPE's cos and signed sin (Su et al. 2021), each (seq_len, head_dim), fp32."""
+    """RoPE's cos and signed sin (Su et al. 2021), (T, D) fp32."""
     f32 = dict(device=device, dtype=torch.float32)
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)
-    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)  # pair (i, i + D/2)'s angle
-    return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)  # (i, i + D/2)
+    return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), -1)
 
 def apply_rope(x, cos, sin):
-    """Rotate the pairs (x[i], x[i + D/2]) of x (B, H, T, D) by their angles."""
+    """Rotate the pairs (x[i], x[i + D/2]) of x (B, H, T, D)."""
     xf = x.float()  # a roll, not a split and a cat: 2x faster on a CPU
     return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
 
+def width_mult(cfg):
+    """muP's width multiplier m = n_embd / base_width, else 1."""
+    return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
+
 class KVCache:
-    """Keys and values of past positions, for sampling: (B, Hkv, max_len, D) a layer."""
+    """Past keys and values for sampling: (B, Hkv, max_len, D)."""
 
     def __init__(self, n_layer, max_len):
         self.k, self.v = [None] * n_layer, [None] * n_layer
         self.pos, self.max_len = 0, max_len
 
     def update(self, layer, k, v):
-        """Store k, v (B, Hkv, t, D) at pos; return all keys and values so far."""
+        """Store k, v (B, Hkv, t, D) at pos; return all so far."""
         if self.k[layer] is None:
             B, H, _, D = k.shape
             self.k[layer] = k.new_empty(B, H, self.max_len, D)
@@ -204,27 +208,27 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        self.layer, self.n_head, self.hd = layer, cfg.n_head, cfg.n_embd // cfg.n_head
-        self.n_kv = cfg.n_kv_head or cfg.n_head  # GQA: n_head / n_kv queries share a head
-        # muP: q.k / d, not / sqrt(d), as trained q and k correlate and q.k grows like d;
-        # 1 / sqrt(d * m) is the usual 1 / sqrt(d) at the base width
-        self.scale = 1 / math.sqrt(self.hd * width_mult(cfg))
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.hd, bias=cfg.bias)
-        self.proj = nn.Linear(self.n_head * self.hd, cfg.n_embd, bias=cfg.bias)
-        # --window_pattern=3: layers 0, 1 local, 2 global, 3, 4 local, ...
+        d, self.layer, self.n_head = cfg.n_embd, layer, cfg.n_head
+        self.hd = hd = d // cfg.n_head
+        self.n_kv = cfg.n_kv_head or cfg.n_head  # GQA
+        # muP: q.k / d, as trained q and k correlate (q.k ~ d)
+        self.scale = 1 / math.sqrt(hd * width_mult(cfg))
+        self.qkv = nn.Linear(d, (self.n_head + 2 * self.n_kv) * hd, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_head * hd, d, bias=cfg.bias)
+        # --window_pattern=3: layers 0, 1 local, 2 global, 3, 4 ...
         is_global = cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0
         self.window = cfg.window if cfg.window and not is_global else None
-        self.q_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
-        self.k_norm = Norm(self.hd, cfg) if cfg.qk_norm else nn.Identity()
+        self.q_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
+        self.k_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, nh + 2 nkv, T, hd)
+        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, H, T, hd)
         q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)
         q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:  # RoPE; GPT-2's learned positions are added to the input instead
+        if cos is not None:  # RoPE, unless learned positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # queries are the last T positions: the causal mask is bottom-right
+        if cache is not None:  # the causal mask is bottom-right
             k, v = cache.update(self.layer, k, v)
         y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -233,9 +237,9 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.kind, d = cfg.mlp, cfg.n_embd
-        # SwiGLU's three matrices: 2/3 of 4d keeps the parameter count (Shazeer 2020)
-        hidden = 64 * math.ceil(8 * d / 3 / 64) if cfg.mlp == "swiglu" else 4 * d
-        self.fc = nn.Linear(d, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
+        glu = cfg.mlp == "swiglu"  # 2/3 of 4d keeps the size (Shazeer 2020)
+        hidden = 64 * math.ceil(8 * d / 3 / 64) if glu else 4 * d
+        self.fc = nn.Linear(d, hidden * (2 if glu else 1), bias=cfg.bias)
         self.proj = nn.Linear(hidden, d, bias=cfg.bias)
 
     def forward(self, x):
@@ -257,47 +261,43 @@ class Block(nn.Module):
         self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, cos, sin, cache=None):
-        if self.checkpointing == "blocks" and torch.is_grad_enabled():  # keep only the input
-            return torch.utils.checkpoint.checkpoint(self.sublayers, x, cos, sin, cache, use_reentrant=False)
+        if self.checkpointing == "blocks" and torch.is_grad_enabled():
+            return recompute(self.sublayers, x, cos, sin, cache, use_reentrant=False)
         return self.sublayers(x, cos, sin, cache)
 
     def sublayers(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
-        if self.checkpointing == "selective" and torch.is_grad_enabled():  # recompute the MLP
-            return x + torch.utils.checkpoint.checkpoint(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
+        if self.checkpointing == "selective" and torch.is_grad_enabled():
+            return x + recompute(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
 
-def width_mult(cfg):
-    """muP's width multiplier m = n_embd / base_width; 1 without --mup."""
-    return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
-
 class GPT(nn.Module):
-    """Embedding, pre-norm blocks, a final norm and the head (tied, or its own). --mup is
-    Yang et al. 2022 (Tensor Programs V, Table 3): every factor is 1 at m = 1."""
+    """Embedding, pre-norm blocks, a final norm and the head. --mup
+    is Yang et al. 2022 (Tensor Programs V, Table 3)."""
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
-        rows = 64 * math.ceil(vocab_size / 64)  # padded for fast matmuls; never classes
-        self.wte = nn.Embedding(rows, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
+        self.cfg, self.vocab_size, d = cfg, vocab_size, cfg.n_embd
+        rows = 64 * math.ceil(vocab_size / 64)  # padded: fast matmuls
+        self.wte = nn.Embedding(rows, d)
+        self.wpe = nn.Embedding(cfg.seq_len, d) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm = Norm(cfg.n_embd, cfg)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.n_embd, rows, bias=False)
-        cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base, None)
+        self.norm = Norm(d, cfg)
+        self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
+        cos, sin = rope_tables(cfg.seq_len, d // cfg.n_head, cfg.rope_base, None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
-        """Initialise every parameter and buffer (the model was built on the meta device)."""
+        """Set every parameter and buffer (built on meta)."""
         c = self.cfg
         for name, p in self.named_parameters():
             if p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
-                nn.init.zeros_(p)  # blocks start as the identity, the first loss is ln(vocab)
-            elif name.startswith("blocks."):  # muP: a hidden matrix's fan_in grows with width
+                nn.init.zeros_(p)  # blocks start as the identity
+            elif name.startswith("blocks."):  # muP: fan_in ~ width
                 nn.init.normal_(p, std=c.init_std / math.sqrt(width_mult(c)))
             else:  # embeddings: their fan_in is not the width
                 nn.init.normal_(p, std=c.init_std)
@@ -306,7 +306,7 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        """idx (B, T) -> logits (B, T, V), or the mean loss given targets (B, T)."""
+        """idx (B, T) -> logits (B, T, V), or the loss of targets."""
         x, w = self.hidden(idx, cache)
         if targets is not None:
             return self.loss(x, w, targets, z_loss)
@@ -315,51 +315,54 @@ class GPT(nn.Module):
         return self.logits(x, w)
 
     def loss(self, x, w, targets, z_loss=0.0):
-        """Mean cross-entropy (+ z-loss) of targets from hidden states x and head w."""
-        if torch.is_autocast_enabled(x.device.type):  # a custom op: cast as F.linear would
+        """Mean cross-entropy (+ z-loss) of hidden states x, head w."""
+        if torch.is_autocast_enabled(x.device.type):  # as F.linear
             dt = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dt), w.to(dt)
-        # head and loss fused in chunks: the (B*T, V) logits never exist at once; z_loss keeps
-        # the softmax normaliser near 1, which steadies bf16 training (PaLM)
-        x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
-        return kernels.linear_cross_entropy(x, w, y, softcap=cap, z_loss=z_loss, classes=self.vocab_size)
+        # head and loss in chunks: never all (B*T, V) logits at once;
+        # z_loss keeps the softmax's normaliser near 1 (PaLM)
+        cap = self.cfg.logit_softcap or None
+        return kernels.linear_cross_entropy(
+            x.flatten(0, 1), w, targets.reshape(-1), softcap=cap,
+            z_loss=z_loss, classes=self.vocab_size)
 
     def logits(self, x, w):
-        """fp32 logits (..., vocab_size) of hidden states x under head weight w."""
-        # the matmul keeps the padding rows (the fast shape), the result drops them
-        logits, cap = F.linear(x, w)[..., :self.vocab_size].float(), self.cfg.logit_softcap
+        """fp32 logits (..., vocab_size) of hidden states x."""
+        # the matmul keeps the padding rows (fast), the result not
+        logits = F.linear(x, w)[..., :self.vocab_size].float()
+        cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
     def hidden(self, idx, cache=None):
-        """(hidden states (B, T, d), head weight) of idx (B, T): all but the head."""
+        """(hidden states (B, T, d), head weight) of idx (B, T)."""
         B, T = idx.shape
         pos = cache.pos if cache is not None else 0
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
-        if self.wpe is not None:  # GPT-2's learned positions instead of RoPE
+        if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
         for block in self.blocks:
             x = block(x, cos, sin, cache)
-        x = self.norm(x) / width_mult(self.cfg)  # muP's output multiplier 1 / m
+        x = self.norm(x) / width_mult(self.cfg)  # muP: 1 / m
         return x, self.wte.weight if self.head is None else self.head.weight
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6 per matmul weight, plus attention (PaLM app. B)."""
-        # FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py): the scores that a flash backward
-        # recomputes, which MFU leaves out; the fused head + loss, a custom op, it sees only through a formula
+        """Training FLOPs a token: 6 a weight, + attention (PaLM)."""
+        # FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py): the scores
+        # a flash backward recomputes, which MFU leaves out
         n = sum(p.numel() for p in self.parameters())
-        n -= self.wte.weight.numel() if self.head is not None else 0  # a lookup, not a matmul
-        n -= self.wpe.weight.numel() if self.wpe is not None else 0
+        for lookup in (self.wte if self.head is not None else None, self.wpe):
+            n -= lookup.weight.numel() if lookup is not None else 0  # no matmul
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
-        """idx (B, T0) and max_new_tokens more sampled tokens, with a KV cache."""
+        """idx (B, T0) and max_new_tokens sampled, with a KV cache."""
         out, T, cache = idx, self.cfg.seq_len, None
-        with torch.compiler.set_stance("force_eager"):  # compiled (FSDP) blocks: one per length
+        with torch.compiler.set_stance("force_eager"):  # any length
             for i in range(max_new_tokens):
-                if cache is None or cache.pos >= T:  # (re)fill; when full, from the last T/2
+                if cache is None or cache.pos >= T:  # full: keep T/2
                     cache = KVCache(len(self.blocks), T)
                     logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
                 logits = logits[:, -1, :]
@@ -369,7 +372,7 @@ class GPT(nn.Module):
                     logits = logits / temperature
                     if top_k:
                         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, -float("inf"))
+                        logits = logits.masked_fill(logits < kth, -math.inf)
                     nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
                 out = torch.cat((out, nxt), dim=1)
                 if i + 1 < max_new_tokens and cache.pos < T:
@@ -377,7 +380,7 @@ class GPT(nn.Module):
             return out
 
 def build_model(cfg, vocab_size, device, cls=GPT):
-    """Build on the meta device, materialise on device, initialise under cfg.seed."""
+    """Build on meta, materialise on device, init under cfg.seed."""
     with torch.device("meta"):
         model = cls(cfg, vocab_size)
     model.to_empty(device=device)
@@ -391,81 +394,77 @@ def build_model(cfg, vocab_size, device, cls=GPT):
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's shard header
 
 def open_shard(path):
-    """Memory-map a token file: llm.c's (int32 header, uint16 tokens) or nanoGPT's .bin."""
-    size = os.path.getsize(path)
-    header = np.fromfile(path, dtype="<i4", count=256) if size >= HEADER_BYTES else np.zeros(3, dtype="<i4")
-    if size == 0 or (header[0] == MAGIC and header[2] == 0):
-        die(f"{path} is empty: that split has no tokens; give it some (nanoGPT's prepare.py keeps 10% for val) or "
-            f"re-run prepare_data.py")
-    if header[0] == MAGIC:
-        n = int(header[2])
-        if header[1] != VERSION or HEADER_BYTES + 2 * n != size:
-            die(f"{path}: corrupt shard (header says version {header[1]}, {header[2]} tokens, but the file has "
-                f"{size} bytes); re-run prepare_data.py for this data dir")
+    """Memory-map llm.c's shard (int32 header, uint16 tokens) or nanoGPT's .bin."""
+    size, header = os.path.getsize(path), [0] * 3
+    if size >= HEADER_BYTES:
+        header = np.fromfile(path, dtype="<i4", count=3).tolist()
+    magic, version, n = header
+    if size == 0 or (magic == MAGIC and n == 0):
+        die(f"{path} is empty: give that split tokens, or re-run prepare_data.py")
+    if magic == MAGIC:
+        if version != VERSION or HEADER_BYTES + 2 * n != size:
+            die(f"{path}: corrupt shard ({n} tokens, {size} bytes); re-run prepare_data.py")
         return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
     if os.path.basename(path) in ("train.bin", "val.bin") and size % 2 == 0:
-        return np.memmap(path, dtype=np.uint16, mode="r")  # nanoGPT: no header
-    die(f"{path}: not a token shard (no llm.c header magic {MAGIC}, and not a nanoGPT train.bin/val.bin); "
-        f"make shards with prepare_data.py")
+        return np.memmap(path, dtype=np.uint16, mode="r")  # nanoGPT's: no header
+    die(f"{path}: not a token shard; make shards with prepare_data.py")
 
 def find_shards(data_dir, split):
-    """A split's token files: prepare_data.py's *{split}_NNNNNN.bin or nanoGPT's {split}.bin."""
+    """A split's files: prepare_data.py's *{split}_NNNNNN.bin or nanoGPT's {split}.bin."""
     files = sorted(glob.glob(os.path.join(data_dir, f"*{split}_[0-9]*.bin")))
     raw = os.path.join(data_dir, f"{split}.bin")
     return files or ([raw] if os.path.exists(raw) else [])
 
 class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain data only (nanoGPT's meta.pkl): a pickle runs code through classes."""
+    """Plain data only: a pickle runs code through the classes it names."""
 
     def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"it asks for {module}.{name}, and a meta.pkl holds only plain data: refused")
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, in a meta.pkl of plain data")
 
 def load_meta(data_dir):
     """A data dir's tokenizer and sizes: meta.json, or nanoGPT's meta.pkl or defaults."""
     if not os.path.isdir(data_dir):
-        die(f"data dir {data_dir!r} does not exist; make it with 'python prepare_data.py stdlib --data_dir={data_dir}' "
-            f"(or text PATH..., shakespeare, fineweb)")
+        die(f"data dir {data_dir!r} does not exist; make it with prepare_data.py")
     path, pkl = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
     if os.path.exists(path):
         with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
             meta = json.load(f)
             val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
-            nums = [val.get("tokens", 0), val.get("bytes", 0)] + [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
-            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0 and os.path.basename(file) == file
-                    and isinstance(meta["eot_id"], (int, type(None)))
+            nums = [val.get("tokens", 0), val.get("bytes", 0)]
+            nums += [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
+            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
+                    and os.path.basename(file) == file and isinstance(meta["eot_id"], (int, type(None)))
                     and all(isinstance(v, (int, float)) for v in nums)):
-                raise ValueError("vocab_size, eot_id, the val sizes, the gzip/xz figures or tokenizer_file are amiss")
+                raise ValueError("vocab_size, eot_id, val sizes, gzip/xz or tokenizer_file amiss")
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
-        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}  # GPT-2's tokens
+        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}
         if os.path.exists(pkl):
-            fix = "give nanoGPT's meta.pkl of this data (a dict with vocab_size and itos), or remove it"
-            with reading(pkl, fix), open(pkl, "rb") as f:
+            with reading(pkl, "give nanoGPT's meta.pkl, or none"), open(pkl, "rb") as f:
                 m = PlainUnpickler(f).load()
-                if not (isinstance(m["vocab_size"], int) and m["vocab_size"] > 0 and all(
-                        isinstance(i, int) and isinstance(c, str) for i, c in (m.get("itos") or {}).items())):
-                    raise ValueError("vocab_size must be a positive integer and itos a dict of integers to strings")
-                # characters, else a tokenizer we do not know: bytes if 256, else ids
-                kind = "chars" if m.get("itos") else "byte" if m["vocab_size"] == 256 else "ids"
-                meta.update(tokenizer=kind, vocab_size=m["vocab_size"], eot_id=None, itos=m.get("itos") or None)
+                itos, n = m.get("itos") or None, m["vocab_size"]
+                if not (isinstance(n, int) and n > 0 and all(
+                        isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
+                    raise ValueError("need vocab_size > 0 and itos of integers to strings")
+                kind = "chars" if itos else "byte" if n == 256 else "ids"  # ids: unknown
+                meta.update(tokenizer=kind, vocab_size=n, eot_id=None, itos=itos)
     else:
-        die(f"data dir {data_dir!r} has no meta.json or train.bin; prepare it with 'python prepare_data.py ...'")
+        die(f"data dir {data_dir!r} has no meta.json or train.bin; use prepare_data.py")
     for split in ("train", "val"):
         if not find_shards(data_dir, split):
-            die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py for it")
+            die(f"data dir {data_dir!r} has no {split} shards; re-run prepare_data.py")
     return meta
 
 class TokenLoader:
-    """(B, T) batches in a fixed order from memory-mapped shards, B rows for each rank. Its
-    position is its state: a resumed run reads what an uninterrupted one would."""
+    """(B, T) batches a rank, in a fixed order from memory-mapped shards; a resumed
+    run reads what an uninterrupted one would."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
         self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
         self.device, self.eot, self.lanes, self.vocab_size = device, eot, lanes, vocab_size
         self.shards = [open_shard(f) for f in files]
-        if max(len(s) for s in self.shards) < T + 1:
-            die(f"{os.path.dirname(files[0])}: shards of {max(len(s) for s in self.shards)} tokens are shorter than "
-                f"--seq_len+1 = {T + 1}; lower --seq_len or add data")
-        self.bos = [None] * len(files)  # EOT positions of each shard, found on first use
+        if (most := max(len(s) for s in self.shards)) < T + 1:
+            die(f"{files[0]}: shards of {most} tokens are shorter than --seq_len+1; lower it")
+        self.bos = [None] * len(files)  # each shard's EOT positions, when first used
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -473,47 +472,47 @@ class TokenLoader:
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
-        # `lanes` stretches of the shard are read side by side (row i from lane i % lanes),
-        # so a batch mixes far-apart documents; a small shard gets fewer
+        # row i reads lane i % lanes of the shard: a batch mixes far-apart documents
         self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
         n = len(self.shards[self.shard])
         k = max(1, min(self.lanes, n // (self.T + 1)))
-        starts, self.ends = [i * (n // k) for i in range(k)], [(i + 1) * (n // k) for i in range(k)]
-        self.pos, self.lane = [int(p) for p in s.get("pos") or starts], int(s.get("lane", 0))
+        self.ends = [(i + 1) * (n // k) for i in range(k)]
+        self.pos = [int(p) for p in s.get("pos") or [i * (n // k) for i in range(k)]]
+        self.lane = int(s.get("lane", 0))
         if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
                                       and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
     def _next_row(self, T):
         lane = self.lane
-        while self.pos[lane] + T + 1 > self.ends[lane]:  # used up: all lanes go to the next shard
+        while self.pos[lane] + T + 1 > self.ends[lane]:  # all lanes to the next shard
             shard = (self.shard + 1) % len(self.shards)
             self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
             lane = 0
         start, end = self.pos[lane], self.ends[lane]
-        if self.eot is not None:  # start at a document if one does within T/8 tokens
+        if self.eot is not None:  # start at a document that starts within T/8
             if self.bos[self.shard] is None:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
             j = np.searchsorted(bos, start)
             if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
                 start = int(bos[j])
-        self.pos[lane] = start + T  # rows overlap by a token: each token is a target once
+        self.pos[lane] = start + T  # overlap by one: each token a target once
         self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
 
     def next(self, T=None):
-        """This rank's next (x, y), (B, T) int64; a shorter T (--seq_len_warmup) gives more rows."""
+        """This rank's next (x, y), (B, T) int64; a shorter T gives more rows."""
         T = T or self.T
         B = self.B * self.T // T
         rows = [self._next_row(T) for _ in range(B * self.world_size)]
         mine = rows[self.rank * B:(self.rank + 1) * B]
         buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
-        if buf.max() >= self.vocab_size:  # past the embedding: a crash on CPU, an assert on CUDA
-            die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; the shards and "
-                f"meta.json disagree (another tokenizer?): re-run prepare_data.py, or raise --vocab_size")
+        if buf.max() >= self.vocab_size:  # past the embedding: a crash on CPU
+            die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; "
+                f"re-run prepare_data.py, or raise --vocab_size")
         buf = torch.from_numpy(buf.astype(np.int64))
-        if self.device.type == "cuda":  # pinned: the copy overlaps the GPU's work
+        if self.device.type == "cuda":  # pinned: the copy overlaps compute
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
             buf = buf.to(self.device)
@@ -532,39 +531,39 @@ class SyntheticLoader:
     def next(self, T=None):
         return self.x[:, :-1], self.x[:, 1:]
 
+def encode_ids(s):
+    """Token ids written as numbers, '17 42': the text of a tokenizer we lack."""
+    return [int(t) for t in s.split() if t.isdigit()]
+
 def load_tokenizer(tok):
-    """(encode, decode) of the tokenizer that meta.json and every checkpoint describe."""
-    name = tok.get("tokenizer")
+    """(encode, decode) of the tokenizer that meta.json and checkpoints describe."""
+    name, itos = tok.get("tokenizer"), tok.get("itos")
     if name == "byte":
-        return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
-    if tok.get("itos"):  # nanoGPT's characters
-        stoi, itos = {c: i for i, c in tok["itos"].items()}, tok["itos"]
+        return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
+    if itos:  # nanoGPT's characters
+        stoi = {c: i for i, c in itos.items()}
         return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(itos.get(i, "") for i in ids))
     import tiktoken
     if name == "gpt2":
         try:
             enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:  # noqa: BLE001 - offline, without tiktoken's cached files
-            print(f"warning: cannot load the gpt2 tokenizer ({type(e).__name__}); samples will show token ids")
+        except Exception as e:  # noqa: BLE001 - offline, no cached files
+            print(f"warning: no gpt2 tokenizer ({type(e).__name__}); samples show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
-        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in map(str.split, tok["ranks"].splitlines())}
-        if sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks) or not isinstance(
-                tok["pat_str"], str):  # tiktoken would panic
-            raise ValueError("its ranks are not 0, 1, 2, ... each once, followed by the end-of-text id")
+        lines = map(str.split, tok["ranks"].splitlines())
+        ranks = {base64.b64decode(t, validate=True): int(r) for t, r in lines}
+        if (sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks)
+                or not isinstance(tok["pat_str"], str)):  # tiktoken would panic
+            raise ValueError("its ranks are not 0, 1, 2, ..., then the end-of-text id")
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": tok["eot_id"]})
-    elif name != "gpt2":  # unknown (a meta.pkl with a vocab_size only), or did not load
+    elif name != "gpt2":  # unknown (meta.pkl's vocab_size only), or not loaded
         return encode_ids, (lambda ids: " ".join(map(str, ids)))
-    n = enc.n_vocab
-    return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < n]))
-
-def encode_ids(s):
-    """Token ids written as numbers, '17 42': the text of a tokenizer we lack."""
-    return [int(t) for t in s.split() if t.isdigit()]
+    return enc.encode_ordinary, (lambda ids: enc.decode([i for i in ids if i < enc.n_vocab]))
 
 def tokenizer_info(data_dir, meta):
-    """What rebuilds the tokenizer, small enough to go in every checkpoint."""
+    """What rebuilds the tokenizer; it goes in every checkpoint."""
     info = {k: meta.get(k) for k in ("tokenizer", "eot_id", "pat_str", "itos")}
     if meta.get("tokenizer_file"):
         with open(os.path.join(data_dir, meta["tokenizer_file"])) as f:
@@ -614,58 +613,55 @@ def orthogonalise(x):
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
-    """Muon on the hidden matrices, AdamW on the rest (or on all); decay on hidden ones only."""
-    named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: the adapters
-    # an embedding row moves only when its token occurs: 10x the LR wins on a BPE's rare rows,
-    # loses on 257 byte rows (BENCHMARKS.md, "CPU recipe", Muon); a tied one, the head, keeps lr
+    """Muon on hidden matrices, AdamW on the rest (or all); decay on hidden ones only."""
+    named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: adapters
+    # an embedding row moves only when its token occurs: 10x the LR helps a BPE's rare rows,
+    # not 257 bytes' (BENCHMARKS.md, "CPU recipe"); tied, it is the head and keeps lr
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024
     embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
     embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
-    hidden = [p for n, p in named.items() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in named.items() if not (p.ndim == 2 and n.startswith("blocks."))]
+    is_hidden = {n: p.ndim == 2 and n.startswith("blocks.") for n, p in named.items()}
+    hidden = [p for n, p in named.items() if is_hidden[n]]
+    rest = [p for n, p in named.items() if not is_hidden[n]]
     if cfg.optimizer == "muon":
-        # muP: an orthogonal update's spectral norm is 0.2 sqrt(width) lr: LR / sqrt(m) keeps it O(1)
+        # muP: an orthogonal update's spectral norm is 0.2 sqrt(width) lr; / sqrt(m) fixes it
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         lr = cfg.lr / math.sqrt(width_mult(cfg))
         opts = [Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)]
         groups = [dict(params=rest), *embed]
     else:
-        # muP: Adam moves each weight by ~lr, so a hidden matrix's output moves with fan_in;
-        # LR / m cancels it (and so the decoupled decay lr * wd, as in the mup package)
-        opts = []
-        lr = cfg.lr / width_mult(cfg)
+        # muP: Adam moves each weight ~lr, a hidden output ~fan_in lr; / m cancels it (mup)
+        opts, lr = [], cfg.lr / width_mult(cfg)
         groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest), *embed]
-    groups = [g for g in groups if g["params"]]  # LoRA under Muon leaves none: no AdamW
+    groups = [g for g in groups if g["params"]]  # none: LoRA under Muon
     if groups:
-        betas = (cfg.beta1, cfg.beta2)
-        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, weight_decay=0.0, fused=device.type == "cuda"))
-    for opt in opts:
-        for g in opt.param_groups:
-            g["peak_lr"] = g["lr"]
+        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                      weight_decay=0.0, fused=device.type == "cuda"))
+    for g in (g for opt in opts for g in opt.param_groups):
+        g["peak_lr"] = g["lr"]
     return opts
 
 def seq_len_at(cfg, step):
-    """--seq_len_warmup's length at step (Li et al. 2022): linear, in multiples of 64 that
-    divide batch_size x seq_len, so every step keeps its tokens."""
+    """--seq_len_warmup's length at step (Li et al. 2022): linear, in multiples of 64
+    that divide batch_size x seq_len, so every step keeps its tokens."""
     if step >= cfg.seq_len_warmup:
         return cfg.seq_len
     t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
     return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
 
 def lr_mult(cfg, step, progress):
-    """LR multiplier: linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
+    """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # warmup-stable-decay (Hu et al. 2024)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # Hu et al. 2024
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping and the grad-sync context, the same
-# bytes in every train_*.py (tests/test_style.py checks)
+# System: devices, precision, compile, DDP/FSDP2, grad sync (shared by every train_*.py)
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
@@ -776,7 +772,7 @@ def agree(loss_sum, gnorm, signal, train_time, world_size):
 # Training loop
 
 def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
-    """Val loss, perplexity and bits per byte on the first eval_tokens of val (up to 4M at the end), in lanes."""
+    """Val loss, perplexity and bits per byte on eval_tokens (<= 4M at the end)."""
     have, per_batch = sum(len(s) for s in loader.shards), cfg.batch_size * cfg.seq_len * world_size
     n = max(1, (min(have, 1 << 22) if final else cfg.eval_tokens) // per_batch)
     loader.load_state({"epoch": 0, "shard": 0})
@@ -790,24 +786,25 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     model.train()
     loss = all_mean(total / n, world_size).item()
     rec, val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}, meta.get("splits", {}).get("val", {})
-    if val.get("bytes"):  # bits per byte = nats per token / ln 2 x tokens per byte: comparable across tokenizers
+    line = f"eval {step:05d} | val loss {loss:.4f} | ppl {rec['val_ppl']:.2f}"
+    if val.get("bytes"):  # comparable across tokenizers
         rec["val_tokens_per_byte"] = val["tokens"] / val["bytes"]
         rec["val_bpb"] = loss / math.log(2) * rec["val_tokens_per_byte"]
-    print(f"eval {step:05d} | val loss {loss:.4f} | ppl {rec['val_ppl']:.2f}" + (f" | val bpb {rec['val_bpb']:.4f}" if
-          "val_bpb" in rec else "") + (f" | {n * per_batch} tokens" if final else "") + (
-          f" (the val split has {have}: read more than once)" if final and n * per_batch > have else ""))
+        line += f" | val bpb {rec['val_bpb']:.4f}"
+    if final:
+        line += f" | {n * per_batch} tokens"
+        line += f" (the val split has {have}: read more than once)" if n * per_batch > have else ""
+    print(line)
     return rec
 
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
-    """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
+    """Text sampled after prompt (or an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
-    eot = tok.get("eot_id")
-    given = encode(prompt)
-    if prompt and not given:
-        die(f"--prompt={prompt!r} is no text of this vocabulary: " + ("give token ids, e.g. --prompt='17 42' (the "
-            f"{tok['tokenizer']} tokenizer is unknown here, or its files did not load)" if encode is encode_ids else
-            f"none of its characters is in the {tok['tokenizer']} vocabulary"))
-    # no end-of-text token to start from (nanoGPT's data): a newline, as nanoGPT's sample.py, else token 0
+    eot, given = tok.get("eot_id"), encode(prompt)
+    if prompt and not given:  # encode_ids: a tokenizer we lack
+        die(f"--prompt={prompt!r}: none of its characters is in the {tok['tokenizer']} vocabulary"
+            + (" (give token ids, e.g. --prompt='17 42')" if encode is encode_ids else ""))
+    # no end-of-text token (nanoGPT's data): a newline, as nanoGPT's sample.py, else 0
     ids = ([eot] if eot is not None else []) + given or encode("\n")[:1] or [0]
     device = next(model.parameters()).device
     out = model.generate(torch.tensor([ids], device=device), n_tokens, temperature, top_k,
@@ -815,15 +812,16 @@ def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     return out[0].tolist(), decode(out[0, 1 if eot is not None else 0:].tolist())
 
 def layer_stats(raw, x, ctx):
-    """Per layer, |grad| / |weight| and the RMS of its output on x: an outlier, or a growing RMS, warns early."""
+    """Per layer, |grad| / |weight| and its output's RMS on x: early warnings."""
     sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
     acts = [raw.wte, *raw.blocks]
     layers = acts + ([raw.head] if raw.head is not None else [])
     stats, rms = {}, []
     if all(p.grad is not None for p in raw.parameters()):
-        stats["grad_ratio"] = torch.stack([(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt()
-                                           for m in layers]).tolist()
-    hooks = [m.register_forward_hook(lambda m, i, o: rms.append(o.float().square().mean().sqrt())) for m in acts]
+        ratios = [(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt() for m in layers]
+        stats["grad_ratio"] = torch.stack(ratios).tolist()
+    hook = lambda m, i, o: rms.append(o.float().square().mean().sqrt())  # noqa: E731
+    hooks = [m.register_forward_hook(hook) for m in acts]
     with torch.no_grad(), ctx, torch.compiler.set_stance("force_eager"):
         raw(x[:1])
     for h in hooks:
@@ -831,127 +829,110 @@ def layer_stats(raw, x, ctx):
     return {**stats, "act_rms": torch.stack(rms).tolist()}
 
 class Start:
-    """What train() starts from: a fresh GPT of the flags' shape; finetune_gpt.py passes its own, from other weights."""
+    """What train() starts from: a fresh GPT (finetune_gpt.py's: other weights)."""
 
     def arch(self, cfg, meta, tokenizer, rank, world_size):
-        """({field: value} of the config that the model's shape overrides, vocab size, what build() starts from)."""
+        """(config fields the weights override, vocab size, what build() takes)."""
         return {}, cfg.vocab_size or meta["vocab_size"], None
 
     def build(self, cfg, vocab_size, device, init):
-        """raw: the model to train, its weights set."""
         return build_model(cfg, vocab_size, device)
 
     def layout(self, cfg):
-        """{name: value} that a resume must share besides run_layout's config fields."""
+        """What a resume must share besides run_layout's config fields."""
         return {}
 
-def main(cfg, start=Start()):
-    """Train (or --benchmark, or --sample) per cfg, from `start`; returns a dict of final metrics."""
-    check_config(cfg)
-    if cfg.sample:
-        return sample_main(cfg)
-    if cfg.consolidate:
-        return consolidate_main(cfg)
-    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
-        while True:
-            found = list_checkpoints(cfg.out_dir)
-            try:
-                return train(cfg, stop, start)
-            except torch.cuda.OutOfMemoryError:  # one process, nothing saved: the same batch in smaller micro-batches
-                if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
-                    raise  # an odd micro-batch cannot halve; under torchrun the other ranks are mid-step
-                cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
-                flags = f"--batch_size={cfg.batch_size}"
-                flags += "" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}"
-                print(f"out of GPU memory: starting again with {flags} (same tokens per step); pass {flags} next time")
-            gc.collect()  # out here, where the failed attempt's tensors are no longer held by its traceback
-            torch.cuda.empty_cache()
-
 def token_data(cfg, rank, world_size):
-    """(meta, tokenizer) of the data_dir, the default one prepared first; --benchmark reads no data."""
+    """(meta, tokenizer) of data_dir (prepared first if the default)."""
     if cfg.benchmark:
         return {"vocab_size": cfg.vocab_size or 50257, "eot_id": None}, None
     prepare_default_data(cfg, rank, world_size, *DEFAULT_DATA)
     meta = load_meta(cfg.data_dir)
     with reading(os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json"), "re-run prepare_data.py"):
-        tokenizer = tokenizer_info(cfg.data_dir, meta)  # read once: it goes into every checkpoint
-        load_tokenizer(tokenizer)  # a bad tokenizer file fails now, not at the first sample
+        tokenizer = tokenizer_info(cfg.data_dir, meta)
+        load_tokenizer(tokenizer)  # a bad file fails now, not at the first sample
     return meta, tokenizer
 
+def run_layout(c, world_size, data_info):
+    """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
+    B, T = c["batch_size"], c["seq_len"]
+    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
+    rows = B * accum * world_size
+    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
+            **data_info}
+
 def train(cfg, stop, start=Start()):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save. A signal stops it."""
+    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
     wall0, (meta, tokenizer) = time.perf_counter(), token_data(cfg, rank, world_size)
 
-    # cfg settles here, before anything derives from it: the model's shape (the flags', or other weights' through
-    # `start`) and the precision (auto: a resumed run's, else decided now); checkpoints and config.json keep it
+    # cfg settles here, before anything derives from it: the shape (the flags', or other
+    # weights' through `start`) and the precision (auto: a resumed run's, else now)
     arch, vocab_size, init = start.arch(cfg, meta, tokenizer, rank, world_size)
     if meta["vocab_size"] > vocab_size:
-        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; raise it or use 0 "
-            f"(from data)")
-    info = {"vocab_size": vocab_size, **start.layout(cfg)}  # what a resume shares besides the config
+        die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; "
+            f"raise it or use 0 (from data)")
+    info = {"vocab_size": vocab_size, **start.layout(cfg)}
     layout = run_layout({**dataclasses.asdict(cfg), **arch}, world_size, info)
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, **arch, dtype=str(dtype).removeprefix("torch."))
     B, T = cfg.batch_size, cfg.seq_len
-    accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum  # check_config: whole
+    accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum  # whole
     tokens_per_step = B * T * accum * world_size
-    # data: token shards read in order, each rank its rows of a batch, a lane per row of a step; val in lanes too,
-    # so a short eval samples the whole split as the final one does
+    # a lane per row of a step; val's too, so a short eval samples the whole split
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_size, device)
     else:
-        train_loader = TokenLoader(find_shards(cfg.data_dir, "train"), B, T, rank, world_size, device, meta["eot_id"],
-                                   lanes=B * world_size * accum, vocab_size=vocab_size)
-        val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
-                                 lanes=B * world_size, vocab_size=vocab_size)
+        loader = functools.partial(TokenLoader, B=B, T=T, rank=rank, world_size=world_size,
+                                   device=device, eot=meta["eot_id"], vocab_size=vocab_size)
+        train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
+        val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
 
-    # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
+    # model, optimizers, guard; the budget: steps (--max_steps or --tokens), or seconds
     raw = start.build(cfg, vocab_size, device, init)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
     n_params = sum(p.numel() for p in raw.parameters())
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # auto: Chinchilla's 20 per parameter
+    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # Chinchilla
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.tokens else cfg.time_budget
-    # throughput: per step, its unit, and the seconds a step would take at the GPU's peak (MFU: those over its time)
+    # a step's units, their name, and its seconds at the GPU's peak (MFU)
     rate = (tokens_per_step, "tok", peak_seconds(raw.flops_per_token() * tokens_per_step, device, dtype))
 
-    # the loop's state is these locals; a resume sets them from the checkpoint, and the loader's place
+    # the loop's state; a resume sets it, and the loader's place
     step, train_time, history, rollbacks = 0, 0.0, [], {}
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
             train_loader.load_state(ckpt["data"])
         resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
-    metrics = start_log(cfg, rank == 0)  # the file of every logged value (None on ranks > 0)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint is then a folder of every rank's shards
+    data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, step))  # bad data: now
+    metrics = start_log(cfg, rank == 0)  # metrics.jsonl (None on ranks > 0)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
-    data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, step))  # bad data stops it now
-    print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step (B {B} x T {T} x "
-          f"accum {accum} x world {world_size}) | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
-          f"{device} {dtype} | compile {compiled} | kernels {kernels.backend(device)} | "
-          f"{cfg.optimizer} lr {cfg.lr:g} {cfg.schedule}"
-          + (f" | {n_trained / 1e6:.3f}M of them train" if n_trained < n_params else ""))
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
+    print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step "
+          f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
+          f"compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} "
+          f"{cfg.schedule}" + (f" | {n_trained / 1e6:.3f}M of them train" if n_trained < n_params else ""))
 
-    # the loop: an optimizer step (micro-steps, clip, agree, check, update), then log, eval and save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     while not last_step:
-        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)  # of the budget
+        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
         for opt in opts:
-            opt.zero_grad(set_to_none=True)  # here, not after the update: an eval reads the last step's grads
+            opt.zero_grad(set_to_none=True)  # here: an eval reads the grads
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
-                    loss = model(x, y, cfg.z_loss) / accum  # the mean of micro-steps: one big batch
-                # read ahead while the GPU computes: the next micro-step's batch, maybe of the next step's length
+                    loss = model(x, y, cfg.z_loss) / accum  # the mean: one big batch
+                # read ahead while the GPU computes, at the next step's length
                 length = seq_len_at(cfg, step + (micro == accum - 1))
                 data_state, (x, y) = train_loader.state(), train_loader.next(length)
                 scaler.scale(loss).backward()
@@ -959,18 +940,19 @@ def train(cfg, stop, start=Start()):
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        now = time.perf_counter()  # the host waits for the GPU in agree(): that wait counts in the next step
+        now = time.perf_counter()  # agree() waits for the GPU: in the next step's time
         loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
         t0 = now
-        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)  # fp16: the scaler's job
+        # an fp16 overflow is the scaler's to skip, not a bad step
+        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)
         reason = None if overflow else guard.check(step + 1, loss, gnorm)
         if reason is None:
             for opt in opts:
-                scaler.step(opt)  # which skips it when fp16 grads overflowed
+                scaler.step(opt)
         scaler.update()
         step += 1
 
-        if reason:  # a skipped update; repeated ones roll back to a checkpoint, past the batches read since (PaLM 5.1)
+        if reason:  # skipped; repeated ones roll back to a checkpoint (PaLM 5.1)
             record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
             print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
         if reason and guard.rollback_due():
@@ -982,119 +964,134 @@ def train(cfg, stop, start=Start()):
         done = train_time >= time_budget if time_budget else step >= max_steps
         last_step = done or stopped
         if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # seconds a step since
+            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # s a step
             log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time)
             history.append({"step": step, "loss": loss})
         if cfg.benchmark:
-            bench.mark(step, train_time)  # timing starts after the warm-up; --profile traces the steps after the timed
+            bench.mark(step, train_time)
             continue
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
             rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=done and not stopped)
-            if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
-                out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k,
-                                cfg.seed)
+            if cfg.sample_tokens:  # every rank: an FSDP forward needs all
+                out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature,
+                                cfg.top_k, cfg.seed)
                 if out:
                     print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40)
-            stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # grad/weight ratio, activation RMS
+            stats = side_path("layer statistics", layer_stats, raw, x, ctx)
             record(metrics, step=step, **rec, **(stats or {}))
             history.append({"step": step, **rec})
         if last_step or (cfg.save_every and step % cfg.save_every == 0):
-            writer.save({**model_state(raw, opts, full=not sharded), "scaler": scaler.state_dict(), "step": step,
-                         "guard": guard.state(), "train_time": train_time, "history": history, "data": data_state,
-                         "config": dataclasses.asdict(cfg), "world_size": world_size, "data_info": info,
-                         "tokenizer": tokenizer})
+            writer.save({**model_state(raw, opts, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
+                         "data": data_state, "config": dataclasses.asdict(cfg), "world_size": world_size,
+                         "data_info": info, "tokenizer": tokenizer})
         t0 += time.perf_counter() - paused
 
-    # the end: the benchmark's figures, or how to resume after a signal, or the results against gzip and xz
     writer.wait()
-    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
+    if stopped and not cfg.benchmark:  # saved: exit 0, and --resume goes on
         return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params, "trained_params": n_trained}
-    if cfg.benchmark:  # the time of the steps after the warm-up (a signal leaves none)
+    if cfg.benchmark:
         what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}"
         return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
     metric = "val_bpb" if "val_bpb" in rec else "val_loss"
-    refs = [(t, meta[f"val_{t}_bpb"]) for t in ("gzip", "xz") if "val_bpb" in rec and meta.get(f"val_{t}_bpb")]
-    refs = "".join(f" | {t} -9 {v:.3f} ({'beaten' if rec['val_bpb'] < v else 'not beaten'})" for t, v in refs)
-    return finish(f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s | "
-                  f"{metric.replace('_', ' ')} {rec[metric]:.4f}{refs} | checkpoint in {cfg.out_dir} | plot: python "
-                  f"scaling.py compare {cfg.out_dir}", {**result, **rec, "train_loss": loss,
-                  "tokens": step * tokens_per_step}, metric, rank == 0 and cfg.out_dir, cfg.description)
+    line = (f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s | "
+            f"{metric.replace('_', ' ')} {rec[metric]:.4f}")
+    for t in ("gzip", "xz") if "val_bpb" in rec else ():
+        if v := meta.get(f"val_{t}_bpb"):
+            line += f" | {t} -9 {v:.3f} ({'beaten' if rec['val_bpb'] < v else 'not beaten'})"
+    line += f" | checkpoint in {cfg.out_dir} | plot: python scaling.py compare {cfg.out_dir}"
+    result.update(rec, train_loss=loss, tokens=step * tokens_per_step)
+    return finish(line, result, metric, rank == 0 and cfg.out_dir, cfg.description)
+
+def load_model(where, device, weights=None):
+    """(model in eval mode, tokenizer, step, path); weights(ckpt): the state dict."""
+    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None:
+        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
+    with reading(path, "pass train_gpt.py's (finetune_gpt.py --sample: LoRA, int8)"):
+        fields = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
+        model = build_model(Config(**fields), ckpt["data_info"]["vocab_size"], device)
+        model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
+        load_tokenizer(ckpt["tokenizer"])
+    return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
 def sample_main(cfg):
-    """--sample: continue --prompt from a checkpoint, with temperature / top-k sampling and a KV cache."""
+    """--sample: continue --prompt from a checkpoint."""
     model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
     ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
 
-def load_model(where, device, weights=None):
-    """(model in eval mode, tokenizer, step, path) of a checkpoint; weights(ckpt), if given, the state dict to load."""
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
-    with reading(path, "pass a checkpoint written by train_gpt.py (finetune_gpt.py --sample reads LoRA and int8 ones)"):
-        model = build_model(Config(**{k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}),
-                            ckpt["data_info"]["vocab_size"], device)
-        model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
-        load_tokenizer(ckpt["tokenizer"])
-    return model.eval(), ckpt["tokenizer"], ckpt["step"], path
-
 def consolidate_main(cfg):
-    """--consolidate: a sharded checkpoint (an FSDP run's folder or out_dir) as one ckpt_STEP.pt in --out_dir."""
+    """--consolidate: an FSDP run's sharded checkpoint as one file in --out_dir."""
     ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
     if ckpt is None:
-        die(f"--consolidate={cfg.consolidate}: no checkpoint there; pass an FSDP run's ckpt_STEP folder or out_dir")
+        die(f"--consolidate={cfg.consolidate}: no checkpoint; pass an FSDP run's folder")
     if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
-        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the single-file checkpoint")
+        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
     write_checkpoint(cfg.out_dir, ckpt)
-    print(f"wrote {path} as one file: {list_checkpoints(cfg.out_dir)[-1][1]}")
-    return {"path": list_checkpoints(cfg.out_dir)[-1][1]}
-
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with its checkpoint: architecture, vocab, rows per step (not ranks: exact)."""
-    B, T = c["batch_size"], c["seq_len"]
-    accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
-    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS},
-            "batch_size x grad_accum x ranks": B * accum * world_size, **data_info}
+    out = list_checkpoints(cfg.out_dir)[-1][1]
+    print(f"wrote {path} as one file: {out}")
+    return {"path": out}
 
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
     kv = cfg.n_kv_head or cfg.n_head
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); change it or --n_head")
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE)")
     if cfg.n_head % kv:
         die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
     if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
-        die("--mup needs --base_width >= 1 and untied embeddings (the input and output layers scale differently); "
-            "drop --tie_embeddings")
-    at_least = dict.fromkeys("n_layer n_head n_embd seq_len batch_size grad_accum guard_window".split(), 1)
-    at_least |= dict.fromkeys(("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
-                               "seq_len_warmup max_steps time_budget").split(), 0)  # a negative budget never ends
-    for k, low in at_least.items():
-        if getattr(cfg, k) < low:
+        die("--mup needs --base_width >= 1 and untied embeddings: drop --tie_embeddings")
+    ones = "n_layer n_head n_embd seq_len batch_size grad_accum guard_window".split()
+    zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
+             "seq_len_warmup max_steps time_budget embed_lr warmup_steps").split()  # < 0: no end
+    for k in ones + zeros:
+        if getattr(cfg, k) < (low := int(k in ones)):
             die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    if (cfg.lr <= 0 or cfg.embed_lr < 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1
-            or not 0 < cfg.cooldown_frac <= 1):
-        die("need --lr > 0, --embed_lr >= 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
+    if cfg.lr <= 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
+        die("need --lr > 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
-        die(f"--seq_len_warmup grows lengths in multiples of 64: needs --seq_len a multiple of 64 (got {cfg.seq_len}) "
-            f"and 64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun; setup_dist() has not run yet
-    if cfg.total_batch % (cfg.batch_size * cfg.seq_len * ranks):  # micro-steps make up a global batch in tokens
-        die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x ranks = "
-            f"{cfg.batch_size} x {cfg.seq_len} x {ranks} = {cfg.batch_size * cfg.seq_len * ranks}; change one of them")
+        die(f"--seq_len_warmup needs --seq_len a multiple of 64 (got {cfg.seq_len}) and "
+            f"64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before setup_dist()
+    if cfg.total_batch % (cfg.batch_size * cfg.seq_len * ranks):  # in whole micro-steps
+        die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x "
+            f"ranks = {cfg.batch_size * cfg.seq_len * ranks}; change one of them")
     if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
         die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
 
+def main(cfg, start=Start()):
+    """Train (or --benchmark, --sample, --consolidate) per cfg; returns the final metrics."""
+    check_config(cfg)
+    if cfg.sample:
+        return sample_main(cfg)
+    if cfg.consolidate:
+        return consolidate_main(cfg)
+    with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
+        while True:
+            found = list_checkpoints(cfg.out_dir)
+            try:
+                return train(cfg, stop, start)
+            except torch.cuda.OutOfMemoryError:  # nothing saved: the batch in halves
+                if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
+                    raise  # under torchrun the other ranks are mid-step
+                cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // 2, grad_accum=cfg.grad_accum * 2)
+                flags = f"--batch_size={cfg.batch_size}"
+                flags += "" if cfg.total_batch else f" --grad_accum={cfg.grad_accum}"
+                print(f"out of GPU memory: starting again with {flags} (same tokens per step); "
+                      f"pass {flags} next time")
+            gc.collect()  # out here, where no traceback holds the tensors
+            torch.cuda.empty_cache()
+
 # -----------------------------------------------------------------------------
-# Machinery: the same bytes in every train_*.py (tests/test_style.py checks). Flags; a run's clock, log,
-# checkpoints, resume and rollback; the guards. The recipe above reads without it.
+# Machinery, shared by every train_*.py: flags, checkpoint I/O, guards, signals, reporting
 
 # === shared: machinery ===
 def die(msg):
