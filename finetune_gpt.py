@@ -565,10 +565,12 @@ def hf_tokenizer(tok, path):
 
 
 def main(cfg):
-    """Fine-tune (or --sample, --merge_lora, --export) per cfg; returns a dict of final metrics."""
+    """Fine-tune (or --sample, --eval_only, --merge_lora, --export) per cfg; returns a dict of final metrics."""
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
+    if cfg.eval_only:  # e.g. HellaSwag on GPT-2 itself: --init_from=gpt2
+        return tg.eval_main(cfg, cfg.ckpt or cfg.init_from or cfg.out_dir, load_model)
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
     return tg.main(cfg, FineTune())

@@ -103,6 +103,7 @@ class Config:
     # eval, logging, checkpoints
     eval_every: int = 250              # steps between evals; 0 = only at the end
     eval_tokens: int = 65536           # val tokens per periodic eval; the final eval reads up to 4M
+    eval_mc: str = ""                  # a multiple-choice JSONL scored at evals, e.g. data/hellaswag; empty = off
     log_every: int = 25                # steps between log lines
     sample_tokens: int = 200           # tokens sampled at each eval; 0 = off
     save_every: int = 0                # steps between checkpoints; 0 = only at the end
@@ -133,6 +134,7 @@ class Config:
     # sampling
     sample: bool = False               # sample from a checkpoint instead of training
     ckpt: str = ""                     # checkpoint file or directory to sample from; empty = out_dir
+    eval_only: bool = False            # score --eval_mc on --ckpt and exit
     consolidate: str = ""              # write this sharded checkpoint (an FSDP run's folder) as one file to --out_dir
     prompt: str = ""                   # text to continue; empty = start of a document
     max_new_tokens: int = 500          # tokens to generate in sample mode
@@ -305,16 +307,16 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        """idx (B, T) -> logits (B, T, V), or the mean loss given targets (B, T)."""
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None, reduction="mean"):
+        """idx (B, T) -> logits (B, T, V), or the loss of targets (B, T); -100 is no target."""
         x, w = self.hidden(idx, cache)
         if targets is not None:
-            return self.loss(x, w, targets, z_loss)
+            return self.loss(x, w, targets, z_loss, reduction)
         if cache is not None:
             cache.pos += idx.size(1)
         return self.logits(x, w)
 
-    def loss(self, x, w, targets, z_loss=0.0):
+    def loss(self, x, w, targets, z_loss=0.0, reduction="mean"):
         """Mean cross-entropy (+ z-loss) of targets from hidden states x and head w."""
         if torch.is_autocast_enabled(x.device.type):  # a custom op: cast as F.linear would
             dt = torch.get_autocast_dtype(x.device.type)
@@ -322,7 +324,8 @@ class GPT(nn.Module):
         # head and loss fused in chunks: the (B*T, V) logits never exist at once; z_loss keeps
         # the softmax normaliser near 1, which steadies bf16 training (PaLM)
         x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
-        return kernels.linear_cross_entropy(x, w, y, softcap=cap, z_loss=z_loss, classes=self.vocab_size)
+        return kernels.linear_cross_entropy(x, w, y, softcap=cap, z_loss=z_loss, reduction=reduction,
+                                            classes=self.vocab_size)
 
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x under head weight w."""
@@ -798,6 +801,76 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
           f" (the val split has {have}: read more than once)" if final and n * per_batch > have else ""))
     return rec
 
+def mc_encoder(tokenizer):
+    """The run's encode, for --eval_mc's text."""
+    encode = load_tokenizer(tokenizer)[0]
+    if encode is encode_ids:
+        die(f"--eval_mc needs the run's tokenizer ({tokenizer.get('tokenizer')}), which did not load (see above)")
+    return encode
+
+def read_choices(path, encode):
+    """[(context ids, [ending ids], label)] of a multiple-choice JSONL, HellaSwag's format:
+    {"ctx": text, "endings": [text, ...], "label": k} a line; a folder: its one .jsonl."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".jsonl"))
+        if len(files) != 1:
+            die(f"--eval_mc={path}: {len(files)} .jsonl files there; name one")
+        path = os.path.join(path, files[0])
+    items = []
+    with reading(path, "pass a JSONL file, e.g. prepare_data.py hellaswag's"), open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                d = json.loads(line)
+                ctx, ends, label = d["ctx"], d["endings"], int(d["label"])
+                ok = isinstance(ctx, str) and 0 <= label < len(ends) and all(isinstance(e, str) for e in ends)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                die(f"{path}:{i}: not a multiple-choice item; each line needs "
+                    '{"ctx": text, "endings": [text, ...], "label": index}')
+            # an ending follows its context after a space, as build-nanogpt and llm.c score it
+            items.append((encode(ctx), [encode(" " + e) for e in ends], label))
+    if not items:
+        die(f"--eval_mc={path}: no items")
+    return items
+
+def choice_losses(model, rows, ctx, device):
+    """(summed loss, token count) of each row's ending: rows are (ids, k), the ending the
+    last k ids. One forward, rows padded on the right; only ending tokens are targets."""
+    T = max(len(ids) for ids, _ in rows) - 1
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    y = torch.full((len(rows), T), -100)  # no target: the context's tokens and the padding
+    for i, (ids, k) in enumerate(rows):
+        x[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+        y[i, len(ids) - 1 - k:len(ids) - 1] = torch.tensor(ids[-k:])
+    with ctx:
+        loss = model(x.to(device), y.to(device), reduction="none").float()
+    return loss.view(len(rows), T).sum(1), (y != -100).sum(1).to(device)
+
+def score_choices(model, items, ctx, seq_len, rank, world_size, device, per_batch=16):
+    """{mc_acc, mc_acc_norm, mc_items}: the ending of lowest total loss (acc) and of lowest
+    loss per token (acc_norm) against the label. Items shard over ranks; counts all-reduce."""
+    mine = sorted(items[rank::world_size], key=lambda it: len(it[0]) + max(map(len, it[1])))
+    n_batches = math.ceil(math.ceil(len(items) / world_size) / per_batch)  # alike on every rank
+    hits = torch.zeros(3)  # acc, acc_norm, items
+    model.eval()
+    with torch.no_grad():
+        for b in range(n_batches):  # a rank out of items still runs its forward: FSDP's are collective
+            batch = mine[b * per_batch:(b + 1) * per_batch]
+            rows = [((c + e)[-seq_len - 1:], min(len(e), seq_len)) for c, ends, _ in batch for e in ends]
+            total, count = (t.cpu() for t in choice_losses(model, rows or [([0, 0], 1)], ctx, device))
+            i = 0
+            for _, ends, label in batch:
+                s, n = total[i:i + len(ends)], count[i:i + len(ends)]
+                hits += torch.tensor([s.argmin() == label, (s / n).argmin() == label, 1])
+                i += len(ends)
+    model.train()
+    if world_size > 1:
+        hits = hits.to(device)
+        dist.all_reduce(hits)
+    acc, acc_norm, n = hits.tolist()
+    return {"mc_acc": acc / n, "mc_acc_norm": acc_norm / n, "mc_items": int(n)}
+
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled from the model after --prompt (or after an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
@@ -850,6 +923,8 @@ def main(cfg, start=Start()):
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
+    if cfg.eval_only:
+        return eval_main(cfg, cfg.ckpt or cfg.out_dir, load_model)
     if cfg.consolidate:
         return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0; handlers restored on return
@@ -906,6 +981,7 @@ def train(cfg, stop, start=Start()):
                                    lanes=B * world_size * accum, vocab_size=vocab_size)
         val_loader = TokenLoader(find_shards(cfg.data_dir, "val"), B, T, rank, world_size, device, meta["eot_id"],
                                  lanes=B * world_size, vocab_size=vocab_size)
+    choices = read_choices(cfg.eval_mc, mc_encoder(tokenizer)) if cfg.eval_mc and not cfg.benchmark else None
 
     # model, optimizers and guard; the budget: steps (--max_steps or --tokens), or seconds of training
     raw = start.build(cfg, vocab_size, device, init)
@@ -991,6 +1067,10 @@ def train(cfg, stop, start=Start()):
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
             rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=done and not stopped)
+            if choices:  # multiple choice, e.g. HellaSwag: each ending's loss given its context
+                rec |= score_choices(raw, choices, ctx, cfg.seq_len, rank, world_size, device)
+                print(f"eval {step:05d} | {cfg.eval_mc}: acc_norm {rec['mc_acc_norm']:.2%} | acc {rec['mc_acc']:.2%}"
+                      f" | {rec['mc_items']} items")
             if cfg.sample_tokens:  # every rank samples (FSDP needs all of them for a forward); rank 0 prints
                 out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k,
                                 cfg.seed)
@@ -1041,6 +1121,20 @@ def load_model(where, device, weights=None):
         model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
+
+def eval_main(cfg, where, load):
+    """--eval_only: --eval_mc's accuracy of a checkpoint (load: finetune_gpt.py's reads GPT-2)."""
+    if not cfg.eval_mc:
+        die("--eval_only scores --eval_mc; pass --eval_mc=data/hellaswag (prepare_data.py hellaswag)")
+    rank, world_size, device = setup_dist(cfg.device)
+    model, tokenizer, step, path = load(where, device)
+    items = read_choices(cfg.eval_mc, mc_encoder(tokenizer))
+    ctx = setup_precision(device, cfg.dtype)[1]
+    t0 = time.perf_counter()
+    rec = score_choices(model, items, ctx, model.cfg.seq_len, rank, world_size, device)
+    print(f"# {path} (step {step}) | {cfg.eval_mc}: acc_norm {rec['mc_acc_norm']:.2%} | acc {rec['mc_acc']:.2%} | "
+          f"{rec['mc_items']} items in {time.perf_counter() - t0:.1f} s")
+    return rec
 
 def consolidate_main(cfg):
     """--consolidate: a sharded checkpoint (an FSDP run's folder or out_dir) as one ckpt_STEP.pt in --out_dir."""
