@@ -1,7 +1,7 @@
 """
 finetune_gpt.py: train_gpt.py's GPT from other weights (GPT-2, a checkpoint),
 fine-tuned whole or with LoRA, distilled from a teacher, trained on the INT8
-grid (QAT), exported as int8 or as a Hugging Face GPT-2. It runs train_gpt.py's
+grid (QAT), exported as int8 or for Hugging Face. It runs train_gpt.py's
 loop (all its flags work here), adding where a run starts (FineTune) and exports.
 
   python finetune_gpt.py --sample --init_from=gpt2 --prompt="The meaning of life is"
@@ -11,10 +11,11 @@ loop (all its flags work here), adding where a run starts (FineTune) and exports
   python finetune_gpt.py --teacher=out/gpt --n_layer=2 --out_dir=out/student  # distil
   python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat  # train on the int8 grid
   python finetune_gpt.py --export=int8 --ckpt=out/gpt_qat --out_dir=out/gpt_int8
-  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf  # for HF
+  python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf  # transformers loads it
   torchrun --nproc_per_node=8 finetune_gpt.py --preset=finetune --init_from=gpt2-xl --data_dir=data/mine_gpt2
   python finetune_gpt.py -h  # every flag, with its default
 """
+import base64
 import contextlib
 import dataclasses
 import json
@@ -22,6 +23,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,7 @@ def check_config(cfg):
 # -----------------------------------------------------------------------------
 # Model: GPT-2's weights in and out, LoRA, fake quantization, a student's loss
 
+EOT = "<|endoftext|>"  # the end-of-text token's text, as tiktoken and transformers name it
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_TOKENIZER = {"tokenizer": "gpt2", "eot_id": 50256}
 # GPT-2's architecture in train_gpt.py's flags (and MHA, scores by 1/sqrt(head dim))
@@ -394,34 +397,158 @@ def export_main(cfg):
     return result
 
 def export_hf(cfg, ckpt, path, sd):
-    """--export=hf: a GPT-2-shaped checkpoint (sd: its plain weights) as a HF folder that
-    GPT2LMHeadModel.from_pretrained loads with the same logits: the vocab's real rows
-    (ours are padded to a multiple of 64), Conv1D's (in, out) weights."""
+    """--export=hf: a checkpoint (sd: its plain weights) as a Hugging Face folder that AutoModelForCausalLM and
+    AutoTokenizer load with no code of ours: GPT-2's shape as GPT2LMHeadModel, the suite's own (RoPE, SwiGLU) as
+    StableLM (LayerNorm), Qwen3 (RMSNorm, QK-norm) or Llama (RMSNorm); the same logits, the real vocab rows only."""
     c, vocab = {**dataclasses.asdict(tg.Config()), **ckpt["config"]}, ckpt["data_info"]["vocab_size"]
-    off = [f"{k}={c[k]!r} (GPT-2: {v!r})" for k, v in {**GPT2_ARCH, "window": 0}.items() if c[k] != v]
-    off += [f"n_kv_head={c['n_kv_head']} (GPT-2: {c['n_head']} or 0)"] if c["n_kv_head"] not in (0, c["n_head"]) else []
-    if off:
-        tg.die(f"--export=hf: {path} is not GPT-2's architecture, which GPT2LMHeadModel computes: {', '.join(off)}")
-    hf = {theirs: conv1d(theirs, sd[ours]) for theirs, ours in gpt2_names(c["n_layer"]).items()}
-    hf["wte.weight"] = hf["wte.weight"][:vocab]
-    eot = ckpt["tokenizer"].get("eot_id")
-    conf = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=vocab, n_positions=c["seq_len"],
-                n_embd=c["n_embd"], n_layer=c["n_layer"], n_head=c["n_head"], layer_norm_epsilon=c["norm_eps"],
-                activation_function="gelu_new", tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+    if all(c[k] == v for k, v in GPT2_ARCH.items()) and c["window"] == 0 and c["n_kv_head"] in (0, c["n_head"]):
+        conf, hf = gpt2_hf(c, sd, vocab)
+    else:
+        conf, hf = rope_hf(c, sd, vocab, path)
+    eot, tok = ckpt["tokenizer"].get("eot_id"), hf_tokenizer(ckpt["tokenizer"], path)  # before any file is written
+    conf.update(vocab_size=vocab, bos_token_id=eot, eos_token_id=eot, torch_dtype="float32")
+    stage = tempfile.mkdtemp(prefix=".hf-", dir=os.path.dirname(os.path.abspath(cfg.out_dir)))  # then moved in
+    hf = {k: v.float().contiguous().clone() for k, v in hf.items()}  # safetensors wants no views or shared storage
+    save_file(hf, os.path.join(stage, "model.safetensors"), metadata={"format": "pt"})  # pt: transformers wants it
+    files = {"config.json": conf}
+    if tok:
+        files["tokenizer.json"], files["tokenizer_config.json"] = tok, {
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c["seq_len"], "eos_token": EOT,
+            "bos_token": EOT}
+    for name, obj in files.items():
+        with open(os.path.join(stage, name), "w") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    save_file({f"transformer.{k}": v.float().contiguous() for k, v in hf.items()},  # transformers wants pt
-              os.path.join(cfg.out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(conf, f, indent=2)
-    print(f"wrote {path} as a Hugging Face GPT-2 in {cfg.out_dir} (config.json, model.safetensors): {c['n_layer']} "
-          f"layers, width {c['n_embd']}, {c['seq_len']} positions, {vocab} {ckpt['tokenizer']['tokenizer']} tokens")
-    return {"path": cfg.out_dir}
+    for name in ["model.safetensors", *files]:
+        os.replace(os.path.join(stage, name), os.path.join(cfg.out_dir, name))
+    os.rmdir(stage)
+    print(f"wrote {path} as a Hugging Face {conf['architectures'][0]} in {cfg.out_dir} ({', '.join(files)}, "
+          f"model.safetensors): {c['n_layer']} layers, width {c['n_embd']}, {vocab} {ckpt['tokenizer']['tokenizer']} "
+          f"tokens")
+    return {"path": cfg.out_dir, "architecture": conf["architectures"][0]}
+
+def gpt2_hf(c, sd, vocab):
+    """(config, weights) of a GPT-2-shaped model as GPT2LMHeadModel's: Conv1D's (in, out) weights."""
+    hf = {f"transformer.{theirs}": conv1d(theirs, sd[ours]) for theirs, ours in gpt2_names(c["n_layer"]).items()}
+    hf["transformer.wte.weight"] = hf["transformer.wte.weight"][:vocab]
+    return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_positions=c["seq_len"], n_embd=c["n_embd"],
+                n_layer=c["n_layer"], n_head=c["n_head"], layer_norm_epsilon=c["norm_eps"],
+                activation_function="gelu_new", tie_word_embeddings=True), hf
+
+# transformers' classes that compute the suite's RoPE + SwiGLU model, by (--norm, --qk_norm): StableLM's QK-norm is a
+# LayerNorm per head (ours, shared by the heads, is copied to each), Qwen3's an RMSNorm over the head dim like ours
+HF_ARCH = {("layernorm", True): "StableLm", ("layernorm", False): "StableLm", ("rmsnorm", True): "Qwen3",
+           ("rmsnorm", False): "Llama"}
+# what none of them computes: (flag, the value they need)
+HF_NEEDS = {"pos_emb": "rope", "mlp": "swiglu", "logit_softcap": 0.0, "window": 0, "bias": False}
+
+def rope_hf(c, sd, vocab, path):
+    """(config, weights) of the suite's own architecture as StableLM, Qwen3 or Llama (HF_ARCH), muP's multipliers
+    folded in: attention's 1/(d m) as q / sqrt(m), the head's input 1/m as the final norm's gain (and bias) / m."""
+    off = [f"--{k}={c[k]}" for k, v in HF_NEEDS.items() if c[k] != v]
+    if off:
+        tg.die(f"--export=hf: {path} has {', '.join(off)}, which no transformers model we export to computes; train "
+               f"with " + ", ".join(f"--{k}={HF_NEEDS[k[2:].split('=')[0]]}" for k in off))
+    arch, nh, nkv = HF_ARCH[c["norm"], c["qk_norm"]], c["n_head"], c["n_kv_head"] or c["n_head"]
+    hd, m, ln = c["n_embd"] // nh, c["n_embd"] / c["base_width"] if c["mup"] else 1.0, c["norm"] == "layernorm"
+    zeros = torch.zeros(c["n_embd"])  # the bias of a LayerNorm that has none
+    hf = {"model.embed_tokens.weight": sd["wte.weight"][:vocab], "model.norm.weight": sd["norm.weight"] / m}
+    hf.update({"model.norm.bias": sd.get("norm.bias", zeros) / m} if ln else {})
+    hf.update({} if c["tie_embeddings"] else {"lm_head.weight": sd["head.weight"][:vocab]})
+    for i in range(c["n_layer"]):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = sd[ours + "attn.qkv.weight"].split([nh * hd, nkv * hd, nkv * hd])
+        gate, up = sd[ours + "mlp.fc.weight"].chunk(2)  # SwiGLU: silu(first half) * second half
+        norms = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2"}
+        hf.update({f"{theirs}{t}.weight": sd[f"{ours}{o}.weight"] for t, o in norms.items()})
+        hf.update({f"{theirs}{t}.bias": sd.get(f"{ours}{o}.bias", zeros) for t, o in norms.items()} if ln else {})
+        q = q if c["qk_norm"] else q / math.sqrt(m)
+        hf.update({f"{theirs}self_attn.{n}_proj.weight": w for n, w in zip("qkv", (q, k, v))})
+        hf.update({f"{theirs}self_attn.o_proj.weight": sd[ours + "attn.proj.weight"],
+                   f"{theirs}mlp.gate_proj.weight": gate, f"{theirs}mlp.up_proj.weight": up,
+                   f"{theirs}mlp.down_proj.weight": sd[ours + "mlp.proj.weight"]})
+        if c["qk_norm"]:
+            qn, kn = sd[ours + "attn.q_norm.weight"] / math.sqrt(m), sd[ours + "attn.k_norm.weight"]
+            if arch == "Qwen3":
+                hf.update({f"{theirs}self_attn.q_norm.weight": qn, f"{theirs}self_attn.k_norm.weight": kn})
+            else:  # StableLM: a LayerNorm (no bias) per head, so each head gets a copy of ours
+                hf.update({f"{theirs}self_attn.{n}_layernorm.norms.{h}.weight": w for n, w, heads in
+                           (("q", qn, nh), ("k", kn, nkv)) for h in range(heads)})
+    conf = dict(model_type=arch.lower(), architectures=[f"{arch}ForCausalLM"], hidden_size=c["n_embd"],
+                intermediate_size=gate.shape[0], num_hidden_layers=c["n_layer"], num_attention_heads=nh,
+                num_key_value_heads=nkv, hidden_act="silu", max_position_embeddings=c["seq_len"],
+                tie_word_embeddings=c["tie_embeddings"], attention_dropout=0.0,
+                rope_parameters={"rope_type": "default", "rope_theta": c["rope_base"], "partial_rotary_factor": 1.0})
+    if ln:
+        conf.update(layer_norm_eps=c["norm_eps"], qk_layernorm=c["qk_norm"], use_parallel_residual=False)
+    else:
+        conf.update(rms_norm_eps=c["norm_eps"], head_dim=hd, use_sliding_window=False)
+    return conf, hf
+
+def byte_chars():
+    """GPT-2's map of the 256 bytes to printable characters, which byte-level BPE vocabularies (tokenizer.json) use."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    return {b: chr(b if b in keep else 256 + sum(x not in keep for x in range(b))) for b in range(256)}
+
+def no_tokenizer(why):
+    print(f"warning: --export=hf writes no tokenizer: {why}", file=sys.stderr)
+
+def hf_tokenizer(tok, path):
+    """tokenizer.json of our tokenizer for transformers' fast tokenizer: byte-level BPE whose merges are recovered
+    from tiktoken's ranks (each token splits, by the merges of lower rank, into the pair whose merge made it), the
+    same pre-split pattern, and the end-of-text token; the ids equal ours on any text."""
+    name, ranks, pat = tok.get("tokenizer"), None, tok.get("pat_str")
+    if name == "byte":
+        ranks = {bytes([i]): i for i in range(256)}
+    elif name == "gpt2":
+        import tiktoken
+        try:
+            enc = tiktoken.get_encoding("gpt2")
+            ranks, pat = enc._mergeable_ranks, enc._pat_str
+        except Exception as e:  # noqa: BLE001 - offline, without tiktoken's cached files
+            return no_tokenizer(f"tiktoken cannot load gpt2 ({type(e).__name__}); set TIKTOKEN_CACHE_DIR to a cache "
+                                f"that holds it, or use GPT-2's own: AutoTokenizer.from_pretrained('gpt2')")
+    elif tok.get("ranks"):
+        ranks = {base64.b64decode(t): int(r) for t, r in map(str.split, tok["ranks"].splitlines())}
+    if ranks is None or tok.get("eot_id") != len(ranks):  # the model still goes out: a wrong tokenizer would not
+        return no_tokenizer(f"{path}'s tokenizer ({name}) has no byte-level BPE form with its end-of-text id; pass "
+                            f"text through your own tokenizer")
+    chars = byte_chars()
+
+    def text(b):
+        return "".join(chars[x] for x in b)
+
+    def halves(token, rank):  # tiktoken's BPE on the token's bytes with the merges of lower rank only: two parts
+        parts = [bytes([x]) for x in token]
+        while len(parts) > 2:
+            r, i = min((ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+            if r >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+
+    order = sorted(ranks, key=ranks.get)
+    merges = [" ".join(map(text, halves(t, ranks[t]))) for t in order if len(t) > 1]
+    if any(m.count(" ") != 1 for m in merges):
+        return no_tokenizer(f"{path}'s tokenizer ranks are not a byte-level BPE's (a token no merge makes)")
+    split = [{"type": "Split", "pattern": {"Regex": pat}, "behavior": "Isolated", "invert": False}] if pat else []
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+            "added_tokens": [{"id": len(ranks), "content": EOT, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}],
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": split + [
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                      "vocab": {text(t): ranks[t] for t in order}, "merges": merges}}
 
 def main(cfg):
-    """Fine-tune (or --sample, --merge_lora, --export) per cfg; returns a dict of final metrics."""
+    """Fine-tune (or --sample, --eval_only, --merge_lora, --export) per cfg; returns a dict of final metrics."""
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
+    if cfg.eval_only:  # e.g. HellaSwag on GPT-2 itself: --init_from=gpt2
+        return tg.eval_main(cfg, cfg.ckpt or cfg.init_from or cfg.out_dir, load_model)
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
     return tg.main(cfg, FineTune())

@@ -7,12 +7,11 @@ Text, for train_gpt.py:
     python prepare_data.py text PATH... --data_dir=data/mytext --tokenizer=gpt2
     python prepare_data.py shakespeare                     # downloads tinyshakespeare (1.1 MB)
     python prepare_data.py fineweb --shards=10             # downloads GPT-2 tokenized FineWeb-10B, 100M tokens a shard
+    python prepare_data.py hellaswag                       # downloads HellaSwag's 10,042 val items, for --eval_mc
 
-A text data dir holds llm.c shards train_000000.bin, ..., val_000000.bin, ... (a header of 256 int32:
-magic 20240520, version 1, token count; then the uint16 tokens) in which every document is written as
-[EOT] + tokens(document), and meta.json, written last: a dir without meta.json is not prepared.
---tokenizer: byte (UTF-8 bytes 0..255, EOT 256), gpt2 (tiktoken, EOT 50256), or bpe:N (a byte-level BPE
-trained on the train split, N tokens in all, saved as tokenizer.tiktoken, EOT N-1).
+A text data dir holds llm.c shards (train_000000.bin, ..., val_000000.bin, ...; each document as [EOT] + tokens)
+and meta.json, written last: a dir without meta.json is not prepared. --tokenizer: byte (EOT 256), gpt2 (tiktoken,
+EOT 50256), or bpe:N (a byte-level BPE trained on the train split, N tokens in all, EOT N-1). docs/data.md has more.
 
 Images, for train_vit.py and train_diffusion.py:
     python prepare_data.py shapes                          # no network: 10 procedural shapes, 50,000 + 10,000 images
@@ -20,10 +19,8 @@ Images, for train_vit.py and train_diffusion.py:
     python prepare_data.py mnist                           # downloads MNIST (12 MB); fashion_mnist (31 MB) too
     python prepare_data.py imagefolder PATH --image_size=64   # your images, PATH/CLASS/*.png|jpg|jpeg|bmp|webp
 
-An image data dir holds train_images.npy and val_images.npy, uint8 (N, H, W, C), train_labels.npy and
-val_labels.npy, int64 (N,), and meta.json, written last: format "trainsuite-image-1", classes, num_classes,
-image_size [H, W], channels, mean and std per channel (of the train pixels in [0, 1]), splits, and flip_ok (is a
-mirror image still a sample of its class: the trainers flip only then; --flip_ok says so for imagefolder).
+An image data dir holds {train,val}_images.npy, uint8 (N, H, W, C), {train,val}_labels.npy, int64, and meta.json,
+written last: classes, image_size, channels, the train pixels' mean and std, and flip_ok (the trainers flip only then).
 """
 import argparse
 import base64
@@ -55,6 +52,7 @@ import tiktoken
 # -----------------------------------------------------------------------------
 # Config
 
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
 GPT2_URL = "https://huggingface.co/openai-community/"  # + MODEL/resolve/main/FILE
@@ -216,8 +214,7 @@ def make_tokenizer(spec, train_docs, out_dir):
 # Downloads: the only network access in trainsuite
 
 def download(url, path, instead="'python prepare_data.py stdlib' or 'python prepare_data.py text PATH...'"):
-    """Fetch url to path with a progress bar, resuming from path.part; skip it if path exists. instead: the offline
-    alternatives that the error names."""
+    """Fetch url to path (kept if there) with progress, resuming from path.part; `instead`: the offline way."""
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,6 +236,8 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
                               f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
             print(file=sys.stderr)
     except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
+        if not any(path.parent.iterdir()):  # nothing came: no empty folder is left (a partial download stays)
+            path.parent.rmdir()
         fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use {instead} instead")
     if total and n != total:
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
@@ -266,8 +265,7 @@ def split_files(named, val_percent):
 
 
 def junk_reason(doc):
-    """Why a document is pathological, or None: mostly not text (control characters, undecodable bytes shown as
-    U+FFFD) or one character repeated 1,000+ times. Such documents waste tokens and can set off loss spikes."""
+    """Why a document wastes tokens and can set off loss spikes (mostly not text, or a character 1,000+ times)."""
     if len(regex.findall(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]", doc)) > 0.01 * len(doc):
         return "binary or mis-encoded"
     if regex.search(r"(.)\1{999}", doc, regex.S):
@@ -400,15 +398,17 @@ UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of ea
 def prepare_gpt2(args):
     """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
     out = Path(args.data_dir or f"models/{args.model}")  # download() makes it
-    try:
-        for name in ("config.json", "model.safetensors"):
-            download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name, instead="--init_from=FOLDER with a "
-                     "Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
-    except SystemExit:
-        if not any(out.iterdir()):  # nothing came: no empty folder is left behind (a partial download stays, to resume)
-            out.rmdir()
-        raise
+    for name in ("config.json", "model.safetensors"):
+        download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name, instead="--init_from=FOLDER with a "
+                 "Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
     print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
+
+
+def prepare_hellaswag(args):
+    """HellaSwag's val set (Zellers et al. 2019) for train_gpt.py --eval_mc: a context and 4 endings a JSON line."""
+    path = Path(args.data_dir) / "hellaswag_val.jsonl"
+    download(HELLASWAG_URL, path, instead="--eval_mc=FILE, items of your own (a JSON line each: ctx, endings, label)")
+    print(f"{sum(1 for line in path.open() if line.strip()):,} items in {path}: train_gpt.py --eval_mc={path}")
 
 
 def shape_mask(k, u, v):
@@ -572,8 +572,7 @@ def list_images(root):
 
 
 def load_images(paths, size, split):
-    """Images as uint8 (N, size, size, 3): each converted to RGB, its centre square cropped and resized to size x size
-    (bilinear, as torchvision's Resize(size) then CenterCrop(size)); and whether all of them were grayscale."""
+    """(uint8 (N, size, size, 3), all grayscale?): RGB, the centre square resized (torchvision's Resize+CenterCrop)."""
     try:  # only this command needs Pillow
         from PIL import Image, ImageOps
     except ImportError:
@@ -594,8 +593,7 @@ def load_images(paths, size, split):
 
 
 def source_imagefolder(args):
-    """Your own images, torchvision's ImageFolder layout: PATH/CLASS/*.png|jpg|jpeg|bmp|webp, classes sorted by name.
-    Val is --val=PATH, or else a --val_fraction of each class chosen by a hash of its path."""
+    """Your images as PATH/CLASS/*.png (ImageFolder's layout); val: --val=PATH, or --val_fraction by path hash."""
     root = Path(args.path)
     if args.image_size < 1 or not 0 < args.val_fraction < 1:
         fail("need --image_size >= 1 and 0 < --val_fraction < 1")
@@ -720,6 +718,8 @@ def main(argv=None):
     p = command("gpt2", "GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)", run=prepare_gpt2)
     p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
     p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")
+    p = command("hellaswag", "HellaSwag's val set, for train_gpt.py --eval_mc (downloads 11 MB)", run=prepare_hellaswag)
+    p.add_argument("--data_dir", default="data/hellaswag")
     p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
     p.add_argument("--data_dir", default="data/shapes")
     p.add_argument("--image_size", type=int, default=32, help="height and width in pixels")

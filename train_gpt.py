@@ -102,6 +102,7 @@ class Config:
     # eval, logging, checkpoints
     eval_every: int = 250  # steps; 0 = only at the end
     eval_tokens: int = 65536  # a periodic eval's; the final's <= 4M
+    eval_mc: str = ""  # multiple choice scored at evals: data/hellaswag
     log_every: int = 25  # steps between log lines
     sample_tokens: int = 200  # sampled at each eval; 0 = off
     save_every: int = 0  # steps; 0 = only at the end
@@ -132,6 +133,7 @@ class Config:
     # sampling
     sample: bool = False  # sample from a checkpoint, don't train
     ckpt: str = ""  # checkpoint to sample; empty = out_dir
+    eval_only: bool = False  # score --eval_mc on --ckpt and exit
     consolidate: str = ""  # FSDP checkpoint to write as one file
     prompt: str = ""  # text to continue
     max_new_tokens: int = 500
@@ -305,17 +307,17 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def forward(self, idx, targets=None, z_loss=0.0, cache=None):
-        """idx (B, T) -> logits (B, T, V), or the loss of targets."""
+    def forward(self, idx, targets=None, z_loss=0.0, cache=None, reduction="mean"):
+        """idx (B, T) -> logits (B, T, V), or the loss of targets (-100: none)."""
         x, w = self.hidden(idx, cache)
         if targets is not None:
-            return self.loss(x, w, targets, z_loss)
+            return self.loss(x, w, targets, z_loss, reduction)
         if cache is not None:
             cache.pos += idx.size(1)
         return self.logits(x, w)
 
-    def loss(self, x, w, targets, z_loss=0.0):
-        """Mean cross-entropy (+ z-loss) of hidden states x, head w."""
+    def loss(self, x, w, targets, z_loss=0.0, reduction="mean"):
+        """Cross-entropy (+ z-loss) of hidden states x, head w."""
         if torch.is_autocast_enabled(x.device.type):  # as F.linear
             dt = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dt), w.to(dt)
@@ -324,7 +326,7 @@ class GPT(nn.Module):
         cap = self.cfg.logit_softcap or None
         return kernels.linear_cross_entropy(
             x.flatten(0, 1), w, targets.reshape(-1), softcap=cap,
-            z_loss=z_loss, classes=self.vocab_size)
+            z_loss=z_loss, reduction=reduction, classes=self.vocab_size)
 
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x."""
@@ -797,6 +799,80 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     print(line)
     return rec
 
+def mc_encoder(tokenizer):
+    """The run's encode, for --eval_mc's text."""
+    encode = load_tokenizer(tokenizer)[0]
+    if encode is encode_ids:
+        die(f"--eval_mc needs the run's tokenizer ({tokenizer.get('tokenizer')}), "
+            "which did not load (see above)")
+    return encode
+
+def read_choices(path, encode):
+    """[(context ids, [ending ids], label)] of a JSONL in HellaSwag's format,
+    {"ctx": text, "endings": [text, ...], "label": k}; of a folder: its .jsonl."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".jsonl"))
+        if len(files) != 1:
+            die(f"--eval_mc={path}: {len(files)} .jsonl files there; name one")
+        path = os.path.join(path, files[0])
+    items = []
+    with reading(path, "pass a JSONL file"), open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                d = json.loads(line)
+                ctx, ends, label = d["ctx"], d["endings"], int(d["label"])
+                ok = isinstance(ctx, str) and 0 <= label < len(ends)
+                ok = ok and all(isinstance(e, str) for e in ends)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                die(f"{path}:{i}: not a multiple-choice item; each line needs "
+                    '{"ctx": text, "endings": [text, ...], "label": index}')
+            # an ending follows its context after a space (build-nanogpt, llm.c)
+            items.append((encode(ctx), [encode(" " + e) for e in ends], label))
+    if not items:
+        die(f"--eval_mc={path}: no items")
+    return items
+
+def choice_losses(model, rows, ctx, device):
+    """(summed loss, tokens) of each row's ending; rows: (ids, k), the ending
+    the last k ids. One forward, right-padded; only the endings are targets."""
+    T = max(len(ids) for ids, _ in rows) - 1
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    y = torch.full((len(rows), T), -100)  # no target: context and padding
+    for i, (ids, k) in enumerate(rows):
+        x[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+        y[i, len(ids) - 1 - k:len(ids) - 1] = torch.tensor(ids[-k:])
+    with ctx:
+        loss = model(x.to(device), y.to(device), reduction="none").float()
+    return loss.view(len(rows), T).sum(1).cpu(), (y != -100).sum(1)
+
+def score_choices(model, items, ctx, seq_len, rank, world_size, device, what,
+                  per_batch=16):
+    """{mc_acc, mc_acc_norm, mc_items}: is the ending of least loss (acc), of
+    least loss a token (acc_norm), the label? Items shard over the ranks."""
+    mine = sorted(items[rank::world_size], key=lambda it: len(it[0]) + len(it[1][0]))
+    n_batches = math.ceil(math.ceil(len(items) / world_size) / per_batch)
+    hits = torch.zeros(3)  # acc, acc_norm, items
+    model.eval()
+    with torch.no_grad():
+        for b in range(n_batches):  # alike on every rank: FSDP's forwards are collective
+            batch = mine[b * per_batch:(b + 1) * per_batch]
+            rows = [((c + e)[-seq_len - 1:], min(len(e), seq_len))
+                    for c, ends, _ in batch for e in ends]
+            total, count = choice_losses(model, rows or [([0, 0], 1)], ctx, device)
+            for _, ends, label in batch:
+                s, n = total[:len(ends)], count[:len(ends)]
+                total, count = total[len(ends):], count[len(ends):]
+                hits += torch.tensor([s.argmin() == label, (s / n).argmin() == label, 1])
+    model.train()
+    hits = hits.to(device)
+    if world_size > 1:
+        dist.all_reduce(hits)
+    acc, acc_norm, n = hits.tolist()
+    print(f"{what}: acc_norm {acc_norm / n:.2%} | acc {acc / n:.2%} | {n:.0f} items")
+    return {"mc_acc": acc / n, "mc_acc_norm": acc_norm / n, "mc_items": int(n)}
+
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled after prompt (or an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
@@ -888,6 +964,7 @@ def train(cfg, stop, start=Start()):
                                    device=device, eot=meta["eot_id"], vocab_size=vocab_size)
         train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
         val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
+    choices = cfg.eval_mc and not cfg.benchmark and read_choices(cfg.eval_mc, mc_encoder(tokenizer))
 
     # model, optimizers, guard; the budget: steps (--max_steps or --tokens), or seconds
     raw = start.build(cfg, vocab_size, device, init)
@@ -973,6 +1050,8 @@ def train(cfg, stop, start=Start()):
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
             rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=done and not stopped)
+            if choices:  # e.g. HellaSwag: each ending's loss given its context
+                rec |= score_choices(raw, choices, ctx, T, rank, world_size, device, f"eval {step:05d} | {cfg.eval_mc}")
             if cfg.sample_tokens:  # every rank: an FSDP forward needs all
                 out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature,
                                 cfg.top_k, cfg.seed)
@@ -1025,6 +1104,19 @@ def sample_main(cfg):
     print(f"# {path} (step {step})\n{text}")
     return {"text": text, "ids": ids}
 
+def eval_main(cfg, where, load):
+    """--eval_only: --eval_mc's accuracy of a checkpoint (or GPT-2: load)."""
+    if not cfg.eval_mc:
+        die("--eval_only scores --eval_mc; pass --eval_mc=data/hellaswag")
+    rank, world_size, device = setup_dist(cfg.device)
+    model, tokenizer, step, path = load(where, device)
+    items = read_choices(cfg.eval_mc, mc_encoder(tokenizer))
+    ctx, t0 = setup_precision(device, cfg.dtype)[1], time.perf_counter()
+    rec = score_choices(model, items, ctx, model.cfg.seq_len, rank, world_size, device,
+                        f"# {path} (step {step}) | {cfg.eval_mc}")
+    print(f"{rec['mc_items']} items in {time.perf_counter() - t0:.1f} s")
+    return rec
+
 def consolidate_main(cfg):
     """--consolidate: an FSDP run's sharded checkpoint as one file in --out_dir."""
     ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
@@ -1068,10 +1160,12 @@ def check_config(cfg):
         die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
 
 def main(cfg, start=Start()):
-    """Train (or --benchmark, --sample, --consolidate) per cfg; returns the final metrics."""
+    """Train (or --benchmark, --sample, --eval_only, --consolidate) per cfg; returns the final metrics."""
     check_config(cfg)
     if cfg.sample:
         return sample_main(cfg)
+    if cfg.eval_only:
+        return eval_main(cfg, cfg.ckpt or cfg.out_dir, load_model)
     if cfg.consolidate:
         return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0

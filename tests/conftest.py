@@ -39,3 +39,19 @@ def write_corpus(path, n_train=300, n_val=30):
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def hellaswag_items(n, seed=0):
+    """n items in HellaSwag's exact JSONL format (hellaswag_val.jsonl's keys), Python-like so the test corpora's
+    tokenizers cover them; label k is the ending that follows its context's pattern."""
+    rng, items = random.Random(seed), []
+    for i in range(n):
+        name, arg, k = rng.choice(["area", "scale", "total", "mean"]), rng.choice("xyz"), rng.randint(1, 9)
+        ctx_a, ctx_b = f"def {name}_{i % 7}({arg}):", f"return {arg} *"
+        endings = [f"{k} + math.sqrt({arg})", f"{arg}{arg}{arg} ((", f"import import {k}", f"= = {name} def"]
+        label = rng.randrange(4)
+        endings[0], endings[label] = endings[label], endings[0]
+        items.append({"ind": i, "activity_label": "Python", "ctx_a": ctx_a, "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}",
+                      "endings": endings, "source_id": f"test~{i}", "split": "val", "split_type": "indomain",
+                      "label": label})
+    return items

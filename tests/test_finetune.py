@@ -357,7 +357,7 @@ def test_resume_shares_the_adapters(gpt2_corpus, tmp_path):
 def test_export_hf_round_trips_with_equal_logits(corpus, gpt2_corpus, tmp_path):
     """--export=hf of GPT-2 fine-tuned with LoRA on the 4-bit grid (QAT) writes config.json and model.safetensors
     with the 320 real vocabulary rows, not the 384 padded ones; imported back as GPT-2, its logits are those of the
-    model as it trained (adapters beside the frozen rounded weights). Another architecture stops in one line."""
+    model as it trained (adapters beside the frozen rounded weights). The suite's own shape goes out as StableLM."""
     from safetensors.torch import load_file
     gpt2_folder(tmp_path / "gpt2")
     ft.main(ft_tiny(gpt2_corpus, tmp_path / "run", init_from=str(tmp_path / "gpt2"), lora_rank=2, qat=4, max_steps=3,
@@ -376,11 +376,9 @@ def test_export_hf_round_trips_with_equal_logits(corpus, gpt2_corpus, tmp_path):
     with torch.no_grad():
         assert back.cfg.seq_len == 32 and (back(idx) - trained.eval()(idx)).abs().max() < 1e-5
         assert (back(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
-    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1))
-    with pytest.raises(SystemExit) as e:
-        ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "rope"), out_dir=str(tmp_path / "hf2")))
-    assert "is not GPT-2's architecture" in str(e.value) and "pos_emb='rope' (GPT-2: 'learned')" in str(e.value)
-    assert "qk_norm=True (GPT-2: False)" in str(e.value) and "\n" not in str(e.value)
+    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1))  # the suite's own shape goes out as another class
+    r = ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "rope"), out_dir=str(tmp_path / "hf2")))
+    assert r["architecture"] == "StableLmForCausalLM"
 
 
 def test_export_hf_loads_in_transformers(gpt2_corpus, tmp_path):
@@ -406,3 +404,101 @@ def test_the_docstring_commands_parse():
     assert len(lines) >= 9, lines
     for argv in (shlex.split(ln) for ln in lines if not ln.rstrip().endswith(" -h")):
         assert run_command(argv, execute=False) is not None, argv
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(tmp_path_factory):
+    """Python-like text as prepare_data.py's own byte-level BPE of 400 tokens, whole files held out for val."""
+    from conftest import python_like_docs
+    src = tmp_path_factory.mktemp("bpe_src")
+    for i, doc in enumerate(python_like_docs(80, 3)):
+        (src / f"m{i}.py").write_text(doc + "\nname = 'héllo wörld'  # ünïcödé, tabs\t and  spaces\n")
+    out = tmp_path_factory.mktemp("bpe")
+    import prepare_data
+    prepare_data.main(["text", str(src), f"--data_dir={out}", "--val_percent=20", "--tokenizer=bpe:400"])
+    return out
+
+
+def random_run(corpus, out, **kw):
+    """A one-step run whose weights are then all random, norm gains around 1 (its init leaves the output projections
+    and head at zero): an export matches it only if every tensor is mapped to its place."""
+    tg.main(tiny(corpus, out, max_steps=1, dtype="float32", **kw))
+    path = tg.list_checkpoints(str(out))[-1][1]
+    ckpt, g = torch.load(path, weights_only=True), torch.Generator().manual_seed(7)
+    ckpt["model"] = {k: torch.randn(v.shape, generator=g) * 0.3 + (k.endswith("norm.weight") or "norm1" in k or
+                     "norm2" in k) * (not k.endswith("bias")) for k, v in ckpt["model"].items()}
+    torch.save(ckpt, path)
+    return out
+
+
+# the suite's shapes, each with the transformers class that must compute it: the CPU default (LayerNorm, QK-norm,
+# SwiGLU, RoPE, untied), GQA, tied embeddings, muP, no QK-norm, and the GPT-2 presets' RMSNorm at GPT-2's vocabulary
+SHAPES = [({}, "StableLmForCausalLM"), ({"n_kv_head": 2}, "StableLmForCausalLM"),
+          ({"tie_embeddings": True, "qk_norm": False}, "StableLmForCausalLM"),
+          ({"mup": True, "base_width": 32}, "StableLmForCausalLM"),
+          ({"norm": "rmsnorm", "n_kv_head": 2}, "Qwen3ForCausalLM"),
+          ({"norm": "rmsnorm", "qk_norm": False, "mup": True, "base_width": 16}, "LlamaForCausalLM"),
+          ({"norm": "rmsnorm", "vocab_size": 50257, "n_layer": 1}, "Qwen3ForCausalLM")]
+
+
+@pytest.mark.parametrize("kw, arch", SHAPES, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items())
+                         if isinstance(s, dict) else s)
+def test_export_hf_of_the_suites_own_shapes_loads_and_matches(bpe_corpus, tmp_path, kw, arch):
+    """--export=hf maps each shape the suite trains onto a transformers class that loads with no code of ours: the
+    logits equal ours to 1e-4 (fp32, CPU) on random weights, and greedy continuation is the same text."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only oracle, not installed here")
+    run = random_run(bpe_corpus, tmp_path / "run", **kw)
+    r = ft.main(ft.Config(export="hf", ckpt=str(run), out_dir=str(tmp_path / "hf")))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = ft.load_model(str(run), torch.device("cpu"))[0]
+    assert r["architecture"] == type(theirs).__name__ == arch
+    idx = torch.randint(0, ours.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = ours(idx), theirs(idx).logits
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-4 and a.std() > 0.1
+        greedy = theirs.generate(idx[:1, :8], max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert greedy.tolist() == ours.generate(idx[:1, :8], 12, temperature=0).tolist()
+
+
+def test_export_hf_tokenizer_encodes_as_prepare_data_did(bpe_corpus, corpus, tmp_path, monkeypatch):
+    """The exported tokenizer.json, through AutoTokenizer, gives the ids prepare_data.py wrote for the val split (the
+    suite's BPE) and a byte run's ids; GPT-2 tokens get GPT-2's ranks (here a stand-in encoding named gpt2)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only oracle, not installed here")
+    import prepare_data
+    import tiktoken
+    import tiktoken.load
+    for data, name in ((bpe_corpus, "bpe"), (corpus, "byte")):
+        tg.main(tiny(data, tmp_path / name, max_steps=1))
+        ft.main(ft.Config(export="hf", ckpt=str(tmp_path / name), out_dir=str(tmp_path / f"hf_{name}")))
+        tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / f"hf_{name}"))
+        ids = prepare_data.read_shard(next((data).glob("val_*.bin"))).tolist()
+        eot = json.loads((data / "meta.json").read_text())["eot_id"]
+        docs, cur = [], []
+        for i in ids + [eot]:  # the val split is EOT, doc, EOT, doc, ...
+            if i == eot and cur:
+                docs.append(cur)
+            cur = [] if i == eot else cur + [i]
+        assert len(docs) > 3 and all(tok(tok.decode(d))["input_ids"] == d for d in docs)
+        assert tok.eos_token_id == eot and tok.convert_ids_to_tokens(eot) == "<|endoftext|>"
+    bpe = json.loads((bpe_corpus / "meta.json").read_text())
+    enc = tiktoken.Encoding("gpt2", pat_str=bpe["pat_str"], mergeable_ranks=tiktoken.load.load_tiktoken_bpe(
+        str(bpe_corpus / "tokenizer.tiktoken")), special_tokens={"<|endoftext|>": bpe["eot_id"]})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: enc)
+    text = "def área(x):\n    return x * 2  # ünïcödé\n\n\n"
+    spec = ft.hf_tokenizer({"tokenizer": "gpt2", "eot_id": bpe["eot_id"]}, "x")
+    (tmp_path / "tj").mkdir()
+    (tmp_path / "tj" / "tokenizer.json").write_text(json.dumps(spec))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tj" / "tokenizer.json"))
+    assert tok(text)["input_ids"] == enc.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("kw, flag", [({"logit_softcap": 30.0}, "--logit_softcap=30.0"), ({"window": 8}, "--window=8"),
+                                      ({"mlp": "relu2"}, "--mlp=relu2"), ({"pos_emb": "learned"}, "--pos_emb=learned"),
+                                      ({"bias": True}, "--bias=True")])
+def test_export_hf_refuses_what_no_transformers_model_computes(corpus, tmp_path, kw, flag):
+    """A flag with no equivalent in the classes we export to stops the export in one line that names it, and
+    nothing is written."""
+    tg.main(tiny(corpus, tmp_path / "run", max_steps=1, **kw))
+    with pytest.raises(SystemExit) as e:
+        ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "run"), out_dir=str(tmp_path / "hf")))
+    assert flag in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "hf").exists()

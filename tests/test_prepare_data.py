@@ -384,6 +384,24 @@ def test_offline_download_is_a_one_line_error(tmp_path, monkeypatch):
     assert error_of(["gpt2", f"--data_dir={tmp_path / 'gpt2'}"]).endswith(
         "offline? use --init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors) instead")
     assert not (tmp_path / "gpt2").exists()  # nothing fetched, nothing left behind
+    monkeypatch.setattr(pd, "HELLASWAG_URL", (tmp_path / "nowhere" / "hellaswag_val.jsonl").as_uri())
+    assert error_of(["hellaswag", f"--data_dir={tmp_path / 'hs'}"]).endswith("offline? use --eval_mc=FILE, items of "
+                                                                             "your own (a JSON line each: ctx, endings, label) instead")
+    assert not (tmp_path / "hs").exists()
+
+
+def test_hellaswag_is_fetched_once_as_it_is(tmp_path, monkeypatch, capsys):
+    """prepare_data.py hellaswag keeps the val set's JSONL as published (the trainers tokenize it with their own
+    tokenizer) and counts its items; a second run downloads nothing."""
+    from conftest import hellaswag_items
+    src = tmp_path / "hellaswag_val.jsonl"
+    src.write_text("".join(json.dumps(item) + "\n" for item in hellaswag_items(25)))
+    monkeypatch.setattr(pd, "HELLASWAG_URL", src.as_uri())
+    pd.main(["hellaswag", f"--data_dir={tmp_path / 'hs'}"])
+    assert (tmp_path / "hs" / "hellaswag_val.jsonl").read_bytes() == src.read_bytes()
+    assert "25 items in" in capsys.readouterr().out
+    src.unlink()
+    pd.main(["hellaswag", f"--data_dir={tmp_path / 'hs'}"])  # the file is there: nothing is fetched
 
 
 # -----------------------------------------------------------------------------

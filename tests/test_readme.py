@@ -2,6 +2,7 @@
 output shows) parses under its script's own parser, and every one a CPU can run offline in one process runs, shrunk,
 in order, on small data this test makes. WORKSHOP.md is tests/test_workshop.py's."""
 import glob
+import json
 import os
 import re
 import shlex
@@ -14,7 +15,7 @@ import pytest
 import finetune_gpt
 import prepare_data
 from commands import FENCES, ROOT, commands, run_command, split_env, workshop_tiny, write_scratch_data
-from conftest import python_like_docs, write_corpus
+from conftest import hellaswag_items, python_like_docs, write_corpus
 from test_finetune import GPT2, gpt2_folder
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
@@ -24,7 +25,8 @@ COMMANDS = [(f"{doc}:{n}", argv) for doc in DOCS for _, n, argv in commands(os.p
 SHOWN = [(f"{doc}:{n}", argv) for doc in DOCS for _, n, argv in commands(os.path.join(ROOT, doc), shown=True)]
 
 # what cannot run here decides parse-only: a download, a GPU, several processes, an install, the suite itself
-DOWNLOADS = ("fineweb", "shakespeare", "cifar10", "cifar100", "mnist", "fashion_mnist", "gpt2")  # prepare_data.py's
+DOWNLOADS = ("fineweb", "shakespeare", "cifar10", "cifar100", "mnist", "fashion_mnist", "gpt2",
+             "hellaswag")  # prepare_data.py's
 GPU_PRESETS = ("gpt2_124m", "gpt2_350m", "cifar10")  # sizes written for a GPU (train_gpt, train_vit, train_diffusion)
 # commands that fail when run, for a bug in a script that is being fixed elsewhere: {command: (what its error says,
 # why)}. Each must still fail with that error, so an entry goes once the bug is fixed and hides nothing else
@@ -126,6 +128,9 @@ def scratch(tmp_path_factory):
             (d / folder / f"note_{i}.py").parent.mkdir(exist_ok=True)
             (d / folder / f"note_{i}.py").write_text(doc)
     (d / "book.txt").write_text("\n".join(python_like_docs(20, 3)))
+    (d / "data" / "hellaswag").mkdir()  # what prepare_data.py hellaswag writes: HellaSwag's val JSONL
+    (d / "data" / "hellaswag" / "hellaswag_val.jsonl").write_text("".join(json.dumps(it) + "\n" for it in
+                                                                          hellaswag_items(8)))
     from PIL import Image
     images, _ = prepare_data.make_shapes(3, 16, 5)
     (d / "my_images").mkdir()
