@@ -323,10 +323,11 @@ class GPT(nn.Module):
             x, w = x.to(dt), w.to(dt)
         # head and loss in chunks: never all (B*T, V) logits at once;
         # z_loss keeps the softmax's normaliser near 1 (PaLM)
-        cap = self.cfg.logit_softcap or None
-        return kernels.linear_cross_entropy(
-            x.flatten(0, 1), w, targets.reshape(-1), softcap=cap,
-            z_loss=z_loss, reduction=reduction, classes=self.vocab_size)
+        x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
+        keep = y != -100 if reduction == "none" else slice(None)  # --eval_mc: where a target is
+        out = kernels.linear_cross_entropy(x[keep], w, y[keep], softcap=cap, z_loss=z_loss,
+                                           reduction=reduction, classes=self.vocab_size)
+        return out if reduction != "none" else out.new_zeros(y.shape).masked_scatter(keep, out)
 
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x."""
@@ -848,10 +849,12 @@ def choice_losses(model, rows, ctx, device):
     return loss.view(len(rows), T).sum(1).cpu(), (y != -100).sum(1)
 
 def score_choices(model, items, ctx, seq_len, rank, world_size, device, what,
-                  per_batch=16):
+                  per_batch=0):
     """{mc_acc, mc_acc_norm, mc_items}: is the ending of least loss (acc), of
     least loss a token (acc_norm), the label? Items shard over the ranks."""
     mine = sorted(items[rank::world_size], key=lambda it: len(it[0]) + len(it[1][0]))
+    # items per forward: one on a CPU, where more were slower (they pad), many on a GPU
+    per_batch = per_batch or (16 if device.type == "cuda" else 1)
     n_batches = math.ceil(math.ceil(len(items) / world_size) / per_batch)
     hits = torch.zeros(3)  # acc, acc_norm, items
     model.eval()

@@ -63,7 +63,7 @@ def test_scorer_equals_the_definition(vocab_size):
     total, count = tg.choice_losses(model, rows, tg.contextlib.nullcontext(), torch.device("cpu"))
     assert count.tolist() == [n for _, n in per_ending]  # the ending's tokens, not the context's nor the padding
     torch.testing.assert_close(total, torch.tensor([s for s, _ in per_ending]), rtol=1e-4, atol=1e-4)
-    rec = tg.score_choices(model, items, tg.contextlib.nullcontext(), 128, 0, 1, torch.device("cpu"), per_batch=5)
+    rec = tg.score_choices(model, items, tg.contextlib.nullcontext(), 128, 0, 1, torch.device("cpu"), "mc", per_batch=5)
     assert (rec["mc_acc"], rec["mc_acc_norm"], rec["mc_items"]) == (acc, acc_norm, 24)
     assert acc != acc_norm or len({round(s, 3) for s, _ in per_ending}) > 1  # the two scores are not one in disguise
 
