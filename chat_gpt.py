@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -36,7 +37,6 @@ import train_gpt as tg
 
 # -----------------------------------------------------------------------------
 # Config
-
 
 @dataclass
 class Config(ft.Config):
@@ -59,17 +59,13 @@ class Config(ft.Config):
     eval_every: int = 100              # steps between val-loss evals; 0 = only at the end
     max_new_tokens: int = 200          # --chat: tokens of a reply at most
 
-
 PRESETS = ft.PRESETS
 ROLES = ("system", "user", "assistant")
 SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # a role's turn opens; every turn ends
 
-
 def check_config(cfg):
     """finetune_gpt.py's checks, then chat's, each a one-line message that names the fix."""
     ft.check_config(cfg)
-    if cfg.prepare and cfg.chat:
-        tg.die("--prepare makes data and --chat talks to a model; pass one of them")
     if not 0 < cfg.val_percent < 100 or cfg.conversations < 2 or cfg.eval_turns < 0:
         tg.die("need 0 < --val_percent < 100, --conversations >= 2 and --eval_turns >= 0")
     if cfg.parallel == "fsdp" or cfg.teacher or cfg.qat:
@@ -77,7 +73,6 @@ def check_config(cfg):
 
 # -----------------------------------------------------------------------------
 # The chat template: special tokens in rows that no text reaches
-
 
 def make_template(tok, vocab_size):
     """The template of a model of vocab_size tokens: SPECIALS take the ids from vocab_size on (GPT-2's 50,257 are
@@ -91,10 +86,9 @@ def make_template(tok, vocab_size):
     ids = {s: vocab_size + i for i, s in enumerate(SPECIALS)}
     return {"bos": tok["eot_id"], "specials": ids, "vocab_size": vocab_size + len(SPECIALS)}
 
-
 def render(messages, tpl, encode):
-    """(ids, mask) of a conversation: bos, then <|role|> text <|end|> a turn. mask: 1 on what the assistant says
-    (its text and its <|end|>: it learns to stop), 2 on the conversation's first token (where one starts), else 0."""
+    """(ids, mask): bos, then <|role|> text <|end|> a turn. mask 1: the assistant's text and <|end|> (it learns to
+    stop); 2: the first token (a conversation starts); else 0."""
     sp = tpl["specials"]
     ids, mask = [tpl["bos"]], [2]
     for m in messages:
@@ -104,26 +98,18 @@ def render(messages, tpl, encode):
         mask += [0] + [said] * (len(text) + 1)
     return ids, mask
 
-
-def prompt_ids(messages, tpl, encode):
-    """The ids that ask for the assistant's next turn: the conversation so far, then <|assistant|>."""
-    return render(messages, tpl, encode)[0] + [tpl["specials"]["<|assistant|>"]]
-
-
-def show(ids, tpl, decode):
-    """Text of ids with the template's tokens written out (decode alone drops them)."""
-    names, out, run = {v: k for k, v in tpl["specials"].items()}, [], []
-    for i in [*ids, None]:
-        if i is None or i in names:
-            out += [decode(run), names.get(i, "")]
-            run = []
-        else:
-            run.append(i)
-    return "".join(out)
+def parse(ids, tpl, decode):
+    """The messages of a rendered conversation: render's inverse."""
+    roles, msgs = {tpl["specials"][f"<|{r}|>"]: r for r in ROLES}, []
+    for i in ids[1:]:
+        if i in roles:
+            msgs.append({"role": roles[i], "content": []})
+        elif i != tpl["specials"]["<|end|>"]:
+            msgs[-1]["content"].append(i)
+    return [{"role": m["role"], "content": decode(m["content"])} for m in msgs]
 
 # -----------------------------------------------------------------------------
 # Data: conversations as token shards with a parallel mask shard
-
 
 def arithmetic(n, seed):
     """n dialogues of sums and differences of numbers under 100, one to three questions each, some after a system
@@ -139,10 +125,8 @@ def arithmetic(n, seed):
         out.append({"messages": msgs})
     return out
 
-
 def read_conversations(path, tpl, encode, seq_len):
-    """[(ids, mask)] of a JSONL of {"messages": [{"role": ..., "content": ...}, ...]} a line (OpenAI's and most
-    SFT sets' format); a bad line stops the run with its file, line and fix."""
+    """[(ids, mask)] of a JSONL of {"messages": [{"role", "content"}, ...]} lines (most SFT sets' format)."""
     out = []
     with tg.reading(path, "pass a JSONL file of conversations"), open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
@@ -163,21 +147,16 @@ def read_conversations(path, tpl, encode, seq_len):
             tg.die(f"{path}:{i}: {len(ids)} tokens, longer than --seq_len={seq_len} + 1; raise --seq_len or split "
                    f"the conversation")
         out.append((ids, mask))
-    if not out:
-        tg.die(f"{path}: no conversations; give it a line per conversation")
     return out
-
 
 def source_tokenizer(where):
     """(tokenizer, vocab size) of --init_from: GPT-2's, or a checkpoint's."""
     if ft.is_gpt2(where):  # a named GPT-2 has 50,257 tokens; a folder says
-        gpt2 = where in ft.GPT2_NAMES
-        return ft.GPT2_TOKENIZER, 50257 if gpt2 else ft.gpt2_config(tg.Config(seq_len=0), where)[1]
+        return ft.GPT2_TOKENIZER, ft.gpt2_config(tg.Config(seq_len=0), where)[1] if os.path.isdir(where) else 50257
     ckpt, path = tg.load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         tg.die(f"--init_from={where}: no checkpoint there; train one (python train_gpt.py) or pass gpt2")
     return ckpt["tokenizer"], ckpt["data_info"]["vocab_size"]
-
 
 def prepare(cfg):
     """--prepare: conversations in the template of --init_from's tokenizer, as token shards and parallel mask shards
@@ -194,17 +173,15 @@ def prepare(cfg):
         src = cfg.prepare
         if src == "arithmetic":  # written out, so the data dir shows the format it was made from
             src = os.path.join(stage, "conversations.jsonl")
-            with open(src, "w") as f:
-                f.writelines(json.dumps(c) + "\n" for c in arithmetic(cfg.conversations, cfg.seed))
+            Path(src).write_text("".join(json.dumps(c) + "\n" for c in arithmetic(cfg.conversations, cfg.seed)))
         convs = read_conversations(src, tpl, encode, cfg.seq_len)
-        order = list(range(len(convs)))
-        random.Random(cfg.seed).shuffle(order)
+        order = random.Random(cfg.seed).sample(range(len(convs)), len(convs))
         n_val = max(1, len(convs) * cfg.val_percent // 100)
         if n_val >= len(convs):
-            tg.die(f"{cfg.prepare}: {len(convs)} conversations leave none to train on; give more or lower --val_percent")
+            tg.die(f"{cfg.prepare}: {len(convs)} conversations leave none to train on; add more or lower --val_percent")
         splits = {}
         for split, part in (("val", order[:n_val]), ("train", sorted(order[n_val:]))):
-            ids, mask = (np.concatenate([convs[i][k] for i in part]) for k in (0, 1))
+            ids, mask = [np.concatenate([convs[i][k] for i in part]) for k in (0, 1)]
             prepare_data.write_shard(os.path.join(stage, f"{split}_000000.bin"), ids)
             prepare_data.write_shard(os.path.join(stage, f"{split}_mask_000000.bin"), mask)
             splits[split] = dict(tokens=len(ids), conversations=len(part), shards=[f"{split}_000000.bin"],
@@ -214,10 +191,8 @@ def prepare(cfg):
                     itos=tok.get("itos"), tokenizer_file=None, chat=tpl, splits=splits)
         if tok.get("ranks"):  # the BPE's ranks travel with the data, as prepare_data.py writes them
             meta["tokenizer_file"] = "tokenizer.tiktoken"
-            with open(os.path.join(stage, "tokenizer.tiktoken"), "w") as f:
-                f.write(tok["ranks"])
-        with open(os.path.join(stage, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+            Path(stage, "tokenizer.tiktoken").write_text(tok["ranks"])
+        Path(stage, "meta.json").write_text(json.dumps(meta, indent=2))
         for name in ["meta.json", *os.listdir(data_dir)]:  # meta.json first: without it, the dir is not prepared
             old = os.path.join(data_dir, name)
             if name.endswith((".bin", ".json", ".jsonl", ".tiktoken")) and os.path.exists(old):
@@ -226,24 +201,19 @@ def prepare(cfg):
             os.replace(os.path.join(stage, name), os.path.join(data_dir, name))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    for split, s in splits.items():
-        print(f"{split}: {s['conversations']:,} conversations | {s['tokens']:,} tokens | {s['learnt']:,} of them "
-              f"the assistant's")
-    print(f"wrote {cfg.data_dir} ({tok['tokenizer']}, vocab {vocab_size} + {len(SPECIALS)} chat tokens)")
+    print(f"wrote {cfg.data_dir} ({tok['tokenizer']}, vocab {vocab_size} + {len(SPECIALS)} chat tokens): " + " | ".join(
+        f"{k} {s['conversations']:,} conversations, {s['tokens']:,} tokens ({s['learnt']:,} learnt)"
+        for k, s in splits.items()))
     return {"data_dir": cfg.data_dir, **{f"{k}_conversations": s["conversations"] for k, s in splits.items()}}
-
 
 def load_conversations(data_dir, meta, split, loss_on):
     """[(ids, learn)] of a split, cut where its mask marks a conversation's first token. learn: the tokens in the
     loss, the assistant's (--loss_on=answers) or all but the first (all)."""
     s = meta["splits"][split]
-    ids, mask = (np.concatenate([tg.open_shard(os.path.join(data_dir, f)) for f in s[k]]) for k in ("shards", "masks"))
-    if len(ids) != len(mask):
-        tg.die(f"{data_dir}: the {split} token and mask shards differ in length; prepare it again with --prepare")
+    ids, mask = [np.concatenate([tg.open_shard(os.path.join(data_dir, f)) for f in s[k]]) for k in ("shards", "masks")]
     learn = (mask & 1) > 0 if loss_on == "answers" else (mask & 2) == 0
     cuts = [*np.flatnonzero(mask & 2), len(ids)]
     return [(ids[a:b].astype(np.int64), learn[a:b]) for a, b in zip(cuts, cuts[1:])]
-
 
 def pack(lengths, T, order):
     """Rows (lists of conversation indices) of T + 1 tokens at most, whole conversations from row starts, by best
@@ -260,23 +230,6 @@ def pack(lengths, T, order):
         bisect.insort(free, (room - lengths[i], r))
     return rows
 
-
-class Rows:
-    """Packed rows in a fixed order, repacked from a new shuffle of the conversations every epoch."""
-
-    def __init__(self, lengths, T, seed):
-        self.lengths, self.T, self.seed, self.epoch, self.rows = lengths, T, seed, 0, []
-
-    def take(self, n):
-        while len(self.rows) < n:
-            order = list(range(len(self.lengths)))
-            random.Random(self.seed + self.epoch).shuffle(order)
-            self.rows += pack(self.lengths, self.T, order)
-            self.epoch += 1
-        out, self.rows = self.rows[:n], self.rows[n:]
-        return out
-
-
 def batch(convs, rows, T, device):
     """(x, y) (B, T) of packed rows; y is -100 (no target) where nothing is learnt: masked out, padding."""
     x, y = torch.zeros(len(rows), T + 1, dtype=torch.long), torch.full((len(rows), T + 1), -100)
@@ -292,12 +245,9 @@ def batch(convs, rows, T, device):
 # -----------------------------------------------------------------------------
 # Model: --init_from's weights, with rows for the template's tokens
 
-
 def build(cfg, init, tpl, device):
-    """The model of --init_from's weights (cfg: its shape) and the template's rows: each new row of the embedding
-    (and of an untied head) the mean of the real rows, so a new token starts as an average one, not as noise or as
-    zeros (Hewitt 2021). With LoRA the embedding and head train too: the new rows must learn (PEFT's
-    modules_to_save)."""
+    """--init_from's weights, each of the template's new rows in the embedding (and an untied head) the mean of the
+    real rows: an average token, not noise or zeros (Hewitt 2021). With LoRA, both train too: new rows must learn."""
     raw, sd, old, new = tg.build_model(cfg, tpl["vocab_size"], device), init["model"], init["vocab_size"], \
         tpl["vocab_size"]
     for k in ("wte.weight", "head.weight"):
@@ -312,7 +262,6 @@ def build(cfg, init, tpl, device):
         if raw.head is not None:
             raw.head.requires_grad_(True)
     return raw
-
 
 def backward(model, batches, ctx, scaler, z_loss, world_size):
     """One optimizer step's micro-steps: the summed loss of the masked-in targets over the count of them in all
@@ -331,25 +280,8 @@ def backward(model, batches, ctx, scaler, z_loss, world_size):
         loss_sum += loss.detach().float()
     return loss_sum
 
-
-def val_loss(model, convs, T, B, ctx, rank, world_size, device):
-    """Mean loss per masked-in token over the val conversations (packed once, in order), all ranks together."""
-    rows, total = pack([len(c[0]) for c in convs], T, range(len(convs))), torch.zeros(2, device=device)
-    model.eval()
-    with torch.no_grad():
-        for i in range(rank * B, len(rows), B * world_size):
-            x, y = batch(convs, rows[i:i + B], T, device)
-            with ctx:
-                total += torch.stack([model(x, y, reduction="sum").float(), (y != -100).sum().float()])
-    model.train()
-    if world_size > 1:
-        dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
 def reply(model, ids, end, max_new, temperature, top_k, gen):
-    """(the reply's ids, whether it ended with the end-of-turn token `end`), sampled after ids with the model's KV
-    cache, 32 tokens at a time until end-of-turn or max_new."""
+    """(reply, whether it ended): ids sampled after ids with the KV cache, 32 at a time, until `end` or max_new."""
     out = torch.tensor([ids], device=next(model.parameters()).device)
     while out.size(1) - len(ids) < max_new and end not in out[0, len(ids):].tolist():
         out = model.generate(out, min(32, max_new - out.size(1) + len(ids)), temperature, top_k, gen)
@@ -358,38 +290,44 @@ def reply(model, ids, end, max_new, temperature, top_k, gen):
         return new[:new.index(end)], True
     return new, False
 
-
-def score_turns(model, convs, tpl, n, rank, world_size, device):
-    """{exact, ended}: of the first n val conversations, the share whose last assistant turn, sampled greedily after
-    the turns before it, is the reference token for token, and the share that ended with end-of-turn at all."""
-    aid, end, hits = tpl["specials"]["<|assistant|>"], tpl["specials"]["<|end|>"], torch.zeros(3, device=device)
+def evaluate(cfg, model, convs, tpl, ctx, rank, world_size, step, turns):
+    """{val_loss}: per masked-in token of the val conversations, packed in order; with turns, {exact, ended}: of
+    the first --eval_turns, the share whose last answer, sampled greedily after the turns before it, is the
+    reference token for token, and the share that ended with end-of-turn at all. Ranks share the work."""
+    B, T, device = cfg.batch_size, cfg.seq_len, next(model.parameters()).device
+    rows, sums = pack([len(c[0]) for c in convs], T, range(len(convs))), torch.zeros(5, device=device)
+    aid, end = tpl["specials"]["<|assistant|>"], tpl["specials"]["<|end|>"]
     model.eval()
-    for ids, _ in convs[:n][rank::world_size]:
-        k = np.flatnonzero(ids == aid)
-        if len(k):
-            k = int(k[-1]) + 1
-            answer = ids[k:k + list(ids[k:]).index(end)].tolist()
-            got, ended = reply(model, ids[:k].tolist(), end, len(answer) + 8, 0.0, 0, None)
-            hits += torch.tensor([got == answer and ended, ended, 1.0], device=device)
+    with torch.no_grad():
+        for i in range(rank * B, len(rows), B * world_size):
+            x, y = batch(convs, rows[i:i + B], T, device)
+            with ctx:
+                sums[:2] += torch.stack([model(x, y, reduction="sum").float(), (y != -100).sum().float()])
+    for ids, _ in convs[:cfg.eval_turns if turns else 0][rank::world_size]:
+        k = int(np.flatnonzero(ids == aid)[-1]) + 1 if aid in ids else 0
+        answer = ids[k:k + list(ids[k:]).index(end)].tolist()  # k = 0: no assistant turn, not scored
+        got, ended = reply(model, ids[:k].tolist(), end, len(answer) + 8, 0.0, 0, None) if k else ([], False)
+        sums[2:] += torch.tensor([got == answer and ended, ended, k > 0], device=device)
     model.train()
     if world_size > 1:
-        dist.all_reduce(hits)
-    return {"exact": (hits[0] / hits[2].clamp(min=1)).item(), "ended": (hits[1] / hits[2].clamp(min=1)).item()}
+        dist.all_reduce(sums)
+    loss, _, exact, ended, n = (sums / sums[[1, 1, 4, 4, 4]].clamp(min=1)).tolist()
+    rec = {"val_loss": loss} | ({"exact": exact, "ended": ended} if turns and cfg.eval_turns else {})
+    print(f"eval {step:05d} | val loss {loss:.4f} (answers)" + (f" | {sums[4]:.0f} held-out last answers: exact "
+          f"{exact:.1%} | ended with <|end|> {ended:.1%}" if "exact" in rec else ""))
+    return rec
 
 # -----------------------------------------------------------------------------
 # Training loop
 
-
 def data_and_model(cfg, rank, world_size):
-    """(cfg with --init_from's shape, meta, chat tokenizer, init): the data dir read, its tokenizer and template
-    checked against --init_from's."""
+    """(cfg in --init_from's shape, meta, chat tokenizer, init), the data's tokenizer checked against the model's."""
     meta = tg.load_meta(cfg.data_dir)
     if "chat" not in meta:
         tg.die(f"{cfg.data_dir} holds no conversations; make it with python chat_gpt.py --prepare=FILE.jsonl "
                f"--init_from={cfg.init_from} --data_dir={cfg.data_dir}")
     arch, init = ft.load_init(cfg, rank, world_size)
-    tok = {**tg.tokenizer_info(cfg.data_dir, meta), "chat": meta["chat"]}
-    theirs = init["tokenizer"]
+    tok, theirs = {**tg.tokenizer_info(cfg.data_dir, meta), "chat": meta["chat"]}, init["tokenizer"]
     if any(theirs.get(k) != tok.get(k) for k in ("tokenizer", "ranks", "itos")) or make_template(
             theirs, init["vocab_size"]) != meta["chat"]:
         tg.die(f"{cfg.data_dir} was prepared for another tokenizer or template than --init_from={cfg.init_from}'s; "
@@ -398,108 +336,80 @@ def data_and_model(cfg, rank, world_size):
         tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
     return dataclasses.replace(cfg, **arch), meta, tok, init
 
-
 def train(cfg):
-    """Set up, score the model before SFT, then the loop: micro-steps, clip, step, log, eval; score after, save."""
+    """Set up, score the model before SFT, then the loop: micro-steps, clip, step, log, eval; then save."""
     rank, world_size, device = tg.setup_dist(cfg.device)
     cfg, meta, tok, init = data_and_model(cfg, rank, world_size)
-    tpl = tok["chat"]
     dtype, ctx, scaler = tg.setup_precision(device, cfg.dtype)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    raw = build(cfg, init, tpl, device)
+    raw = build(cfg, init, tok["chat"], device)
     model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
     opts = tg.build_optimizers(cfg, raw, device, dtype)
-    B, T, accum = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    train_convs = load_conversations(cfg.data_dir, meta, "train", cfg.loss_on)
-    val_convs = load_conversations(cfg.data_dir, meta, "val", "answers")  # val scores the answers, whatever trains
-    lengths = [len(c[0]) for c in train_convs]
+    B, T, accum, tpl = cfg.batch_size, cfg.seq_len, cfg.grad_accum, tok["chat"]
+    convs = load_conversations(cfg.data_dir, meta, "train", cfg.loss_on)
+    val = load_conversations(cfg.data_dir, meta, "val", "answers")  # val scores the answers, whatever trains
+    lengths = [len(c[0]) for c in convs]
     if max(lengths) > T + 1:
-        tg.die(f"{cfg.data_dir} has conversations of {max(lengths)} tokens, longer than --seq_len={T} + 1; raise it")
-    rows = Rows(lengths, T, cfg.seed)
-    n_rows = len(pack(lengths, T, range(len(lengths))))  # padding wasted by best fit, against a conversation a row
+        tg.die(f"{cfg.data_dir} has conversations of {max(lengths)} tokens, over --seq_len={T} + 1; raise it")
+    n_rows = len(pack(lengths, T, range(len(lengths))))  # best fit's padding, against a conversation a row
     waste = [1 - sum(lengths) / (n * (T + 1)) for n in (n_rows, len(lengths))]
     max_steps, time_budget = cfg.max_steps, 0.0 if cfg.max_steps else cfg.time_budget
-    n_params = sum(p.numel() for p in raw.parameters())
-    print(f"{n_params / 1e6:.2f}M parameters ({sum(p.numel() for p in raw.parameters() if p.requires_grad) / 1e6:.2f}M"
-          f" train) | {len(train_convs)} conversations in {n_rows} rows of {T + 1}: {waste[0]:.1%} padding (one a "
-          f"row: {waste[1]:.1%}) | loss on {cfg.loss_on} | B {B} x accum {accum} x world {world_size} rows a step | "
-          f"{f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | {device} {dtype} | compile {compiled}")
-    metrics = None
-    if rank == 0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a")
-    before = evaluate(cfg, raw, val_convs, tpl, ctx, rank, world_size, device, 0, turns=True)
+    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    print(f"{n_train / 1e6:.2f}M parameters train | {len(convs)} conversations in {n_rows} rows of {T + 1}: "
+          f"{waste[0]:.1%} padding (one a row: {waste[1]:.1%}) | loss on {cfg.loss_on} | rows a step: B {B} x accum "
+          f"{accum} x world {world_size} | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
+          f"{device} {dtype} | compile {compiled}")
+    before = evaluate(cfg, raw, val, tpl, ctx, rank, world_size, 0, turns=True)
 
-    step, train_time, last_step, t0 = 0, 0.0, False, time.perf_counter()
+    step, train_time, epoch, rows, history, last_step = 0, 0.0, 0, [], [dict(step=0, **before)], False
+    t0 = time.perf_counter()
     while not last_step:
         mult = tg.lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
+        for g in (g for opt in opts for g in opt.param_groups):
+            g["lr"] = g["peak_lr"] * mult
+        while len(rows) < B * accum * world_size:  # each epoch packed anew, from a new shuffle
+            rows += pack(lengths, T, random.Random(cfg.seed + epoch).sample(range(len(lengths)), len(lengths)))
+            epoch += 1
+        mine = [rows[(m * world_size + rank) * B:][:B] for m in range(accum)]  # this rank's part of each micro-step
+        rows = rows[B * accum * world_size:]
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        mine = [(m * world_size + rank) * B for m in range(accum)]  # this rank's rows of each micro-step
-        step_rows = rows.take(B * accum * world_size)
-        loss = backward(model, [batch(train_convs, step_rows[i:i + B], T, device) for i in mine], ctx, scaler,
-                        cfg.z_loss, world_size)
+        loss = backward(model, [batch(convs, r, T, device) for r in mine], ctx, scaler, cfg.z_loss, world_size)
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
         for opt in opts:
             scaler.step(opt)
         scaler.update()
-        step += 1
-        now = time.perf_counter()
+        step, now = step + 1, time.perf_counter()
         local = torch.stack([loss, gnorm.float(), loss.new_tensor(train_time + now - t0)])
         loss, gnorm, train_time = tg.all_mean(local, world_size).tolist()  # the step's one sync: ranks agree
-        t0 = now
-        last_step = train_time >= time_budget if time_budget else step >= max_steps
+        t0, last_step = now, train_time >= time_budget if time_budget else step >= max_steps
         if step % cfg.log_every == 0 or last_step:
-            print(f"step {step:05d} | loss {loss:.4f} | lr {cfg.lr * mult:.2e} | gnorm {gnorm:.2f} | "
-                  f"{train_time:.0f} s")
-            record(metrics, step=step, loss=loss, lr=cfg.lr * mult, gnorm=gnorm, train_time=train_time)
+            history.append(dict(step=step, loss=loss, lr=cfg.lr * mult, gnorm=gnorm, train_time=train_time))
+            print(" | ".join(f"{k} {v:.4g}" for k, v in history[-1].items()))
         if last_step or (cfg.eval_every and step % cfg.eval_every == 0):
-            paused = time.perf_counter()  # evals are not training time
-            after = evaluate(cfg, raw, val_convs, tpl, ctx, rank, world_size, device, step, turns=last_step)
-            record(metrics, step=step, **after)
-            t0 += time.perf_counter() - paused
+            after = evaluate(cfg, raw, val, tpl, ctx, rank, world_size, step, turns=last_step)
+            history.append(dict(step=step, **after))
+            t0 = time.perf_counter()  # evals are not training time
 
-    ckpt = {"model": raw.state_dict(), "optim": None, "step": step, "train_time": train_time,
+    if rank == 0:  # the history as metrics.jsonl too, a line a record
+        tg.write_checkpoint(cfg.out_dir, {
+            "model": raw.state_dict(), "optim": None, "step": step, "train_time": train_time, "history": history,
             "config": dataclasses.asdict(cfg), "data_info": {"vocab_size": tpl["vocab_size"]}, "tokenizer": tok,
-            "world_size": world_size, "history": [], "before": before, "after": after}
-    if rank == 0:
-        tg.write_checkpoint(cfg.out_dir, ckpt)
-        metrics.close()
-    result = {"steps": step, "train_time": train_time, **after, **{f"{k}_before": v for k, v in before.items()}}
+            "world_size": world_size})
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
     print(f"done: {step} steps in {train_time:.0f} s | val loss {before['val_loss']:.4f} -> {after['val_loss']:.4f}"
           + "".join(f" | {k} {before[k]:.1%} -> {after[k]:.1%}" for k in ("exact", "ended") if k in after)
-          + f" | checkpoint in {cfg.out_dir} | chat: python chat_gpt.py --chat --ckpt={cfg.out_dir}")
-    return result
-
-
-def evaluate(cfg, raw, convs, tpl, ctx, rank, world_size, device, step, turns):
-    """{val_loss, and with turns: exact, ended} of the val conversations; one eval line."""
-    rec = {"val_loss": val_loss(raw, convs, cfg.seq_len, cfg.batch_size, ctx, rank, world_size, device)}
-    if turns and cfg.eval_turns:
-        rec |= score_turns(raw, convs, tpl, cfg.eval_turns, rank, world_size, device)
-    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f} (answers)" + (
-        f" | {min(cfg.eval_turns, len(convs))} held-out last answers: exact {rec['exact']:.1%} | ended with "
-        f"<|end|> {rec['ended']:.1%}" if "exact" in rec else ""))
-    return rec
-
-
-def record(metrics, **kv):
-    """One line of metrics.jsonl (rank 0's; None elsewhere)."""
-    if metrics:
-        metrics.write(json.dumps(kv) + "\n")
-        metrics.flush()
+          + f" | checkpoint in {cfg.out_dir} | python chat_gpt.py --chat --ckpt={cfg.out_dir}")
+    return {"steps": step, "train_time": train_time, **after, **{f"{k}_before": v for k, v in before.items()}}
 
 # -----------------------------------------------------------------------------
 # Chat
 
-
 def chat_main(cfg):
-    """--chat: a terminal chat with --ckpt, the conversation kept, each reply sampled with the KV cache until
-    end-of-turn; with --prompt, one turn answered, then exit."""
+    """--chat: a terminal chat with --ckpt that keeps the conversation; --prompt: one turn, then exit."""
     device = tg.setup_dist(cfg.device)[2]
     model, tok, step, path = ft.load_model(cfg.ckpt or cfg.out_dir, device)
     if not tok.get("chat"):
@@ -507,26 +417,22 @@ def chat_main(cfg):
     tpl, (encode, decode) = tok["chat"], tg.load_tokenizer(tok)
     msgs = [{"role": "system", "content": cfg.system}] if cfg.system else []
     gen = torch.Generator(device).manual_seed(cfg.seed)
-    print(f"# {path} (step {step})" + ("" if cfg.prompt else ": type a message, an empty line or Ctrl-D ends"))
+    print(f"# {path} (step {step})" + ("" if cfg.prompt else ": type a message; an empty line or Ctrl-D ends"))
     while True:
-        text = cfg.prompt
-        if not cfg.prompt:
-            try:
-                text = input("you> ")
-            except EOFError:
-                text = ""
-            if not text:
-                return {"messages": msgs}
+        try:
+            text = cfg.prompt or input("you> ")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C: the chat ends
+            text = ""
+        if not text:
+            return {"messages": msgs}
         msgs.append({"role": "user", "content": text})
-        ids = prompt_ids(msgs, tpl, encode)
-        got, ended = reply(model, ids, tpl["specials"]["<|end|>"], cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                           gen)
-        answer = decode(got)
-        msgs.append({"role": "assistant", "content": answer})
-        print(f"assistant> {answer}" + ("" if ended else f" [no <|end|> in {cfg.max_new_tokens} tokens]"))
+        ids = render(msgs, tpl, encode)[0] + [tpl["specials"]["<|assistant|>"]]  # the assistant's turn to speak
+        got, ended = reply(model, ids, tpl["specials"]["<|end|>"], cfg.max_new_tokens, cfg.temperature,
+                           cfg.top_k, gen)
+        msgs.append({"role": "assistant", "content": decode(got)})
+        print(f"assistant> {decode(got)}" + ("" if ended else f" [no <|end|> in {cfg.max_new_tokens} tokens]"))
         if cfg.prompt:
-            return {"text": answer, "ids": got, "ended": ended, "shown": show(ids + got, tpl, decode)}
-
+            return {"text": decode(got), "ids": got, "ended": ended, "prompt_ids": ids}
 
 def main(cfg):
     """Prepare conversations, fine-tune on them, or chat, per cfg; returns a dict of final metrics."""

@@ -55,8 +55,8 @@ def test_template_round_trips_and_text_cannot_forge_its_tokens():
     assert tpl["specials"] == {"<|system|>": 257, "<|user|>": 258, "<|assistant|>": 259, "<|end|>": 260}
     ids, mask = chat.render(CONVS[0], tpl, encode)
     decode = tg.load_tokenizer(BYTES)[1]
-    assert chat.show(ids, tpl, decode) == ("<|system|>Be brief.<|end|><|user|>hi <|end|><|end|>"
-                                           "<|assistant|>hello<|end|>")
+    for c in CONVS:  # the template round-trips, the special strings in the text included
+        assert chat.parse(chat.render(c, tpl, encode)[0], tpl, decode) == c
     assert ids[0] == 256 and [i for i in ids if i > 256] == [257, 260, 258, 260, 259, 260]  # the "<|end|>" typed: text
     said = [i for i, m in zip(ids, mask) if m & 1]
     assert said == encode("hello") + [260] and mask[0] == 2 and sum(m & 2 for m in mask) == 2
@@ -195,4 +195,4 @@ def test_sft_then_one_turn_ends_at_end_of_turn(base, tmp_path):
     assert r["ended_before"] == 0.0 and r["ended"] == 1.0 and r["exact"] == 1.0, r
     r = run(["--chat", f"--ckpt={out}", "--prompt=question 999 about birds?", "--device=cpu"], tmp_path)
     assert r["ended"] and r["text"] == "ok", r
-    assert r["shown"].endswith("<|user|>question 999 about birds?<|end|><|assistant|>ok")
+    assert r["prompt_ids"][-2:] == [260, 259]  # the user's <|end|>, then <|assistant|>
