@@ -196,3 +196,20 @@ def test_sft_then_one_turn_ends_at_end_of_turn(base, tmp_path):
     r = run(["--chat", f"--ckpt={out}", "--prompt=question 999 about birds?", "--device=cpu"], tmp_path)
     assert r["ended"] and r["text"] == "ok", r
     assert r["prompt_ids"][-2:] == [260, 259]  # the user's <|end|>, then <|assistant|>
+
+
+def test_lora_trains_the_adapters_and_the_template_rows():
+    """With LoRA the base weights are frozen; the adapters train, and so do the embedding and the head, since the
+    template's rows start as the mean row and must learn. The new rows are that mean."""
+    import finetune_gpt as ft
+    base = tiny_model(vocab_size=257)
+    cfg = chat.Config(**TINY, lora_rank=4, init_from="x")
+    raw = chat.build(cfg, {"model": base.state_dict(), "vocab_size": 257}, chat.make_template(BYTES, 257),
+                     torch.device("cpu"))
+    trained = {n for n, p in raw.named_parameters() if p.requires_grad}
+    assert {"wte.weight", "head.weight"} <= trained and all(n.endswith((".a", ".b")) for n in trained - {
+        "wte.weight", "head.weight"}) and len(trained) > 2
+    mean = base.wte.weight[:257].mean(0)
+    assert torch.allclose(raw.wte.weight[257:261], mean.expand(4, -1)) and raw.vocab_size == 261
+    merged = ft.merge_lora(raw.state_dict(), {"lora_rank": 4, "lora_alpha": 16.0})
+    assert merged.keys() == tiny_model().state_dict().keys()
