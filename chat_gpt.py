@@ -6,7 +6,7 @@ base_train.py.
 
   python chat_gpt.py --prepare=arithmetic --init_from=out/gpt --data_dir=data/arith_chat   # made here, offline
   python chat_gpt.py --prepare=chats.jsonl --init_from=gpt2 --data_dir=data/my_chat   # {"messages": [...]} a line
-  python chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat --out_dir=out/chat   # SFT, 3 min on 2 cores
+  python chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat --out_dir=out/chat   # SFT, 150 s of training
   python chat_gpt.py --init_from=gpt2 --data_dir=data/my_chat --lora_rank=8 --lr=1e-3    # GPT-2, with LoRA
   python chat_gpt.py --chat --ckpt=out/chat                                              # talk to it
   python chat_gpt.py --chat --ckpt=out/chat --prompt="What is 37 + 48?"                  # one turn, then exit

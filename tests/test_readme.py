@@ -37,8 +37,8 @@ KNOWN_FAILURES = {
         "resume tests show, and a complete one stops in this one line"),
 }
 # the modes of each trainer that read a run instead of starting one
-NOT_TRAINING = {"train_gpt": ("resume", "sample", "consolidate", "benchmark"),
-                "finetune_gpt": ("resume", "sample", "export", "merge_lora", "consolidate", "benchmark"),
+NOT_TRAINING = {"train_gpt": ("resume", "sample", "eval_only", "consolidate", "benchmark"),
+                "finetune_gpt": ("resume", "sample", "eval_only", "export", "merge_lora", "consolidate", "benchmark"),
                 "chat_gpt": ("prepare", "chat"),
                 "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
 
