@@ -156,7 +156,7 @@ def base(tmp_path_factory):
     return d
 
 
-def run(args, cwd):
+def run(args):
     """chat_gpt.py's main on flags, as the command line gives them."""
     return chat.main(tg.parse_args(chat.Config, args))
 
@@ -172,7 +172,7 @@ def test_bad_conversations_stop_in_one_line_and_leave_nothing(base, tmp_path, li
     src.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
     out = tmp_path / "data"
     with pytest.raises(SystemExit) as e:
-        run([f"--prepare={src}", f"--init_from={base / 'base'}", f"--data_dir={out}", "--seq_len=64"], tmp_path)
+        run([f"--prepare={src}", f"--init_from={base / 'base'}", f"--data_dir={out}", "--seq_len=64"])
     assert f"{src}{error}" in str(e.value) and "\n" not in str(e.value), e.value  # the file, its line, the fix
     assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["convs.jsonl", "data"]  # no stage left
 
@@ -187,13 +187,13 @@ def test_sft_then_one_turn_ends_at_end_of_turn(base, tmp_path):
     data, out = tmp_path / "data", tmp_path / "sft"
     flags = [f"--init_from={base / 'base'}", f"--data_dir={data}", "--seq_len=64", "--device=cpu", "--compile=false",
              "--dtype=float32"]
-    r = run([f"--prepare={src}", *flags], tmp_path)
+    r = run([f"--prepare={src}", *flags])
     assert r["val_conversations"] == 12 and r["train_conversations"] == 108
     meta = json.loads((data / "meta.json").read_text())
     assert meta["chat"]["specials"]["<|end|>"] == 260 and meta["vocab_size"] == 261
-    r = run([*flags, f"--out_dir={out}", "--max_steps=60", "--lr=1e-2", "--batch_size=8", "--eval_turns=6"], tmp_path)
+    r = run([*flags, f"--out_dir={out}", "--max_steps=60", "--lr=1e-2", "--batch_size=8", "--eval_turns=6"])
     assert r["ended_before"] == 0.0 and r["ended"] == 1.0 and r["exact"] == 1.0, r
-    r = run(["--chat", f"--ckpt={out}", "--prompt=question 999 about birds?", "--device=cpu"], tmp_path)
+    r = run(["--chat", f"--ckpt={out}", "--prompt=question 999 about birds?", "--device=cpu"])
     assert r["ended"] and r["text"] == "ok", r
     assert r["prompt_ids"][-2:] == [260, 259]  # the user's <|end|>, then <|assistant|>
 
