@@ -37,8 +37,9 @@ KNOWN_FAILURES = {
         "resume tests show, and a complete one stops in this one line"),
 }
 # the modes of each trainer that read a run instead of starting one
-NOT_TRAINING = {"train_gpt": ("resume", "sample", "consolidate", "benchmark"),
-                "finetune_gpt": ("resume", "sample", "export", "merge_lora", "consolidate", "benchmark"),
+NOT_TRAINING = {"train_gpt": ("resume", "sample", "eval_only", "consolidate", "benchmark"),
+                "finetune_gpt": ("resume", "sample", "eval_only", "export", "merge_lora", "consolidate", "benchmark"),
+                "chat_gpt": ("prepare", "chat"),
                 "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
 
 
@@ -58,6 +59,8 @@ def why_parse_only(argv):
         return "the network"  # gpt2 tokens need tiktoken's files
     if any(flags.get(k) in finetune_gpt.GPT2_NAMES[1:] for k in ("init_from", "teacher")):
         return "the network"  # only models/gpt2 has a stand-in
+    if argv[1] == "chat_gpt.py" and flags.get("init_from") == "gpt2" and "prepare" not in flags:
+        return "GPT-2's 1,024 positions: models/gpt2's stand-in has 40, too few for a conversation"
     if flags.get("device") == "cuda" or flags.get("preset") in GPU_PRESETS or argv[1:] == ["kernels.py", "--bench"]:
         return "a GPU"
     if "consolidate" in flags:
@@ -128,6 +131,9 @@ def scratch(tmp_path_factory):
             (d / folder / f"note_{i}.py").parent.mkdir(exist_ok=True)
             (d / folder / f"note_{i}.py").write_text(doc)
     (d / "book.txt").write_text("\n".join(python_like_docs(20, 3)))
+    chats = [{"messages": [{"role": "user", "content": f"Is {i} even?"},  # conversations, for chat_gpt.py --prepare
+                           {"role": "assistant", "content": "yes" if i % 2 == 0 else "no"}]} for i in range(40)]
+    (d / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     (d / "data" / "hellaswag").mkdir()  # what prepare_data.py hellaswag writes: HellaSwag's val JSONL
     (d / "data" / "hellaswag" / "hellaswag_val.jsonl").write_text("".join(json.dumps(it) + "\n" for it in
                                                                           hellaswag_items(8)))

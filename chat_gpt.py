@@ -1,0 +1,450 @@
+"""
+chat_gpt.py: chat fine-tuning (SFT) of train_gpt.py's GPT or of GPT-2, then a chat. Conversations go into a
+template of special tokens of its own; the loss is on the assistant's turns only. It imports train_gpt.py (model,
+system, optimizers) and finetune_gpt.py (GPT-2's weights, LoRA), as nanochat's chat_sft.py stands beside its
+base_train.py.
+
+  python chat_gpt.py --prepare=arithmetic --init_from=out/gpt --data_dir=data/arith_chat   # made here, offline
+  python chat_gpt.py --prepare=chats.jsonl --init_from=gpt2 --data_dir=data/my_chat   # {"messages": [...]} a line
+  python chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat --out_dir=out/chat   # SFT, 150 s of training
+  python chat_gpt.py --init_from=gpt2 --data_dir=data/my_chat --lora_rank=8 --lr=1e-3    # GPT-2, with LoRA
+  python chat_gpt.py --chat --ckpt=out/chat                                              # talk to it
+  python chat_gpt.py --chat --ckpt=out/chat --prompt="What is 37 + 48?"                  # one turn, then exit
+  torchrun --nproc_per_node=2 chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat
+  python chat_gpt.py -h                                                                  # every flag
+"""
+import bisect
+import dataclasses
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import finetune_gpt as ft
+import train_gpt as tg
+
+# -----------------------------------------------------------------------------
+# Config
+
+@dataclass
+class Config(ft.Config):
+    prepare: str = ""                  # tokenize this conversations JSONL (arithmetic: made here) into --data_dir
+    conversations: int = 4000          # --prepare=arithmetic: how many dialogues
+    val_percent: int = 10              # --prepare: conversations held out for val
+    loss_on: Literal["answers", "all"] = "answers"  # the assistant's turns (and their end-of-turn), or every token
+    eval_turns: int = 200              # val conversations whose last answer is sampled and scored, first and last
+    chat: bool = False                 # talk to --ckpt in the terminal; with --prompt, answer one turn and exit
+    system: str = ""                   # --chat: a system turn that opens the conversation
+    # SFT's own defaults: a short run from trained weights, evals of a few hundred conversations
+    data_dir: str = "data/arith_chat"  # --prepare's output: token and mask shards, meta.json
+    out_dir: str = "out/chat"          # the SFT checkpoint and metrics.jsonl
+    init_from: str = "out/gpt"         # the weights to fine-tune: a train_gpt.py checkpoint, gpt2..., a GPT-2 folder
+    time_budget: float = 150.0         # seconds of training (eval excluded)
+    batch_size: int = 16               # rows per micro-step per rank, each packed with whole conversations
+    optimizer: Literal["muon", "adamw"] = "adamw"  # AdamW at a small LR keeps what pretraining taught
+    lr: float = 1e-3                   # peak LR
+    warmup_steps: int = 10             # linear warmup, in optimizer steps
+    eval_every: int = 100              # steps between val-loss evals; 0 = only at the end
+    max_new_tokens: int = 200          # --chat: tokens of a reply at most
+
+PRESETS = ft.PRESETS
+ROLES = ("system", "user", "assistant")
+SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # a role's turn opens; every turn ends
+
+def check_config(cfg):
+    """finetune_gpt.py's checks, then chat's, each a one-line message that names the fix."""
+    ft.check_config(cfg)
+    if not 0 < cfg.val_percent < 100 or cfg.conversations < 2 or cfg.eval_turns < 0:
+        tg.die("need 0 < --val_percent < 100, --conversations >= 2 and --eval_turns >= 0")
+    if cfg.parallel == "fsdp" or cfg.teacher or cfg.qat:
+        tg.die("chat_gpt.py trains with DDP, without --teacher or --qat; drop --parallel=fsdp, --teacher, --qat")
+
+# -----------------------------------------------------------------------------
+# The chat template: special tokens in rows that no text reaches
+
+def make_template(tok, vocab_size):
+    """The template of a model of vocab_size tokens: SPECIALS take the ids from vocab_size on (GPT-2's 50,257 are
+    padded to 50,304 rows, so its rows exist already; a BPE's too, unless its size is a multiple of 64). A
+    conversation opens with end-of-text, as every pretraining document does. A chat model's own is kept."""
+    if tok.get("chat"):
+        return tok["chat"]
+    if tok.get("eot_id") is None:
+        tg.die(f"the {tok.get('tokenizer')} tokenizer has no end-of-text token to open a conversation; use a model "
+               f"of byte, bpe:N or gpt2 tokens")
+    ids = {s: vocab_size + i for i, s in enumerate(SPECIALS)}
+    return {"bos": tok["eot_id"], "specials": ids, "vocab_size": vocab_size + len(SPECIALS)}
+
+def render(messages, tpl, encode):
+    """(ids, mask): bos, then <|role|> text <|end|> a turn. mask 1: the assistant's text and <|end|> (it learns to
+    stop); 2: the first token (a conversation starts); else 0."""
+    sp = tpl["specials"]
+    ids, mask = [tpl["bos"]], [2]
+    for m in messages:
+        text = encode(m["content"])  # ordinary text only: "<|end|>" in a turn is its characters, never the token
+        said = int(m["role"] == "assistant")
+        ids += [sp[f"<|{m['role']}|>"], *text, sp["<|end|>"]]
+        mask += [0] + [said] * (len(text) + 1)
+    return ids, mask
+
+def parse(ids, tpl, decode):
+    """The messages of a rendered conversation: render's inverse."""
+    roles, msgs = {tpl["specials"][f"<|{r}|>"]: r for r in ROLES}, []
+    for i in ids[1:]:
+        if i in roles:
+            msgs.append({"role": roles[i], "content": []})
+        elif i != tpl["specials"]["<|end|>"]:
+            msgs[-1]["content"].append(i)
+    return [{"role": m["role"], "content": decode(m["content"])} for m in msgs]
+
+# -----------------------------------------------------------------------------
+# Data: conversations as token shards with a parallel mask shard
+
+def arithmetic(n, seed):
+    """n dialogues of sums and differences of numbers under 100, one to three questions each, some after a system
+    turn. Every answer follows from its question, so exact match on held-out ones measures what SFT taught."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": "You are a calculator."}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            a, b, op = rng.randrange(100), rng.randrange(100), rng.choice("+-")
+            c = a + b if op == "+" else a - b
+            msgs += [{"role": "user", "content": f"What is {a} {op} {b}?"},
+                     {"role": "assistant", "content": f"{a} {op} {b} = {c}."}]
+        out.append({"messages": msgs})
+    return out
+
+def read_conversations(path, tpl, encode, seq_len):
+    """[(ids, mask)] of a JSONL of {"messages": [{"role", "content"}, ...]} lines (most SFT sets' format)."""
+    out = []
+    with tg.reading(path, "pass a JSONL file of conversations"), open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            msgs = json.loads(line)["messages"]
+        except (ValueError, KeyError, TypeError):
+            tg.die(f'{path}:{i}: not a conversation; each line needs {{"messages": [{{"role": ..., "content": ...}}]}}')
+        if not isinstance(msgs, list) or not msgs:
+            tg.die(f"{path}:{i}: an empty conversation; give it turns, or drop the line")
+        for j, m in enumerate(msgs, 1):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                tg.die(f"{path}:{i}: turn {j} has no role of {'|'.join(ROLES)} or no text content; fix the turn")
+        ids, mask = render(msgs, tpl, encode)
+        if len(ids) > seq_len + 1:
+            tg.die(f"{path}:{i}: {len(ids)} tokens, longer than --seq_len={seq_len} + 1; raise --seq_len or split "
+                   f"the conversation")
+        out.append((ids, mask))
+    return out
+
+def source_tokenizer(where):
+    """(tokenizer, vocab size) of --init_from: GPT-2's, or a checkpoint's."""
+    if ft.is_gpt2(where):  # a named GPT-2 has 50,257 tokens; a folder says
+        return ft.GPT2_TOKENIZER, ft.gpt2_config(tg.Config(seq_len=0), where)[1] if os.path.isdir(where) else 50257
+    ckpt, path = tg.load_checkpoint(where) if os.path.exists(where) else (None, None)
+    if ckpt is None:
+        tg.die(f"--init_from={where}: no checkpoint there; train one (python train_gpt.py) or pass gpt2")
+    return ckpt["tokenizer"], ckpt["data_info"]["vocab_size"]
+
+def prepare(cfg):
+    """--prepare: conversations in the template of --init_from's tokenizer, as token shards and parallel mask shards
+    in --data_dir, split by conversation; built in a temp dir and moved in, so a failure leaves nothing half-made."""
+    import prepare_data  # its shard writer
+    tok, vocab_size = source_tokenizer(cfg.init_from)
+    tpl, encode = make_template(tok, vocab_size), tg.load_tokenizer(tok)[0]
+    if encode is tg.encode_ids:
+        tg.die(f"the {tok['tokenizer']} tokenizer did not load (see above); it is needed to tokenize conversations")
+    data_dir = os.path.abspath(cfg.data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".chat-", dir=os.path.dirname(data_dir))
+    try:
+        src = cfg.prepare
+        if src == "arithmetic":  # written out, so the data dir shows the format it was made from
+            src = os.path.join(stage, "conversations.jsonl")
+            Path(src).write_text("".join(json.dumps(c) + "\n" for c in arithmetic(cfg.conversations, cfg.seed)))
+        convs = read_conversations(src, tpl, encode, cfg.seq_len)
+        order = random.Random(cfg.seed).sample(range(len(convs)), len(convs))
+        n_val = max(1, len(convs) * cfg.val_percent // 100)
+        if n_val >= len(convs):
+            tg.die(f"{cfg.prepare}: {len(convs)} conversations leave none to train on; add more or lower --val_percent")
+        splits = {}
+        for split, part in (("val", order[:n_val]), ("train", sorted(order[n_val:]))):
+            ids, mask = [np.concatenate([convs[i][k] for i in part]) for k in (0, 1)]
+            prepare_data.write_shard(os.path.join(stage, f"{split}_000000.bin"), ids)
+            prepare_data.write_shard(os.path.join(stage, f"{split}_mask_000000.bin"), mask)
+            splits[split] = dict(tokens=len(ids), conversations=len(part), shards=[f"{split}_000000.bin"],
+                                 masks=[f"{split}_mask_000000.bin"], learnt=int((mask & 1).sum()))
+        meta = dict(format="trainsuite-chat-1", source=cfg.prepare, tokenizer=tok["tokenizer"],
+                    vocab_size=tpl["vocab_size"], eot_id=tok["eot_id"], pat_str=tok.get("pat_str"),
+                    itos=tok.get("itos"), tokenizer_file=None, chat=tpl, splits=splits)
+        if tok.get("ranks"):  # the BPE's ranks travel with the data, as prepare_data.py writes them
+            meta["tokenizer_file"] = "tokenizer.tiktoken"
+            Path(stage, "tokenizer.tiktoken").write_text(tok["ranks"])
+        Path(stage, "meta.json").write_text(json.dumps(meta, indent=2))
+        for name in ["meta.json", *os.listdir(data_dir)]:  # meta.json first: without it, the dir is not prepared
+            old = os.path.join(data_dir, name)
+            if name.endswith((".bin", ".json", ".jsonl", ".tiktoken")) and os.path.exists(old):
+                os.remove(old)
+        for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):  # meta.json last
+            os.replace(os.path.join(stage, name), os.path.join(data_dir, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print(f"wrote {cfg.data_dir} ({tok['tokenizer']}, vocab {vocab_size} + {len(SPECIALS)} chat tokens): " + " | ".join(
+        f"{k} {s['conversations']:,} conversations, {s['tokens']:,} tokens ({s['learnt']:,} learnt)"
+        for k, s in splits.items()))
+    return {"data_dir": cfg.data_dir, **{f"{k}_conversations": s["conversations"] for k, s in splits.items()}}
+
+def load_conversations(data_dir, meta, split, loss_on):
+    """[(ids, learn)] of a split, cut where its mask marks a conversation's first token. learn: the tokens in the
+    loss, the assistant's (--loss_on=answers) or all but the first (all)."""
+    s = meta["splits"][split]
+    ids, mask = [np.concatenate([tg.open_shard(os.path.join(data_dir, f)) for f in s[k]]) for k in ("shards", "masks")]
+    learn = (mask & 1) > 0 if loss_on == "answers" else (mask & 2) == 0
+    cuts = [*np.flatnonzero(mask & 2), len(ids)]
+    return [(ids[a:b].astype(np.int64), learn[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+def pack(lengths, T, order):
+    """Rows (lists of conversation indices) of T + 1 tokens at most, whole conversations from row starts, by best
+    fit: each conversation, in order, into the fullest row it fits in, else a new row."""
+    rows, free = [], []  # free: sorted (room left, row index)
+    for i in order:
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k == len(free):
+            rows.append([])
+            room, r = T + 1, len(rows) - 1
+        else:
+            room, r = free.pop(k)
+        rows[r].append(i)
+        bisect.insort(free, (room - lengths[i], r))
+    return rows
+
+def batch(convs, rows, T, device):
+    """(x, y) (B, T) of packed rows; y is -100 (no target) where nothing is learnt: masked out, padding."""
+    x, y = torch.zeros(len(rows), T + 1, dtype=torch.long), torch.full((len(rows), T + 1), -100)
+    for b, row in enumerate(rows):
+        p = 0
+        for i in row:
+            ids, learn = convs[i]
+            x[b, p:p + len(ids)] = torch.from_numpy(ids)
+            y[b, p:p + len(ids)] = torch.from_numpy(np.where(learn, ids, -100))
+            p += len(ids)
+    return x[:, :-1].to(device), y[:, 1:].to(device)
+
+# -----------------------------------------------------------------------------
+# Model: --init_from's weights, with rows for the template's tokens
+
+def build(cfg, init, tpl, device):
+    """--init_from's weights, each of the template's new rows in the embedding (and an untied head) the mean of the
+    real rows: an average token, not noise or zeros (Hewitt 2021). With LoRA, both train too: new rows must learn."""
+    raw, sd, old, new = tg.build_model(cfg, tpl["vocab_size"], device), init["model"], init["vocab_size"], \
+        tpl["vocab_size"]
+    for k in ("wte.weight", "head.weight"):
+        if k in sd and new > old:
+            w = F.pad(sd[k].float(), (0, 0, 0, raw.state_dict()[k].shape[0] - sd[k].shape[0]))  # more rows, if needed
+            w[old:new] = w[:old].mean(0)
+            sd[k] = w.to(sd[k].dtype)
+    raw.load_state_dict(sd)
+    if cfg.lora_rank:
+        ft.add_lora(raw, cfg)
+        raw.wte.requires_grad_(True)
+        if raw.head is not None:
+            raw.head.requires_grad_(True)
+    return raw
+
+def backward(model, batches, ctx, scaler, z_loss, world_size):
+    """One optimizer step's micro-steps: the summed loss of the masked-in targets over the count of them in all
+    micro-steps on all ranks (torchtitan's normaliser), so accum 1 or 4, 1 rank or 2, give the same gradient and each
+    token weighs alike. An all-masked micro-batch adds exactly 0. Returns the step's mean loss on this rank."""
+    count = sum((y != -100).sum() for _, y in batches).float()
+    if world_size > 1:  # before any backward: every micro-step divides by the step's total
+        dist.all_reduce(count)
+    norm = world_size / count.clamp(min=1)  # DDP averages the ranks' grads: x world_size makes that a sum
+    loss_sum = torch.zeros((), device=count.device)
+    for micro, (x, y) in enumerate(batches):
+        with tg.grad_sync(model, micro == len(batches) - 1):
+            with ctx:
+                loss = model(x, y, z_loss, reduction="sum") * norm
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+def reply(model, ids, end, max_new, temperature, top_k, gen):
+    """(reply, whether it ended): ids sampled after ids with the KV cache, 32 at a time, until `end` or max_new."""
+    out = torch.tensor([ids], device=next(model.parameters()).device)
+    while out.size(1) - len(ids) < max_new and end not in out[0, len(ids):].tolist():
+        out = model.generate(out, min(32, max_new - out.size(1) + len(ids)), temperature, top_k, gen)
+    new = out[0, len(ids):].tolist()
+    if end in new:
+        return new[:new.index(end)], True
+    return new, False
+
+def evaluate(cfg, model, convs, tpl, ctx, rank, world_size, step, turns):
+    """{val_loss}: per masked-in token of the val conversations, packed in order; with turns, {exact, ended}: of
+    the first --eval_turns, the share whose last answer, sampled greedily after the turns before it, is the
+    reference token for token, and the share that ended with end-of-turn at all. Ranks share the work."""
+    B, T, device = cfg.batch_size, cfg.seq_len, next(model.parameters()).device
+    rows, sums = pack([len(c[0]) for c in convs], T, range(len(convs))), torch.zeros(5, device=device)
+    aid, end = tpl["specials"]["<|assistant|>"], tpl["specials"]["<|end|>"]
+    model.eval()
+    with torch.no_grad():
+        for i in range(rank * B, len(rows), B * world_size):
+            x, y = batch(convs, rows[i:i + B], T, device)
+            with ctx:
+                sums[:2] += torch.stack([model(x, y, reduction="sum").float(), (y != -100).sum().float()])
+    for ids, _ in convs[:cfg.eval_turns if turns else 0][rank::world_size]:
+        k = int(np.flatnonzero(ids == aid)[-1]) + 1 if aid in ids else 0
+        answer = ids[k:k + list(ids[k:]).index(end)].tolist()  # k = 0: no assistant turn, not scored
+        got, ended = reply(model, ids[:k].tolist(), end, len(answer) + 8, 0.0, 0, None) if k else ([], False)
+        sums[2:] += torch.tensor([got == answer and ended, ended, k > 0], device=device)
+    model.train()
+    if world_size > 1:
+        dist.all_reduce(sums)
+    loss, _, exact, ended, n = (sums / sums[[1, 1, 4, 4, 4]].clamp(min=1)).tolist()
+    rec = {"val_loss": loss} | ({"exact": exact, "ended": ended} if turns and cfg.eval_turns else {})
+    print(f"eval {step:05d} | val loss {loss:.4f} (answers)" + (f" | {sums[4]:.0f} held-out last answers: exact "
+          f"{exact:.1%} | ended with <|end|> {ended:.1%}" if "exact" in rec else ""))
+    return rec
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+def data_and_model(cfg, rank, world_size):
+    """(cfg in --init_from's shape, meta, chat tokenizer, init), the data's tokenizer checked against the model's."""
+    meta = tg.load_meta(cfg.data_dir)
+    if "chat" not in meta:
+        tg.die(f"{cfg.data_dir} holds no conversations; make it with python chat_gpt.py --prepare=FILE.jsonl "
+               f"--init_from={cfg.init_from} --data_dir={cfg.data_dir}")
+    arch, init = ft.load_init(cfg, rank, world_size)
+    tok, theirs = {**tg.tokenizer_info(cfg.data_dir, meta), "chat": meta["chat"]}, init["tokenizer"]
+    if any(theirs.get(k) != tok.get(k) for k in ("tokenizer", "ranks", "itos")) or make_template(
+            theirs, init["vocab_size"]) != meta["chat"]:
+        tg.die(f"{cfg.data_dir} was prepared for another tokenizer or template than --init_from={cfg.init_from}'s; "
+               f"prepare it again with --init_from={cfg.init_from}")
+    if tg.list_checkpoints(cfg.out_dir):
+        tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
+    return dataclasses.replace(cfg, **arch), meta, tok, init
+
+def train(cfg):
+    """Set up, score the model before SFT, then the loop: micro-steps, clip, step, log, eval; then save."""
+    rank, world_size, device = tg.setup_dist(cfg.device)
+    cfg, meta, tok, init = data_and_model(cfg, rank, world_size)
+    dtype, ctx, scaler = tg.setup_precision(device, cfg.dtype)
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
+    raw = build(cfg, init, tok["chat"], device)
+    model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
+    opts = tg.build_optimizers(cfg, raw, device, dtype)
+    B, T, accum, tpl = cfg.batch_size, cfg.seq_len, cfg.grad_accum, tok["chat"]
+    convs = load_conversations(cfg.data_dir, meta, "train", cfg.loss_on)
+    val = load_conversations(cfg.data_dir, meta, "val", "answers")  # val scores the answers, whatever trains
+    lengths = [len(c[0]) for c in convs]
+    if max(lengths) > T + 1:
+        tg.die(f"{cfg.data_dir} has conversations of {max(lengths)} tokens, over --seq_len={T} + 1; raise it")
+    n_rows = len(pack(lengths, T, range(len(lengths))))  # best fit's padding, against a conversation a row
+    waste = [1 - sum(lengths) / (n * (T + 1)) for n in (n_rows, len(lengths))]
+    max_steps, time_budget = cfg.max_steps, 0.0 if cfg.max_steps else cfg.time_budget
+    n_train = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    print(f"{n_train / 1e6:.2f}M parameters train | {len(convs)} conversations in {n_rows} rows of {T + 1}: "
+          f"{waste[0]:.1%} padding (one a row: {waste[1]:.1%}) | loss on {cfg.loss_on} | rows a step: B {B} x accum "
+          f"{accum} x world {world_size} | {f'{time_budget:.0f} s' if time_budget else f'{max_steps} steps'} | "
+          f"{device} {dtype} | compile {compiled}")
+    before = evaluate(cfg, raw, val, tpl, ctx, rank, world_size, 0, turns=True)
+
+    step, train_time, epoch, rows, history, last_step = 0, 0.0, 0, [], [dict(step=0, **before)], False
+    t0 = time.perf_counter()
+    while not last_step:
+        mult = tg.lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
+        for g in (g for opt in opts for g in opt.param_groups):
+            g["lr"] = g["peak_lr"] * mult
+        while len(rows) < B * accum * world_size:  # each epoch packed anew, from a new shuffle
+            rows += pack(lengths, T, random.Random(cfg.seed + epoch).sample(range(len(lengths)), len(lengths)))
+            epoch += 1
+        mine = [rows[(m * world_size + rank) * B:][:B] for m in range(accum)]  # this rank's part of each micro-step
+        rows = rows[B * accum * world_size:]
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        loss = backward(model, [batch(convs, r, T, device) for r in mine], ctx, scaler, cfg.z_loss, world_size)
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        step, now = step + 1, time.perf_counter()
+        local = torch.stack([loss, gnorm.float(), loss.new_tensor(train_time + now - t0)])
+        loss, gnorm, train_time = tg.all_mean(local, world_size).tolist()  # the step's one sync: ranks agree
+        t0, last_step = now, train_time >= time_budget if time_budget else step >= max_steps
+        if step % cfg.log_every == 0 or last_step:
+            history.append(dict(step=step, loss=loss, lr=cfg.lr * mult, gnorm=gnorm, train_time=train_time))
+            print(" | ".join(f"{k} {v:.4g}" for k, v in history[-1].items()))
+        if last_step or (cfg.eval_every and step % cfg.eval_every == 0):
+            after = evaluate(cfg, raw, val, tpl, ctx, rank, world_size, step, turns=last_step)
+            history.append(dict(step=step, **after))
+            t0 = time.perf_counter()  # evals are not training time
+
+    if rank == 0:  # the history as metrics.jsonl too, a line a record
+        tg.write_checkpoint(cfg.out_dir, {
+            "model": raw.state_dict(), "optim": None, "step": step, "train_time": train_time, "history": history,
+            "config": dataclasses.asdict(cfg), "data_info": {"vocab_size": tpl["vocab_size"]}, "tokenizer": tok,
+            "world_size": world_size})
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
+    print(f"done: {step} steps in {train_time:.0f} s | val loss {before['val_loss']:.4f} -> {after['val_loss']:.4f}"
+          + "".join(f" | {k} {before[k]:.1%} -> {after[k]:.1%}" for k in ("exact", "ended") if k in after)
+          + f" | checkpoint in {cfg.out_dir} | python chat_gpt.py --chat --ckpt={cfg.out_dir}")
+    return {"steps": step, "train_time": train_time, **after, **{f"{k}_before": v for k, v in before.items()}}
+
+# -----------------------------------------------------------------------------
+# Chat
+
+def chat_main(cfg):
+    """--chat: a terminal chat with --ckpt that keeps the conversation; --prompt: one turn, then exit."""
+    device = tg.setup_dist(cfg.device)[2]
+    model, tok, step, path = ft.load_model(cfg.ckpt or cfg.out_dir, device)
+    if not tok.get("chat"):
+        tg.die(f"{path} is no chat model (its tokenizer has no template); fine-tune one with chat_gpt.py first")
+    tpl, (encode, decode) = tok["chat"], tg.load_tokenizer(tok)
+    msgs = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    gen = torch.Generator(device).manual_seed(cfg.seed)
+    print(f"# {path} (step {step})" + ("" if cfg.prompt else ": type a message; an empty line or Ctrl-D ends"))
+    while True:
+        try:
+            text = cfg.prompt or input("you> ")
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C: the chat ends
+            text = ""
+        if not text:
+            return {"messages": msgs}
+        msgs.append({"role": "user", "content": text})
+        ids = render(msgs, tpl, encode)[0] + [tpl["specials"]["<|assistant|>"]]  # the assistant's turn to speak
+        got, ended = reply(model, ids, tpl["specials"]["<|end|>"], cfg.max_new_tokens, cfg.temperature,
+                           cfg.top_k, gen)
+        msgs.append({"role": "assistant", "content": decode(got)})
+        print(f"assistant> {decode(got)}" + ("" if ended else f" [no <|end|> in {cfg.max_new_tokens} tokens]"))
+        if cfg.prompt:
+            return {"text": decode(got), "ids": got, "ended": ended, "prompt_ids": ids}
+
+def main(cfg):
+    """Prepare conversations, fine-tune on them, or chat, per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    if cfg.prepare:
+        return prepare(cfg)
+    if cfg.chat:
+        return chat_main(cfg)
+    return train(cfg)
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+if __name__ == "__main__":
+    main(tg.parse_args(Config, sys.argv[1:]))
