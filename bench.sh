@@ -100,7 +100,7 @@ ms = statistics.median(float(t) for i, t, _ in its if int(i) >= min(2, len(its) 
 tokens = int(re.search(r'tokens per iteration will be: ([\d,]+)', log)[1].replace(',', ''))
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'
 peak, mfu = next((v for k, v in tg.PEAK_FLOPS.items() if k in gpu), 0), float(its[-1][2])
-print(f'{tg.fmt_rate(tokens / ms * 1e3)} tok/s, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / peak:.1f}%' if
+print(f'{tg.speed((tokens, \"tok\", 0), ms / 1e3)[1]}, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / peak:.1f}%' if
       peak and mfu > 0 else '-'))")"
   else
     row "nanoGPT train.py" "failed: $(tail -n 1 "$LOGS/nanogpt.log")"
