@@ -149,7 +149,7 @@ def preset_steps():
         yield f"gpt {name}", raw.flops_per_token() * x.numel(), gpt_step, raw, x
     for name, over in tv.PRESETS.items():
         cfg = tv.Config(**{"n_embd": 128, **over})  # cpu_demo's width on its data
-        raw, x = tv.ViT(cfg, 32, 3, 10, [0.5] * 3, [0.25] * 3), torch.rand(2, 32, 32, 3)
+        raw, x = tv.ViT(cfg, 32, 3, 10), torch.rand(2, 32, 32, 3)
         yield f"vit {name}", raw.flops_per_image() * len(x), vit_step, raw, x
     for name, over in td.PRESETS.items():
         raw, x = td.DiT(td.Config(**over), 32, 3, 10), torch.rand(2, 32, 32, 3)
