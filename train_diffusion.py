@@ -456,12 +456,12 @@ class Judge:
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
-    """(rank, world_size, device); under torchrun, in the process group (gloo on CPU), ranks > 0 mute."""
+    """(rank, world_size, device); ranks > 0 mute."""
     if device_arg == "auto":
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # growable segments fragment less
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # fragments less
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
@@ -470,7 +470,7 @@ def setup_dist(device_arg="auto"):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # a key prefix per attempt: after a restart, torchrun's store holds the last one's addresses (pytorch#135712)
+        # per restart: the store keeps stale addresses (pytorch#135712)
         store, _, _ = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
@@ -488,45 +488,45 @@ def all_mean(x, world_size):
     return x
 
 def full(t):
-    """The whole tensor of an FSDP DTensor (a collective); other tensors as they are."""
+    """FSDP DTensor gathered (collective); else t."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-@functools.cache  # timed once: every run in the process takes the same precision
+@functools.cache  # one precision per process
 def cpu_has_bf16():
-    """Whether this CPU has AVX512-BF16 or AMX and a bf16 matmul 1.5x faster (not every such CPU does)."""
+    """AVX512-BF16/AMX and bf16 matmul 1.5x faster."""
     import timeit
     with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:
         if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
             return False
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
     b = a.bfloat16()
-    # the fastest of 5 after one to warm up: about 50 ms in all
+    # best of 5 after warm-up (~50 ms)
     fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
     bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
     return fp32 > 1.5 * bf16
 
 def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast, GradScaler); auto: a resumed run's, else bf16 where fast, fp16 on old GPUs, or fp32."""
+    """(dtype, autocast, scaler); auto: resumed, bf16 if fast, fp16 on old GPUs."""
     if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
         dtype_arg = ckpt["config"]["dtype"]
     elif dtype_arg == "auto" and device.type == "cuda":
         dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     elif dtype_arg == "auto":
         fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # timed: every rank takes the slowest's
+        if dist.is_available() and dist.is_initialized():  # slowest wins
             dist.all_reduce(fast, op=dist.ReduceOp.MIN)
         dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul that remains
+        torch.set_float32_matmul_precision("high")  # TF32
     ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16's range is narrow: scale the loss up, skip steps whose grads overflow
+    # fp16: scale the loss, skip overflowed steps
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
 
 def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, then in DDP or FSDP2 block by block; raw's keys stay plain."""
+    """(model, compiled): in DDP or FSDP2; raw's keys stay plain."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
-    kernels.use(cfg.kernels)  # before compiling, which traces the path
+    kernels.use(cfg.kernels)  # before compile traces it
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
@@ -540,19 +540,19 @@ def wrap_model(raw, cfg, device, dtype, world_size):
             fully_shard(block, **kw)
         return fully_shard(raw, **kw), compiled
     model = torch.compile(raw) if compiled else raw
-    if world_size > 1:  # buffers are constants: nothing to broadcast
+    if world_size > 1:  # constant buffers
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     return model, compiled
 
 def grad_sync(model, sync):
-    """The context of a micro-step's backward: grads are averaged across ranks only if sync."""
+    """Micro-step backward context: grads synced if sync."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
 def agree(loss_sum, gnorm, signal, train_time, world_size):
-    """The step's one host sync: (loss, grad norm, any rank signalled, train time) averaged over ranks."""
+    """One host sync: loss, gnorm, signal, time averaged."""
     t = loss_sum.new_tensor
     local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(signal is not None)), t(train_time)])
     loss, gnorm, stopped, train_time = all_mean(local, world_size).tolist()
@@ -977,40 +977,40 @@ class EMA:
 
 # === shared: machinery ===
 def die(msg):
-    """Stop with a one-line error: a SystemExit, which tests can catch."""
+    """A one-line error, a SystemExit (tests catch it)."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
 
 def side_path(what, fn, *args):
-    """fn(*args), or None after a warning: a sample or a plot never ends a run."""
+    """fn(*args); on error None and a warning."""
     try:
         return fn(*args)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever it was, training goes on
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         why = " ".join(str(e).split())[:200] or type(e).__name__
         print(f"warning: {what} failed, training goes on: {why}", file=sys.stderr)
 
 def field_comments(cls):
-    """{field: its trailing comment}, the help of -h; a subclass adds its own."""
+    """{field: trailing comment}: -h's help."""
     return {k: v for c in reversed(cls.__mro__[:-1])  # object has no source
             for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
 
 def choose(field, value):
-    """value, if the field's Literal allows it (any value of other types); else stop."""
+    """value if its Literal allows it, else stop."""
     options = get_args(field.type)
     if options and value not in options:
         die(f"--{field.name}={value} is not one of {'|'.join(options)}")
     return value
 
 def check_choices(cfg):
-    """Each Literal field holds one of its choices; --profile needs --benchmark, --offload FSDP."""
+    """Valid choices; --profile, --offload need their modes."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # in training it would trace every step, never exported
+    if cfg.profile and not cfg.benchmark:  # else it traces every step
         die("--profile profiles --benchmark's steps; add --benchmark")
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
 def parse_args(cls, argv):
-    """A Config from --key=value flags over a --preset; -h lists the fields."""
+    """A Config from --key=value flags over a --preset."""
     import argparse
     module, yes = sys.modules[cls.__module__], ("1", "true", "yes", "on")
 
@@ -1022,7 +1022,7 @@ def parse_args(cls, argv):
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
                                 usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
-    comments = field_comments(cls)  # once: it parses the source
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
         kind = to_bool if bare else functools.partial(choose, f) if options else f.type
@@ -1042,20 +1042,20 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "
               "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16
 
 def peak_seconds(flops, device, dtype):
-    """Seconds that flops take at the GPU's peak (tf32: half of it); 0 if unknown."""
+    """flops' seconds at GPU peak (tf32: half), or 0."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
     return flops / peak if peak else 0.0
 
 def speed(rate, dt):
-    """{unit_s, mfu} and their text ("3.66M tok/s", "mfu 47.1%") at dt seconds a step."""
-    per_step, unit, ideal = rate  # ideal: the seconds of a step at the GPU's peak
+    """{unit_s, mfu} and texts at dt s a step."""
+    per_step, unit, ideal = rate  # ideal: a step's s at peak
     x, mfu = per_step / dt, ideal / dt or None
     text = f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
     return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
 
 def start_log(cfg, master):
-    """Print the config; rank 0 of a training run saves it and returns metrics.jsonl's path."""
+    """Print config; rank 0 saves it, returns metrics."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
     if not master or cfg.benchmark:
@@ -1074,7 +1074,7 @@ def start_log(cfg, master):
     return os.path.join(cfg.out_dir, "metrics.jsonl")
 
 def record(metrics, **kv):
-    """Append kv as a line of JSON to the file metrics (if any), and to wandb's run."""
+    """Append kv to metrics (JSONL) and wandb."""
     if metrics:
         with open(metrics, "a") as f:
             f.write(json.dumps(kv) + "\n")
@@ -1082,25 +1082,25 @@ def record(metrics, **kv):
             sys.modules["wandb"].log(kv, step=kv.get("step"))
 
 def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print and record a step's line; budget: (max_steps, time_budget)."""
+    """Print, record a step; budget: (max_steps, seconds)."""
     (max_steps, time_budget), (rates, tput, mfu) = budget, speed(rate, dt)
     record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time, **extra)
     of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
     print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
           f"{tput} | {mfu}" + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
 
-BENCH_WARMUP, PROFILE_STEPS = 5, 3  # untimed: compile, autotuning, the allocator
+BENCH_WARMUP, PROFILE_STEPS = 5, 3  # untimed: compile, autotune
 
 class Benchmark:
-    """--benchmark: time `steps` steps after a warm-up, then trace PROFILE_STEPS more."""
+    """--benchmark: time steps after warm-up, then profile."""
 
     def __init__(self, steps, profile):
         self.steps, self.times = steps, {}
-        self.profiler = torch.profiler.profile() if profile else None  # CPU and GPU
+        self.profiler = torch.profiler.profile() if profile else None
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
     def mark(self, step, train_time):
-        """After each step: timing starts after the warm-up, the profiler after the timed steps."""
+        """After a step: start timing, then profiler."""
         self.times[step] = train_time
         if step == BENCH_WARMUP and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
@@ -1108,13 +1108,13 @@ class Benchmark:
             self.profiler.start()
 
     def report(self, result, signal, rate, what, out_dir, device, master):
-        """result with the timed steps' figures; with --profile, a Chrome trace and the top ops."""
+        """result + timings; --profile: trace, top ops."""
         if signal:
             die(f"--benchmark stopped by {signal} at step {result['steps']}; nothing measured")
         dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
         if self.profiler:
             self.profiler.stop()
-        if self.profiler and master:  # trace.json opens in chrome://tracing or ui.perfetto.dev
+        if self.profiler and master:  # for ui.perfetto.dev
             os.makedirs(out_dir, exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -1126,7 +1126,7 @@ class Benchmark:
                       f"peak mem {result['peak_mem_gb']:.2f} GB", result)
 
 def peak_memory_gb(device):
-    """The peak GPU memory allocated, or the CPU's peak resident memory (0 on Windows)."""
+    """Peak GPU memory or CPU RSS (0 on Windows)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     if sys.platform == "win32":
@@ -1135,7 +1135,7 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
 def finish(line, result, metric=None, out_dir=None, description=""):
-    """Print the last line, leave the process group; with out_dir, log a row in results.tsv."""
+    """Print line, leave group; out_dir: results.tsv row."""
     if out_dir:
         git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                      text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
@@ -1151,17 +1151,17 @@ def finish(line, result, metric=None, out_dir=None, description=""):
     return result
 
 def preempted(signal, step, train_time, out_dir):
-    """The end of a run a signal stopped: its checkpoint is saved, it exits 0."""
+    """A signalled run's end: saved, exit 0."""
     line = f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}"
     return finish(f"{line}; run the same command with --resume to continue",
                   {"preempted": True, "steps": step, "train_time": train_time})
 
 def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: in full on the CPU, or this rank's shards."""
+    """{model, optim, ema, ema_t}: full on CPU, or shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     sd = dict(zip(("model", "optim"), get_state_dict(model, opts, options=options)), ema=None, ema_t=0)
-    if ema:  # through the model, to be sharded as it is; a copy: on CPU they swap back
+    if ema:  # via the model, sharded alike; cloned: on CPU they'd swap back
         ema.swap()
         sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
         ema.swap()
@@ -1169,10 +1169,10 @@ def model_state(model, opts, ema=None, full=True):
     return sd
 
 def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
-    """Load a checkpoint dict into the run's objects; returns its (step, train_time, history)."""
+    """Load ckpt; returns (step, train_time, history)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
-    if "shards" in ckpt:  # each rank reads its parts, resharded by DCP if the ranks changed
+    if "shards" in ckpt:  # DCP reshards if ranks changed
         ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
@@ -1182,38 +1182,38 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
         ema.t = int(ckpt["ema_t"])
     scaler.load_state_dict(ckpt["scaler"])
     guard.load_state(ckpt["guard"])
-    history = list(ckpt["history"])  # a crafted checkpoint fails here, in one line
+    history = list(ckpt["history"])  # a crafted one fails here
     if not all(isinstance(h, dict) for h in history):
         raise ValueError("its history is not a list of records")
     return int(ckpt["step"]), float(ckpt["train_time"]), history
 
 class CheckpointWriter:
-    """Writes checkpoints one at a time (async_save: in a thread); under FSDP, in shards."""
+    """One checkpoint at a time (async: thread); FSDP: shards."""
 
     def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
         self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
         self.master, self.pending = master, None
-        # DCP's own gloo group: its messages must not mix with the training's
+        # DCP's own gloo group, apart from training's
         self.group = dist.new_group(backend="gloo") if sharded else None
 
     def save(self, ckpt):
-        """Write ckpt (every rank calls this); async_save's failure stops the run at wait()."""
+        """All ranks call; async failure stops at wait()."""
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
         shards = self.shards(ckpt) if self.group else None
         if not (self.master or shards):
             return
         args = (self.out_dir, copy.deepcopy(ckpt) if self.async_save else ckpt, *self.keep, shards, self.master)
-        if self.async_save:  # a copy: training goes on changing the tensors
+        if self.async_save:  # copied: training changes them
             self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
             write_checkpoint(*args)
 
     def shards(self, ckpt):
-        """Move ckpt's tensors to DCP; returns the call that writes them."""
+        """ckpt's tensors to DCP; returns their writer."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
-        if self.master:  # a torn folder of this step: none of its files may mix with these
+        if self.master:  # a torn folder's files must not mix
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
@@ -1224,18 +1224,18 @@ class CheckpointWriter:
         return functools.partial(dcp.save, dcp_part(sd), **kw)
 
     def wait(self):
-        """Block until the checkpoint in flight is on disk; a failed write stops the run."""
+        """Wait for the pending write; failure stops."""
         if self.pending:
             self.pending.result()
             self.pending = None
 
 def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
-    """Write ckpt_STEP.pt atomically (or shards() and state.pt), then prune."""
+    """Write ckpt_STEP.pt (or shards, state.pt) atomically; prune."""
     path = os.path.join(out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
     folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
     try:
         if shards:
-            shards()  # rank 0's returns once every rank's shards are on disk
+            shards()  # returns when all shards are on disk
             if not master:
                 return
             ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
@@ -1244,17 +1244,17 @@ def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None,
             torch.save(ckpt, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+    except BaseException as e:  # noqa: BLE001 - DCP's are BaseExceptions
         e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's
         if os.path.exists(tmp):
             os.remove(tmp)
         die(f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact")
-    if keep_last > 0:  # a rollback or resume deleted any newer ones: only good ones count
+    if keep_last > 0:  # rollback/resume pruned newer ones
         newest = [s for s, _ in list_checkpoints(out_dir)[-keep_last:]]
         prune(out_dir, lambda s: s not in newest and not (milestone_every and s % milestone_every == 0))
 
 def prune(out_dir, old):
-    """Delete the checkpoints whose step is old(step): files, or folders of shards."""
+    """Delete checkpoints where old(step)."""
     for step, path in list_checkpoints(out_dir):
         if old(step) and os.path.isdir(path):
             shutil.rmtree(path)
@@ -1262,12 +1262,12 @@ def prune(out_dir, old):
             os.remove(path)
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of the ckpt_STEP.pt files and ckpt_STEP/ folders in out_dir, oldest first."""
+    """[(step, path)] of ckpt_STEP(.pt), oldest first."""
     found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(f"{out_dir}/ckpt_*")]
     return sorted((int(m[1]), p) for m, p in found if m)
 
 def resume_point(out_dir, resume, layout, master):
-    """(checkpoint, path): the newest intact one of this layout in out_dir, or (None, None)."""
+    """(ckpt, path) of the newest intact one, or Nones."""
     found = list_checkpoints(out_dir)
     if found and not (resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
         die(f"{out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
@@ -1284,26 +1284,26 @@ def resume_point(out_dir, resume, layout, master):
     if diff:
         die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
             f"use a new --out_dir")
-    if master:  # the newer ones are unreadable
+    if master:  # newer: unreadable
         prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt, path
 
 def resumed(path, step, done, out_dir):
-    """Say where a resumed run goes on from; stop if its budget is spent (done)."""
+    """Say where a resume starts; stop if done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
-MAX_ROLLBACKS = 3  # to one checkpoint: if its steps keep going bad, the fix is in the flags
+MAX_ROLLBACKS = 3  # per checkpoint: beyond, fix the flags
 
 def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
-    """The newest intact checkpoint before the first bad step; rollbacks counts them."""
+    """Newest intact checkpoint before the 1st bad step."""
     if world_size > 1:
-        dist.barrier()  # rank 0's checkpoint write is on disk before any rank looks
+        dist.barrier()  # rank 0's write lands first
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # going on would skip steps to the end of the budget
+    if ckpt is None:  # else it skips to the end
         die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
             f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     rollbacks[ckpt["step"]] = rollbacks.get(ckpt["step"], 0) + 1
@@ -1317,11 +1317,11 @@ def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metric
     return ckpt
 
 def load_checkpoint(where, before=None, whole=True):
-    """(checkpoint, path) of where, or of the newest intact one in it (before before)."""
+    """(ckpt, path): where, or its newest good one before before."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
     for _, path in reversed([c for c in found if before is None or c[0] < before]):
-        try:  # intact: CRC-32s, sizes and weights_only loading pass
+        try:  # intact: CRCs, sizes, weights_only
             file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
             if not os.path.exists(file):
                 raise ValueError("incomplete: it has no state.pt, which rank 0 writes last")
@@ -1339,7 +1339,7 @@ def load_checkpoint(where, before=None, whole=True):
                 ckpt["shards"]["path"] = path
                 ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})
             return ckpt, path
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
+        except Exception as e:  # noqa: BLE001
             why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
                 e, pickle.UnpicklingError) else str(e).split("\n")[0] or type(e).__name__
             if one:
@@ -1348,12 +1348,12 @@ def load_checkpoint(where, before=None, whole=True):
     return None, None
 
 def dcp_part(sd):
-    """What DCP writes of {model, optim, ema}: the tensors; the param groups go into state.pt."""
+    """DCP writes tensors; param groups go in state.pt."""
     return {k: {"state": sd[k]["state"]} if k == "optim" else sd[k]
             for k in ("model", "optim", "ema") if sd[k] is not None}
 
 def read_shards(shards, into=None):
-    """{model, optim, ema} of a sharded checkpoint, read into `into` (this rank's) or whole."""
+    """A sharded checkpoint, into `into` or whole."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -1367,12 +1367,12 @@ def read_shards(shards, into=None):
     try:
         _load_state_dict(sd, storage_reader=reader, planner=None if into else _EmptyStateDictLoadPlanner(),
                          no_dist=not (into and dist.is_initialized()))
-    except dcp.CheckpointException as e:  # a BaseException, which wraps each rank's error
+    except dcp.CheckpointException as e:  # wraps each rank's error
         raise ValueError(next(iter(e.failures.values()))[0]) from None
     return {"ema": None, **sd, "optim": {**sd["optim"], "param_groups": shards["param_groups"]}}
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a sharded checkpoint's .metadata: only the classes DCP writes there."""
+    """Unpickles .metadata: only classes DCP writes."""
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
         ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta",
@@ -1385,7 +1385,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 @contextlib.contextmanager
 def reading(path, fix):
-    """Any error while reading path stops the run with one line that names the fix."""
+    """An error reading path: one line naming the fix."""
     try:
         yield
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
@@ -1393,7 +1393,7 @@ def reading(path, fix):
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
 class Guard:
-    """Flags non-finite or spiking losses and grad norms; max_bad in window roll back (PaLM 5.1)."""
+    """Flags bad loss/gnorm; max_bad in window: roll back (PaLM 5.1)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
         self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
@@ -1407,12 +1407,12 @@ class Guard:
         self.mean, self.var = [float(v) for v in s["mean"][:2]], [float(v) for v in s["var"][:2]]
 
     def clip(self, max_norm):
-        """max_norm (0: none), lowered to clip_mult x the running grad-norm mean."""
+        """max_norm (0: none), <= clip_mult x mean gnorm."""
         limit = max_norm if max_norm > 0 else float("inf")
         return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
 
     def check(self, step, loss, gnorm):
-        """None if the update is safe, else the reason; good values update the statistics."""
+        """None if safe, else why; good values go in stats."""
         finite = math.isfinite(loss) and math.isfinite(gnorm)
         reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
         for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
@@ -1432,10 +1432,10 @@ class Guard:
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
-    """SIGTERM or SIGINT sets received: the run saves and exits 0; a second acts at once."""
+    """SIGTERM/SIGINT: save, exit 0; a 2nd acts at once."""
 
     def __enter__(self):
-        self.received, main = None, threading.current_thread() is threading.main_thread()  # handlers run there only
+        self.received, main = None, threading.current_thread() is threading.main_thread()  # only there
         self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
         return self
 
@@ -1448,7 +1448,7 @@ class StopSignal:
             signal.signal(sig, handler)
 
 def prepare_default_data(cfg, rank, world_size, command, what, *flags):
-    """With the default data_dir empty, rank 0 runs prepare_data.py (no network); the rest wait."""
+    """Empty default data_dir: rank 0 runs prepare_data."""
     if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
