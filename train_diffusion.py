@@ -822,7 +822,7 @@ def check_config(cfg):
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
-                          "sample_steps per_class"),
+                          "sample_steps per_class log_every"),
                       (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples "
                           "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
                       (-1, "num_classes")):

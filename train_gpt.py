@@ -979,7 +979,7 @@ def train(cfg, stop, start=Start()):
     n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # Chinchilla
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
-    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.tokens else cfg.time_budget
+    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or n_tokens else cfg.time_budget
     # a step's units, their name, and its seconds at the GPU's peak (MFU)
     rate = (tokens_per_step, "tok", peak_seconds(raw.flops_per_token() * tokens_per_step, device, dtype))
 
@@ -1142,9 +1142,10 @@ def check_config(cfg):
         die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
     if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
         die("--mup needs --base_width >= 1 and untied embeddings: drop --tie_embeddings")
-    ones = "n_layer n_head n_embd seq_len batch_size grad_accum guard_window".split()
+    ones = "n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every".split()
     zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
-             "seq_len_warmup max_steps time_budget embed_lr warmup_steps").split()  # < 0: no end
+             "seq_len_warmup max_steps time_budget embed_lr warmup_steps n_kv_head eval_every "
+             "save_every top_k temperature").split()  # < 0: no end
     for k in ones + zeros:
         if getattr(cfg, k) < (low := int(k in ones)):
             die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
@@ -1157,10 +1158,11 @@ def check_config(cfg):
     if cfg.total_batch % (cfg.batch_size * cfg.seq_len * ranks):  # in whole micro-steps
         die(f"--total_batch={cfg.total_batch} is not a multiple of --batch_size x --seq_len x "
             f"ranks = {cfg.batch_size * cfg.seq_len * ranks}; change one of them")
-    if not cfg.benchmark and not (cfg.max_steps or cfg.tokens or cfg.time_budget > 0):
-        die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
     if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
         die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
+    tokens = cfg.tokens == "auto" or float(cfg.tokens or 0) > 0
+    if not cfg.benchmark and not (cfg.max_steps or tokens or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
 
 def main(cfg, start=Start()):
     """Train (or --benchmark, --sample, --eval_only, --consolidate) per cfg; returns the final metrics."""

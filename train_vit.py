@@ -767,7 +767,7 @@ def check_config(cfg):
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k"),
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every"),
                       (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size "
                           "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
         for k in keys.split():

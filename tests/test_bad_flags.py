@@ -1,0 +1,45 @@
+"""A sweep of bad flags (issue 51): each stops before any work in one line that names the flag, never a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train_diffusion as td
+import train_gpt as tg
+import train_vit as tv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = [  # (module, flags, what the line must name)
+    (tg, dict(log_every=0), "--log_every must be at least 1"),
+    (tv, dict(log_every=0), "--log_every must be at least 1"),
+    (td, dict(log_every=0), "--log_every must be at least 1"),
+    (tg, dict(max_steps=0, tokens="0", time_budget=0.0), "no training budget"),
+    (tg, dict(max_steps=0, tokens="0.0", time_budget=0.0), "no training budget"),
+    (tg, dict(tokens="-5"), "--tokens=-5 is neither"),
+    (tg, dict(n_kv_head=-1), "--n_kv_head must be at least 0"),
+    (tg, dict(top_k=-1), "--top_k must be at least 0"),
+    (tg, dict(temperature=-1.0), "--temperature must be at least 0"),
+    (tg, dict(eval_every=-1), "--eval_every must be at least 0"),
+    (tg, dict(save_every=-2), "--save_every must be at least 0"),
+    (tg, dict(n_layer=0), "--n_layer must be at least 1"),
+    (tg, dict(lr=0.0), "need --lr > 0"),
+    (tv, dict(top_k=0), "--top_k must be at least 1"),
+    (td, dict(sample_steps=0), "--sample_steps must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("mod, flags, line", CASES, ids=[f"{m.__name__}-{f}" for m, f, _ in CASES])
+def test_a_bad_flag_stops_in_one_line(mod, flags, line):
+    with pytest.raises(SystemExit) as e:
+        mod.check_config(mod.Config(**flags))
+    msg = str(e.value.code)
+    assert line in msg and "\n" not in msg, msg
+
+
+def test_from_the_command_line_one_line_and_exit_1(tmp_path):
+    """As a user meets it: exit status 1, one line on stderr, nothing written."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py"), "--log_every=0", f"--out_dir={tmp_path}/x"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "--log_every must be at least 1" in p.stderr and not (tmp_path / "x").exists()
