@@ -841,6 +841,8 @@ def check_config(cfg):
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+    if cfg.sample_out and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.sample_out))):
+        die(f"--sample_out={cfg.sample_out}: its folder does not exist; create it first")
 
 # -----------------------------------------------------------------------------
 # Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
@@ -1142,9 +1144,12 @@ def finish(line, result, metric=None, out_dir=None, description=""):
         row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
                f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
                description.replace("\t", " ")]
-        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-            f.write(header + "\t".join(row) + "\n")
+        try:
+            with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+                header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+                f.write(header + "\t".join(row) + "\n")
+        except OSError as e:  # a side output: the run is done, its checkpoint saved
+            print(f"warning: results.tsv not written: {e}")
     print(line)
     if dist.is_initialized():
         dist.destroy_process_group()

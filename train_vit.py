@@ -1080,9 +1080,12 @@ def finish(line, result, metric=None, out_dir=None, description=""):
         row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
                f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
                description.replace("\t", " ")]
-        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-            f.write(header + "\t".join(row) + "\n")
+        try:
+            with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+                header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+                f.write(header + "\t".join(row) + "\n")
+        except OSError as e:  # a side output: the run is done, its checkpoint saved
+            print(f"warning: results.tsv not written: {e}")
     print(line)
     if dist.is_initialized():
         dist.destroy_process_group()

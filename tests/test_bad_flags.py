@@ -26,6 +26,7 @@ CASES = [  # (module, flags, what the line must name)
     (tg, dict(lr=0.0), "need --lr > 0"),
     (tv, dict(top_k=0), "--top_k must be at least 1"),
     (td, dict(sample_steps=0), "--sample_steps must be at least 1"),
+    (td, dict(sample=True, sample_out="missing_dir/x.png"), "its folder does not exist; create it first"),
 ]
 
 
@@ -43,3 +44,10 @@ def test_from_the_command_line_one_line_and_exit_1(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
     assert "--log_every must be at least 1" in p.stderr and not (tmp_path / "x").exists()
+
+
+def test_an_unwritable_results_tsv_warns_and_the_run_ends_well(tmp_path, capsys):
+    """results.tsv is a side output: a run whose folder for it cannot be written keeps its result, and warns."""
+    (tmp_path / "results.tsv").mkdir()  # a folder where the file goes: open() fails, as on a read-only folder
+    out = tg.finish("done", {"val_loss": 1.0, "peak_mem_gb": 0.0, "wall_time": 1.0}, "val_loss", str(tmp_path / "run"))
+    assert out["val_loss"] == 1.0 and "warning: results.tsv not written" in capsys.readouterr().out
