@@ -568,10 +568,9 @@ def cmd_plan(args):
 
 def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2, seq_len=64, batch_size=8,
                 vocab=320, base_width=None, optimizer="adamw", out_dir=None):
-    """Mean |coordinate| of each layer's output (embedding, blocks, logits) after each of the first `steps` AdamW
-    steps on one fixed batch, at each width, under the standard parametrisation and under muP (base: the smallest
-    width). Returns {param: {layer: array (steps, widths)}} averaged over seeds, and the slopes of log size against
-    log width at the last step. Under muP each curve is flat in width; under SP the later ones grow (Yang et al.)."""
+    """Mean |coordinate| of each layer's output after each of `steps` steps on one batch, per width, under SP and
+    muP (base: the smallest width): {param: {layer: (steps, widths)}} over seeds, and the slopes of log size against
+    log width. Under muP each curve is flat in width; under SP the later ones grow (Yang et al.)."""
     base_width = base_width or min(widths)
     out = {}
     for mup in (False, True):
@@ -692,8 +691,7 @@ def plot_lr_transfer(out_dir, res):
 
 
 def cmd_compare(args):
-    """Metrics of several runs (each out_dir's metrics.jsonl, from any trainer) against step, in one plot: by default
-    train and val loss, a colour per run and a line style per metric."""
+    """Runs' metrics.jsonl (any trainer's) against step: a colour a run, a line style a metric."""
     import matplotlib.figure
     fig = matplotlib.figure.Figure(figsize=(6.4, 4), layout="tight")
     ax = fig.subplots()
@@ -702,7 +700,10 @@ def cmd_compare(args):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.exists(path):
             die(f"{path} not found: pass the out_dir of a run")
-        rows = list(map(json.loads, open(path)))
+        *whole, cut = open(path).read().split("\n")  # a killed run can leave a cut-off last line
+        rows = [json.loads(line) for line in whole if line.strip()]
+        if cut.strip():
+            print(f"warning: {path}: its last line is cut off (a killed run's); skipped")
         pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
         if not pts and (args.metric or j == 0):  # the default's val loss may be missing (a benchmark has none)
             keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))} - {"step"})
@@ -749,8 +750,7 @@ def sharpness(loss_fn, params, iters=10, seed=0):
 
 
 def cmd_sharpness(args):
-    """The top Hessian eigenvalue of a train_gpt.py checkpoint's training loss (z-loss included) on --batches batches
-    of its data, one estimate per batch: their spread shows how much a mini-batch's sharpness varies."""
+    """Top Hessian eigenvalue of a checkpoint's training loss, one per batch: its spread is the batches'."""
     if min(args.batches, args.iters) < 1:
         die("--batches and --iters must be at least 1")
     device = tg.setup_dist(args.device)[2]

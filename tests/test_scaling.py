@@ -200,6 +200,10 @@ def test_sharpness_and_compare_read_a_finished_run(corpus, tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 10_000
     with pytest.raises(SystemExit, match="has no 'val_acc'; pick --metric from"):
         sc.main(["compare", str(out), "--metric=val_acc", f"--out={tmp_path / 'd.png'}"])
+    with open(out / "metrics.jsonl", "a") as f:  # what a run killed mid-write leaves
+        f.write('{"step": 9, "lo')
+    sc.main(["compare", str(out), f"--out={tmp_path / 'e.png'}"])
+    assert "its last line is cut off (a killed run's); skipped" in capsys.readouterr().out
     flags = ["sharpness", f"--ckpt={out}", "--batches=2", "--iters=8"]
     r = sc.main(flags)
     assert r["step"] == 8 and len(r["per_batch"]) == 2 and all(math.isfinite(v) and v > 0 for v in r["per_batch"])
