@@ -558,9 +558,9 @@ def list_images(root):
         fail(f"{root} does not exist or is not a folder; give a folder with a subfolder of images per class "
              "(PATH/CLASS/*.png)")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        fail(f"{root} has no class subfolders; put the images of each class in a subfolder named after it "
-             "(PATH/CLASS/*.png)")
+    if len(classes) < 2:  # one class: any classifier scores 100%
+        fail(f"{root} has {len(classes)} class subfolders; a classifier needs 2 or more, one folder of images "
+             "each (PATH/CLASS/*.png)")
     found = {}
     for c in classes:
         found[c] = [p for p in sorted((root / c).rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()

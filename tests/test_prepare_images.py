@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import struct
 import tarfile
 import zlib
@@ -396,7 +397,12 @@ def test_imagefolder_bad_inputs_are_one_line_errors(tmp_path):
     run = lambda *args: error_of(["imagefolder", *map(str, args), f"--data_dir={out}"])  # noqa: E731
     assert f"{tmp_path / 'missing'} does not exist" in run(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    assert "has no class subfolders" in run(tmp_path / "empty")
+    assert "has 0 class subfolders; a classifier needs 2 or more" in run(tmp_path / "empty")
+    fake_folder(tmp_path / "one")
+    for c in ("ant", "bee"):
+        shutil.rmtree(tmp_path / "one" / c)
+    assert "has 1 class subfolders; a classifier needs 2 or more" in run(tmp_path / "one")
+    assert not out.exists()
     fake_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "dog").mkdir()
     (tmp_path / "imgs" / "dog" / "readme.txt").write_text("no images here")
