@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file  # others' files, parsed safely
 
 import train_gpt as tg
@@ -140,7 +141,10 @@ def gpt2_state_dict(folder, cfg, vocab_size):
     path = os.path.join(folder, "model.safetensors")
     path = path if os.path.exists(path) else os.path.join(folder, "pytorch_model.bin")
     with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"):
-        hf = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
+        try:
+            hf = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
+        except SafetensorError as e:  # truncated or damaged: one line, as for any file we read
+            raise ValueError(e) from None
         hf = {k.removeprefix("transformer."): v.float() for k, v in hf.items()}
         sd = {ours: conv1d(theirs, hf[theirs]) for theirs, ours in gpt2_names(cfg.n_layer).items()}
     sd["wte.weight"] = F.pad(sd["wte.weight"], (0, 0, 0, 64 * math.ceil(vocab_size / 64) - vocab_size))

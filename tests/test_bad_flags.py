@@ -51,3 +51,14 @@ def test_an_unwritable_results_tsv_warns_and_the_run_ends_well(tmp_path, capsys)
     (tmp_path / "results.tsv").mkdir()  # a folder where the file goes: open() fails, as on a read-only folder
     out = tg.finish("done", {"val_loss": 1.0, "peak_mem_gb": 0.0, "wall_time": 1.0}, "val_loss", str(tmp_path / "run"))
     assert out["val_loss"] == 1.0 and "warning: results.tsv not written" in capsys.readouterr().out
+
+
+def test_a_truncated_safetensors_file_is_one_line(tmp_path):
+    import finetune_gpt as ft
+    from test_finetune import GPT2, gpt2_folder
+    gpt2_folder(tmp_path / "gpt2", conf=GPT2)
+    blob = (tmp_path / "gpt2" / "model.safetensors").read_bytes()
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(blob[:len(blob) // 2])  # a download cut short
+    with pytest.raises(SystemExit) as e:
+        ft.main(ft.Config(sample=True, init_from=str(tmp_path / "gpt2"), device="cpu", max_new_tokens=2))
+    assert "model.safetensors: ValueError" in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
