@@ -35,6 +35,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import sys
 import sysconfig
 import tarfile
@@ -66,11 +67,9 @@ EOT = "<|endoftext|>"
 PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
        r"""\s+(?!\S)|\s""")
 
-
 def fail(message):
     """Stop with a one-line error that names the problem and the fix: a non-zero exit, no traceback."""
     raise SystemExit(f"prepare_data.py: error: {message}")
-
 
 # -----------------------------------------------------------------------------
 # Shards
@@ -85,7 +84,6 @@ def write_shard(path, tokens):
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
 
-
 def num_tokens(path):
     """Token count of an llm.c shard from its header, checked against the file size."""
     size = os.path.getsize(path)
@@ -97,12 +95,10 @@ def num_tokens(path):
              "delete it and prepare the data again")
     return int(header[2])
 
-
 def read_shard(path):
     """Read an llm.c shard into a uint16 array, after checking magic, version and token count."""
     num_tokens(path)
     return np.fromfile(path, dtype="<u2", offset=HEADER_BYTES)
-
 
 # -----------------------------------------------------------------------------
 # Tokenizers
@@ -113,7 +109,6 @@ def check_bpe_vocab(n):
         fail(f"bpe:{n}: N must be at least 257 (256 byte tokens + the end-of-text token) and at most 65535 "
              "(token ids are stored as uint16); try bpe:4353")
 
-
 def tokenizer_spec(s):
     """argparse type of --tokenizer: byte, gpt2, or bpe:N with 257 <= N <= 65535."""
     if s.startswith("bpe:") and s[4:].isdigit():
@@ -121,7 +116,6 @@ def tokenizer_spec(s):
     elif s not in ("byte", "gpt2"):
         raise argparse.ArgumentTypeError(f"unknown tokenizer {s!r}; use byte, gpt2 or bpe:N (e.g. bpe:4353)")
     return s
-
 
 def merge(word, pair, new):
     """Replace each occurrence of pair in word, left to right, by the token new."""
@@ -131,7 +125,6 @@ def merge(word, pair, new):
         out.append(new if hit else word[i])
         i += 1 + hit
     return out
-
 
 def train_bpe(counts, vocab_size):
     """A byte-level BPE of {chunk: count} or a text, as tiktoken's mergeable_ranks {bytes: rank} (0..vocab_size-2)."""
@@ -183,7 +176,6 @@ def train_bpe(counts, vocab_size):
     assert len(ranks) == len(vocab), "two merges made the same token"  # never seen; it would leave holes in the ranks
     return ranks
 
-
 def make_tokenizer(spec, train_docs, out_dir):
     """Return (encode: list of str -> list of token arrays, meta.json fields) for a --tokenizer spec."""
     if spec == "byte":
@@ -208,7 +200,6 @@ def make_tokenizer(spec, train_docs, out_dir):
     # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
     encode = lambda docs: [np.array(t, np.uint16) for t in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())]
     return encode, info
-
 
 # -----------------------------------------------------------------------------
 # Downloads: the only network access in trainsuite
@@ -243,7 +234,6 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
     os.replace(part, path)
 
-
 # -----------------------------------------------------------------------------
 # Sources: a subcommand each; a text source returns (train documents, val documents)
 
@@ -252,7 +242,6 @@ def split_tail(text, val_percent):
     k = len(text) * (100 - val_percent) // 100
     cut = text.rfind("\n", 0, k) + 1 or k
     return text[:cut], text[cut:]
-
 
 def split_files(named, val_percent):
     """Split (relative path, text) pairs by whole files: val when crc32(path) % 100 < val_percent."""
@@ -263,7 +252,6 @@ def split_files(named, val_percent):
         return [h for h, _ in pieces if h], [t for _, t in pieces if t]
     return [t for (_, t), v in zip(named, val) if not v], [t for (_, t), v in zip(named, val) if v]
 
-
 def junk_reason(doc):
     """Why a document wastes tokens and can set off loss spikes (mostly not text, or a character 1,000+ times)."""
     if len(regex.findall(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]", doc)) > 0.01 * len(doc):
@@ -272,12 +260,10 @@ def junk_reason(doc):
         return "a character repeated 1,000+ times"
     return None
 
-
 def drop_junk(docs, keep):
     """docs without the pathological ones (unless keep), and {reason: count} of those found."""
     reasons = [junk_reason(d) for d in docs]
     return [d for d, r in zip(docs, reasons) if keep or r is None], dict(Counter(r for r in reasons if r))
-
 
 def source_stdlib(args):
     """The running Python's standard library, a document per .py file; installed packages left out."""
@@ -285,7 +271,6 @@ def source_stdlib(args):
     named = [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.py"))]
     return split_files([(name, p.read_bytes().decode(errors="replace")) for name, p in named
                         if not {"site-packages", "dist-packages"} & set(name.split("/"))], args.val_percent)
-
 
 def source_text(args):
     """The files named, and all files under the folders named (hidden ones aside), a document per file."""
@@ -302,14 +287,12 @@ def source_text(args):
         fail(f"no text files found in {' '.join(args.paths)}; give text files or folders of them")
     return split_files(named, args.val_percent)
 
-
 def source_shakespeare(args):
     """tinyshakespeare as one document, its last val_percent (10) % of text, cut at a line break, as val."""
     path = Path(args.data_dir) / "input.txt"
     download(SHAKESPEARE_URL, path)
     train, val = split_tail(path.read_text(encoding="utf-8"), args.val_percent)
     return [train], [val]
-
 
 def prepare_text(args):
     """Read args.source, tokenize both splits into shards, and publish them with meta.json in args.data_dir."""
@@ -325,7 +308,8 @@ def prepare_text(args):
               + ("" if args.junk == "keep" else " (--junk=keep keeps them)"))
     random.Random(0).shuffle(train_docs)  # a fixed random order: training should not walk the sources alphabetically
     if not any(train_docs) or not any(val_docs):
-        fail("the train or the val split has no text; give more text or change --val_percent")
+        utf8 = " (files must be UTF-8: iconv -f latin1 -t utf-8 converts)" if "binary or mis-encoded" in bad else ""
+        fail(f"the train or the val split has no text{utf8}; give more text or change --val_percent")
     # build everything in a hidden sibling dir and move it in at the end: a run killed halfway leaves
     # the previous data (or none) in data_dir, never a mix that looks prepared
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -359,7 +343,6 @@ def prepare_text(args):
     print(f"val bits per byte: gzip -9 {meta['val_gzip_bpb']:.3f} | xz -9 {meta['val_xz_bpb']:.3f}")
     print(f"wrote {data_dir} ({args.tokenizer}, vocab {info['vocab_size']}) in {time.time() - t0:.1f} s")
 
-
 def prepare_fineweb(args):
     """Download the val shard and the first --shards train shards of GPT-2 tokenized FineWeb-10B; write meta.json."""
     if not 1 <= args.shards <= 103:
@@ -387,13 +370,11 @@ def prepare_fineweb(args):
     for split, s in splits.items():
         print(f"{split}: {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
 
-
 # -----------------------------------------------------------------------------
 # Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
 
 SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
 UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of each shape upright, in units of pi
-
 
 def prepare_gpt2(args):
     """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
@@ -403,13 +384,11 @@ def prepare_gpt2(args):
                  "Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
     print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
-
 def prepare_hellaswag(args):
     """HellaSwag's val set (Zellers et al. 2019) for train_gpt.py --eval_mc: a context and 4 endings a JSON line."""
     path = Path(args.data_dir) / "hellaswag_val.jsonl"
     download(HELLASWAG_URL, path, instead="--eval_mc=FILE, items of your own (a JSON line each: ctx, endings, label)")
     print(f"{sum(1 for line in path.open() if line.strip()):,} items in {path}: train_gpt.py --eval_mc={path}")
-
 
 def shape_mask(k, u, v):
     """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
@@ -422,7 +401,6 @@ def shape_mask(k, u, v):
             lambda: (r < 1) & (np.hypot(u - 0.5, v) > 0.8), lambda: (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0,
             lambda: ((abs(v) < 0.22) & (u > -1) & (u < 0.1)) | ((u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)),
             ][k]()
-
 
 def make_shapes(n, size, seed, chunk=256, rotate=True):
     """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
@@ -461,7 +439,6 @@ def make_shapes(n, size, seed, chunk=256, rotate=True):
         out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
     return out, labels.astype(np.int64)
 
-
 def source_shapes(args):
     """The procedural shapes dataset: train and val from different seeds (no network)."""
     if args.image_size < 8 or args.train_size < 1 or args.val_size < 1:
@@ -472,13 +449,11 @@ def source_shapes(args):
         print(f"{split}: {n:,} images generated")
     return splits, list(SHAPES)
 
-
 OFFLINE_IMAGES = "'python prepare_data.py shapes' or 'python prepare_data.py imagefolder PATH'"
 FASHION_CLASSES = "T-shirt/top,Trouser,Pullover,Dress,Coat,Sandal,Shirt,Sneaker,Bag,Ankle boot".split(",")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
              "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
-
 
 @contextlib.contextmanager
 def reading(path):
@@ -489,7 +464,6 @@ def reading(path):
             ValueError) as e:
         fail(f"{path} is damaged or not the expected file ({type(e).__name__}: {' '.join(str(e).split())}); "
              "delete it and run the same command again")
-
 
 class CifarUnpickler(pickle.Unpickler):
     """CIFAR's batches are pickles (their official format, written by Python 2 and numpy 1) that hold only dicts,
@@ -503,7 +477,6 @@ class CifarUnpickler(pickle.Unpickler):
         if (module, name) not in allowed:
             raise pickle.UnpicklingError(f"a pickle in it asks for {module}.{name}, which no CIFAR file holds: refused")
         return allowed[module, name]
-
 
 def source_cifar(args):
     """CIFAR-10 or CIFAR-100 from the official python-format .tar.gz, read in place: nothing is extracted to disk."""
@@ -529,7 +502,6 @@ def source_cifar(args):
             splits[s] = x.transpose(0, 2, 3, 1), np.concatenate([np.asarray(batches[n][labels], "int64") for n in ns])
     return splits, classes
 
-
 def read_idx(path, magic, ndim):
     """A gzipped IDX file: big-endian int32 magic and ndim sizes, then their product of uint8 values."""
     with reading(path):
@@ -541,7 +513,6 @@ def read_idx(path, magic, ndim):
              "delete it and run the same command again")
     return np.frombuffer(data, np.uint8, offset=head).reshape(dims[1:])
 
-
 def source_idx(args):
     """MNIST or Fashion-MNIST from their four gzipped IDX files: 28x28 grayscale, 60,000 train and 10,000 val."""
     url, data_dir = MNIST_URL if args.command == "mnist" else FASHION_MNIST_URL, Path(args.data_dir)
@@ -550,7 +521,6 @@ def source_idx(args):
     splits = {s: (read_idx(data_dir / images, 2051, 3)[..., None], read_idx(data_dir / labels, 2049, 1).astype("int64"))
               for s, (images, labels) in IDX_FILES.items()}
     return splits, [str(d) for d in range(10)] if args.command == "mnist" else list(FASHION_CLASSES)
-
 
 def list_images(root):
     """{class: sorted image paths} of an ImageFolder-style root (root/CLASS/**/*.png etc.), hidden entries left out."""
@@ -569,7 +539,6 @@ def list_images(root):
             fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the "
                  "folder")
     return found
-
 
 def load_images(paths, size, split):
     """(uint8 (N, size, size, 3), all grayscale?): RGB, the centre square resized (torchvision's Resize+CenterCrop)."""
@@ -590,7 +559,6 @@ def load_images(paths, size, split):
             print(f"\r{split}: {i + 1:,}/{len(paths):,} images", end="", file=sys.stderr)
     print(file=sys.stderr)
     return out, gray
-
 
 def source_imagefolder(args):
     """Your images as PATH/CLASS/*.png (ImageFolder's layout); val: --val=PATH, or --val_fraction by path hash."""
@@ -625,7 +593,6 @@ def source_imagefolder(args):
         splits = {s: (x[..., :1], y) for s, (x, y) in splits.items()}
     return splits, classes
 
-
 def write_images(data_dir, splits, classes, source, flip_ok=True):
     """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
     (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict.
@@ -659,11 +626,9 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
         shutil.rmtree(stage, ignore_errors=True)
     return meta
 
-
 # Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is not
 # a 2), upright shapes (one pose per class) and, unless --flip_ok, your own folders (letters, text: any handedness)
 FLIP_OK = {"shapes": True, "cifar10": True, "cifar100": True, "fashion_mnist": True, "mnist": False}
-
 
 def prepare_images(args):
     """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
@@ -680,14 +645,12 @@ def prepare_images(args):
         will += "; pass --flip_ok if a mirror image is still its class (photos, most objects)"
     print(f"flip_ok {str(flip_ok).lower()} in meta.json: the trainers' --flip=auto will {will}")
 
-
 # -----------------------------------------------------------------------------
 # Entry point
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own error prints the usage over several lines
         fail(f"{message} (see python {self.prog} -h)")
-
 
 def main(argv=None):
     """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
@@ -742,9 +705,16 @@ def main(argv=None):
     p.add_argument("--image_size", type=int, default=32, help="the shorter side resized to this, the centre cropped")
     p.add_argument("--flip_ok", action="store_true", help="a mirror image is still of its class: the trainers may flip")
     args = parser.parse_args(argv)
-    args.run(args)
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage is removed
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        fail("interrupted: nothing half-written is left; run the command again (a download resumes)")
+    except PermissionError as e:
+        fail(f"{e.filename}: permission denied; pass a --data_dir in a folder you can write")
+    finally:
+        signal.signal(signal.SIGTERM, old)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

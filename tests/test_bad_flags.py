@@ -62,3 +62,29 @@ def test_a_truncated_safetensors_file_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         ft.main(ft.Config(sample=True, init_from=str(tmp_path / "gpt2"), device="cpu", max_new_tokens=2))
     assert "model.safetensors: ValueError" in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
+
+
+def test_prepare_data_stopped_or_refused_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM (as Ctrl-C) mid-way through prepare_data.py text, or a data_dir it may not write: one line, exit 1,
+    no hidden staging folder left beside data_dir."""
+    import signal
+
+    import prepare_data
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("def f(x):\n    return x * 2\n" * 50)
+    (tmp_path / "src" / "b.py").write_text("import math\nprint(math.pi)\n" * 50)
+    monkeypatch.setattr(prepare_data, "write_shard", lambda *a: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(SystemExit, match="interrupted: nothing half-written is left; run the command again"):
+        prepare_data.main(["text", str(tmp_path / "src"), f"--data_dir={tmp_path / 'out' / 'd'}"])
+    assert signal.getsignal(signal.SIGTERM) is not signal.default_int_handler  # put back
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+    def denied(*a, **kw):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "ro"))
+    monkeypatch.setattr(prepare_data.tempfile, "mkdtemp", denied)
+    with pytest.raises(SystemExit, match="ro: permission denied; pass a --data_dir in a folder you can write"):
+        prepare_data.main(["text", str(tmp_path / "src"), f"--data_dir={tmp_path / 'ro' / 'd'}"])
+    monkeypatch.undo()
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e \u00e0 l'\u00e9t\u00e9.\n".encode("latin-1") * 200)
+    with pytest.raises(SystemExit, match="files must be UTF-8: iconv -f latin1 -t utf-8 converts"):
+        prepare_data.main(["text", str(tmp_path / "latin1.txt"), f"--data_dir={tmp_path / 'l1'}"])

@@ -345,11 +345,13 @@ def test_imagefolder_resizes_the_shorter_side_and_crops_the_centre(tmp_path):
     save(tmp_path / "imgs" / "a" / "wide.png", Image.fromarray(wide))
     save(tmp_path / "imgs" / "a" / "tall.png", Image.fromarray(wide.transpose(1, 0, 2).copy()))
     save(tmp_path / "val" / "a" / "v.png", Image.fromarray(wide))
+    for d in ("imgs", "val"):  # a second class: one class is refused
+        save(tmp_path / d / "b" / "w.png", Image.fromarray(wide))
     out = tmp_path / "data"
     pd.main(["imagefolder", str(tmp_path / "imgs"), f"--val={tmp_path / 'val'}", f"--data_dir={out}", "--image_size=16"])
     _, splits = load(out)
     x = splits["train"][0]
-    assert x.shape == (2, 16, 16, 3)
+    assert x.shape == (3, 16, 16, 3)
     # 40x20 -> 32x16, and the centre 16 columns are the green half; the crop's edges blend a little red or blue
     assert (x[:, 1:15, 1:15, 1] == 255).all() and (x[:, 1:15, 1:15, [0, 2]] == 0).all()
     assert (x[0, :, 2:14] == x[1, 2:14, :].transpose(1, 0, 2)).all()
