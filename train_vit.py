@@ -957,6 +957,11 @@ def parse_args(cls, argv):
             raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
         return s.lower() in yes
 
+    def finite(s):  # nan passes every range check after this
+        if not math.isfinite(x := float(s)):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+        return x
+
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
                                 usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
@@ -964,6 +969,7 @@ def parse_args(cls, argv):
     for f in dataclasses.fields(cls):
         options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
         kind = to_bool if bare else functools.partial(choose, f) if options else f.type
+        kind = finite if kind is float else kind
         p.add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
                        help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
     args, unknown = p.parse_known_args(argv)

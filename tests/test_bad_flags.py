@@ -38,6 +38,13 @@ def test_a_bad_flag_stops_in_one_line(mod, flags, line):
     assert line in msg and "\n" not in msg, msg
 
 
+@pytest.mark.parametrize("mod", [tg, tv, td])
+@pytest.mark.parametrize("flag", ["--lr=nan", "--lr=inf", "--time_budget=-inf", "--grad_clip=nan"])
+def test_nan_and_infinite_floats_are_refused(mod, flag):
+    with pytest.raises(SystemExit, match=f"argument {flag.split('=')[0]}: expected a finite number"):
+        mod.parse_args(mod.Config, [flag])
+
+
 def test_from_the_command_line_one_line_and_exit_1(tmp_path):
     """As a user meets it: exit status 1, one line on stderr, nothing written."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py"), "--log_every=0", f"--out_dir={tmp_path}/x"],
