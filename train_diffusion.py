@@ -331,7 +331,7 @@ def build_optimizers(cfg, raw, device):
     decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
     rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)  # found_inf: skips
     for g in opt.param_groups:
         g["peak_lr"] = g["lr"]
     return [opt]
@@ -551,12 +551,20 @@ def grad_sync(model, sync):
         model.set_requires_gradient_sync(sync)
     return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
 
-def agree(loss_sum, gnorm, signal, train_time, world_size):
-    """One host sync: loss, gnorm, signal, time averaged."""
-    t = loss_sum.new_tensor
-    local = torch.stack([loss_sum.float(), full(gnorm).float(), t(float(signal is not None)), t(train_time)])
-    loss, gnorm, stopped, train_time = all_mean(local, world_size).tolist()
-    return loss, gnorm, stopped > 0, train_time
+def clip_grads(params, max_norm):
+    """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full(nn.utils.get_total_norm(grads))
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+def agree(rows, signal, train_time, world_size):
+    """The host sync (log steps, evals, saves): the guard's rows since the last, and the signal
+    and time averaged, so that every rank decides alike."""
+    t = rows.new_tensor([float(signal is not None), train_time])
+    *flat, stopped, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
+    width = rows.shape[1]
+    return [flat[i:i + width] for i in range(0, len(flat), width)], stopped > 0, train_time
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -638,24 +646,22 @@ def train(cfg, stop):
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
-    alpha_bar, judge = cosine_alpha_bar(), None
-    if cfg.eval_classifier and master and not cfg.benchmark:
-        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
+    alpha_bar, scored = cosine_alpha_bar(), cfg.eval_classifier and master and not cfg.benchmark
+    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)  # samples' scorer
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    B, accum = cfg.batch_size, cfg.grad_accum
-    images_per_step = B * accum * world_size
+    B, accum, images_per_step = cfg.batch_size, cfg.grad_accum, cfg.batch_size * cfg.grad_accum * world_size
 
     # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
-    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult)
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(loader.y) // (B * world_size) / accum
     bench = Benchmark(cfg.bench_steps, cfg.profile)
@@ -684,11 +690,13 @@ def train(cfg, stop):
 
     # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
+    trace, synced, pace = torch.zeros(cfg.log_every, 3, device=device), step, 0.0  # rows till a sync
     while not last_step:
         # noise, t, label dropout, flips: drawn for the global batch seeded by (seed, step), a slice
         # per rank: a resumed run draws the same numbers, for any world size
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
-        mult = lr_mult(cfg, step, train_time / time_budget if time_budget else step / max_steps)
+        clock = train_time + (step - synced) * pace  # since the sync: at the last interval's pace
+        mult = lr_mult(cfg, step, clock / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
@@ -713,28 +721,30 @@ def train(cfg, stop):
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
-        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), guard.clip(cfg.grad_clip))
-        now = time.perf_counter()  # the host waits for the GPU in agree(): the next step's time
-        loss, gnorm, stopped, train_time = agree(loss_sum, gnorm, stop.received, train_time + now - t0, world_size)
-        t0 = now
-        # an fp16 overflow is the scaler's to skip
-        overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(gnorm)
-        reason = None if overflow else guard.check(step + 1, loss, gnorm)
-        if reason is None:
-            for opt in opts:
-                scaler.step(opt)  # which skips it if fp16 grads overflowed
-            if ema and not overflow:
-                ema.update()
+        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))  # no host sync
+        # the guard decides on the device; the optimizers skip a bad step as fused AdamW an overflow
+        trace[step - synced] = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
+        for opt in opts:
+            opt.found_inf = guard.skip
+            opt.step()
+        if ema:  # a skipped step left the weights as they were
+            ema.update()
         scaler.update()
         step += 1
-        if reason:  # skipped; repeated ones roll back, past the batches read since (PaLM 5.1)
-            record(metrics, step=step, event="skip", reason=reason, loss=loss, gnorm=gnorm)
-            print(f"step {step:05d} | update skipped: {reason} | {len(guard.bad)} bad in {guard.window} steps")
-        if reason and guard.rollback_due():
+        done = train_time + (step - synced) * pace >= time_budget if time_budget else step >= max_steps
+        evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
+        if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
+            continue  # the next step, with no host sync
+        now = time.perf_counter()  # agree() waits for the GPU: in the next interval's time
+        rows, stopped, now_time = agree(trace[:step - synced], stop.received, train_time + now - t0, world_size)
+        pace, train_time, t0 = (now_time - train_time) / (step - synced), now_time, now
+        reason = guard.read(rows, synced, metrics)  # skipped; repeated ones roll back (PaLM 5.1)
+        synced, (loss, gnorm) = step, rows[-1][:2]
+        if reason and guard.rollback_due():  # past the batches read since
             writer.wait()
             ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, master, metrics, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            t0, lap = time.perf_counter(), (step, train_time)
+            t0, lap, synced = time.perf_counter(), (step, train_time), step
             continue
         done = train_time >= time_budget if time_budget else step >= max_steps
         last_step = done or stopped
@@ -747,12 +757,12 @@ def train(cfg, stop):
             bench.mark(step, train_time)
             continue
         paused = time.perf_counter()  # evals and saves are not training time
-        if (done and not stopped) or (cfg.eval_every and step % cfg.eval_every == 0):
+        if (done and not stopped) or evals:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank,
                                 world_size, step, done and not stopped)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
-        if last_step or (cfg.save_every and step % cfg.save_every == 0):
+        if last_step or saves:
             writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
                          "data_info": data_info, "config": dataclasses.asdict(cfg), "world_size": world_size,
@@ -766,12 +776,11 @@ def train(cfg, stop):
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
     if cfg.benchmark:  # the steps after the warm-up (a signal leaves none)
-        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
-                f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
+        what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W}/{cfg.patch_size} | {device} {dtype}"
         return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
     key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
-    keys = ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
-    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in keys if k in rec)
+    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
+                        if k in rec)
     line = (f"done: {step} steps, {step * images_per_step / len(loader.y):.1f} epochs in "
             f"{train_time:.0f} s | {scores} | checkpoint and samples.png in {cfg.out_dir}")
     result |= {**rec, "train_loss": loss, "images": step * images_per_step}
@@ -1107,6 +1116,9 @@ class Benchmark:
         self.profiler = torch.profiler.profile() if profile else None
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
+    def due(self, step):  # a step it times: the host syncs there
+        return step in (BENCH_WARMUP, BENCH_WARMUP + self.steps)
+
     def mark(self, step, train_time):
         """After a step: start timing, then profiler."""
         self.times[step] = train_time
@@ -1403,41 +1415,58 @@ def reading(path, fix):
             pickle.UnpicklingError) as e:
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
-class Guard:
-    """Flags bad loss/gnorm; max_bad in window: roll back (PaLM 5.1)."""
+def every(step, n):
+    """Whether step is a multiple of n (0: never)."""
+    return n > 0 and step % n == 0
 
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0):
-        self.sigma, self.window, self.max_bad, self.clip_mult = (loss_sigma, gnorm_sigma), window, max_bad, clip_mult
+class Guard:
+    """Skips a step whose loss or grad norm is non-finite or spikes, deciding on the device (no host
+    sync); the host reads its verdicts at syncs; max_bad in window: roll back (PaLM 5.1)."""
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
+        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)
+        self.window, self.max_bad, self.clip_mult = window, max_bad, clip_mult
         self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
 
     def state(self):
-        return {"n": self.n, "mean": list(self.mean), "var": list(self.var), "bad": list(self.bad)}
+        n, *mean_var = self.stats.tolist()
+        return {"n": int(n), "mean": mean_var[:2], "var": mean_var[2:], "bad": list(self.bad)}
 
-    def load_state(self, s):
-        self.n, self.bad = int(s["n"]), [int(b) for b in s["bad"]]
-        self.mean, self.var = [float(v) for v in s["mean"][:2]], [float(v) for v in s["var"][:2]]
+    def load_state(self, s):  # stats: n; the loss's and grad norm's means, then variances
+        self.bad = [int(b) for b in s["bad"]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *map(float, [*s["mean"][:2], *s["var"][:2]])])
 
     def clip(self, max_norm):
         """max_norm (0: none), <= clip_mult x mean gnorm."""
         limit = max_norm if max_norm > 0 else float("inf")
-        return min(limit, self.clip_mult * self.mean[1]) if self.clip_mult and self.n >= 10 else limit
+        if not self.clip_mult:
+            return limit
+        return torch.where(self.stats[0] >= 10, self.clip_mult * self.stats[2], limit).clamp(max=limit)
 
-    def check(self, step, loss, gnorm):
-        """None if safe, else why; good values go in stats."""
-        finite = math.isfinite(loss) and math.isfinite(gnorm)
-        reason = None if finite else f"non-finite loss {loss:.4g} or grad norm {gnorm:.4g}"
-        for i, (v, name) in enumerate(((loss, "loss"), (gnorm, "grad norm"))):
-            std = max(math.sqrt(self.var[i]), 0.02 * abs(self.mean[i]))  # a flat loss has a tiny std
-            if reason is None and self.sigma[i] and self.n >= 10 and v > self.mean[i] + self.sigma[i] * std:
-                reason = f"{name} spike ({v:.4g} > mean {self.mean[i]:.4g} + {self.sigma[i]:g} x std {std:.2g})"
-        if reason:
-            self.bad = [s for s in self.bad if s > step - self.window] + [step]
-            return reason
-        self.n += 1
-        a = max(1.0 / self.n, 1.0 / self.window)  # a mean, then an EMA
-        for i, v in enumerate((loss, gnorm)):
-            d = v - self.mean[i]
-            self.mean[i], self.var[i] = self.mean[i] + a * d, (1 - a) * (self.var[i] + a * d * d)
+    def check(self, loss, gnorm, fp16=False):
+        """The step's row: loss, gnorm, verdict (0 good, 1 non-finite, 2 loss spike, 3 gnorm spike,
+        4 an fp16 overflow: the scaler's to skip); good values go in the stats."""
+        v, (n, mean, var) = torch.stack([loss.float(), gnorm.float()]), self.stats.split([1, 2, 2])
+        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
+        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
+        verdict = torch.where(spike[0], 2, torch.where(spike[1], 3, 0))
+        verdict = torch.where(v.isfinite().all(), verdict, torch.where(fp16 & v[0].isfinite(), 4, 1))
+        a, d = (1 / (n + 1)).clamp(min=1 / self.window), v - mean  # a mean, then an EMA
+        new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
+        self.stats = torch.where(verdict == 0, new, self.stats)
+        self.skip = (verdict > 0).float()  # the optimizers' found_inf
+        return torch.stack([v[0], v[1], verdict.float()])
+
+    def read(self, rows, step, metrics):
+        """At a sync, the rows of the steps after step: logs the bad ones; returns the last's why."""
+        why, last = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}, None
+        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
+            if verdict in why:
+                self.bad = [b for b in self.bad if b > s - self.window] + [s]
+                last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
+                record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
+                print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
+        return last
 
     def rollback_due(self):
         return self.max_bad > 0 and len(self.bad) >= self.max_bad

@@ -11,7 +11,7 @@ on every rank or on RANK only. Tests use `with inject(train_gpt, "nan@12"): trai
 
 It patches the trainer module from outside, so the scripts carry no fault code: lr_mult marks the start of each
 optimizer step, a forward hook on the model built by build_model scales the training forwards of that step (those run
-with autograd on), and agree, the step's all-reduce that follows its micro-steps, ends it.
+with autograd on), and the guard's check, which follows its micro-steps, ends it.
 """
 import contextlib
 import importlib.util
@@ -40,7 +40,7 @@ def inject(module, spec):
     """Within it, runs of the trainer `module` (train_gpt, train_vit or train_diffusion) meet the faults of spec."""
     faults, fired, active = parse(spec), set(), set()
     rank = int(os.environ.get("RANK", "0"))
-    lr_mult, build_model, agree = module.lr_mult, module.build_model, module.agree
+    lr_mult, build_model, check = module.lr_mult, module.build_model, module.Guard.check
 
     def step_starts(cfg, step, progress):
         for kind, first, last, r in faults:
@@ -64,13 +64,13 @@ def inject(module, spec):
 
     def step_ends(*args):
         active.clear()
-        return agree(*args)
+        return check(*args)
 
-    module.lr_mult, module.build_model, module.agree = step_starts, built, step_ends
+    module.lr_mult, module.build_model, module.Guard.check = step_starts, built, step_ends
     try:
         yield
     finally:
-        module.lr_mult, module.build_model, module.agree = lr_mult, build_model, agree
+        module.lr_mult, module.build_model, module.Guard.check = lr_mult, build_model, check
 
 
 def main(argv):

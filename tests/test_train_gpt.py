@@ -527,20 +527,27 @@ def events(out_dir, kind):
 
 
 def test_guard_flags_nonfinite_spikes_and_asks_for_rollback():
+    """The guard decides on the device (its verdict a tensor, no host sync); the host reads the rows later."""
     g = tg.Guard(loss_sigma=6.0, gnorm_sigma=6.0, window=20, max_bad=3, clip_mult=2.0)
-    assert g.check(1, float("nan"), 1.0) and g.check(2, 1.0, float("inf"))  # non-finite: bad from the first step
-    assert g.clip(1.0) == 1.0  # too few good steps for a dynamic threshold yet
-    for s in range(3, 30):
-        assert g.check(s, 3.0 + 0.01 * (s % 3), 0.5 + 0.01 * (s % 2)) is None
-    assert g.clip(0.0) == pytest.approx(2 * 0.505, abs=0.01) and g.clip(0.5) == 0.5  # the lower of the two
-    assert "loss spike" in g.check(30, 4.0, 0.5) and "grad norm spike" in g.check(31, 3.0, 5.0)
-    assert g.check(32, 3.05, 0.51) is None  # an ordinary step is not a spike
+
+    def steps(first, *values):  # (loss, gnorm) of steps first, first + 1, ...: what the host reads at a sync
+        rows = [g.check(torch.tensor(loss), torch.tensor(gnorm)).tolist() for loss, gnorm in values]
+        return g.read(rows, first - 1, None)  # the last bad step's why, or None
+
+    assert "non-finite" in steps(1, (float("nan"), 1.0), (1.0, float("inf"))) and g.bad == [1, 2]  # from the first
+    assert g.skip.item() == 1.0 and g.clip(1.0) == 1.0  # skipped; too few good steps for a dynamic threshold yet
+    assert steps(3, *[(3.0 + 0.01 * (s % 3), 0.5 + 0.01 * (s % 2)) for s in range(3, 30)]) is None
+    assert g.skip.item() == 0.0 and g.clip(0.0).item() == pytest.approx(2 * 0.505, abs=0.01)
+    assert g.clip(0.5).item() == 0.5  # the lower of the two
+    assert "loss spike" in steps(30, (4.0, 0.5)) and "grad norm spike" in steps(31, (3.0, 5.0))
+    assert steps(32, (3.05, 0.51)) is None  # an ordinary step is not a spike
     assert len(g.bad) == 2 and not g.rollback_due()  # steps 1 and 2 fell out of the 20-step window
-    g.check(33, 100.0, 0.5)
+    steps(33, (100.0, 0.5))
     assert g.rollback_due()
     h = tg.Guard()
     h.load_state(g.state())
     assert h.state() == g.state()
+    assert g.check(torch.tensor(1.0), torch.tensor(float("inf")), fp16=True)[2] == 4  # the scaler's, not bad
 
 
 def test_injected_nan_is_skipped_and_training_continues(corpus, tmp_path):
