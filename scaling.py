@@ -178,6 +178,8 @@ def grid_plan(models, tokens, cfg, vocab):
     return plan
 
 def cmd_sweep(args, extra):
+    if args.sizes < 1 or not 0 < args.ratio < math.inf:
+        die(f"need --sizes >= 1 and --ratio > 0, got {args.sizes} and {args.ratio}")
     cfg = base_config(args, extra)
     vocab = vocab_of(cfg)
     if args.models or args.tokens:
@@ -196,13 +198,13 @@ def cmd_sweep(args, extra):
         die(f"{failed} run(s) failed; see their logs, fix, and run the same command again (finished runs are kept)")
     print(f"done: next, python scaling.py fit --out_dir={args.out_dir}")
 
-def parse_floats(s, flag):
+def parse_floats(s, flag, example="1e12,3e12"):
     try:
         vals = [float(v) for v in s.split(",") if v.strip()]
     except ValueError:
-        die(f"{flag}={s!r} is not a comma-separated list of numbers, e.g. 1e12,3e12")
-    if not vals or min(vals) <= 0:
-        die(f"{flag} needs positive numbers, got {s!r}")
+        vals = []
+    if not vals or not all(0 < v < math.inf for v in vals):  # nan is not
+        die(f"{flag}={s!r} is not a comma-separated list of positive numbers, e.g. {flag}={example}")
     return vals
 
 # -----------------------------------------------------------------------------
@@ -320,13 +322,13 @@ def isoflop_minima(rows):
 def load_runs(path):
     """Finished runs of a sweep TSV: (rows with numbers, arrays N, D, L); runs with a non-finite loss are dropped."""
     rows = []
-    for r in read_tsv(path):
-        try:
+    try:  # a ValueError too: a file that is not UTF-8 text
+        for r in read_tsv(path):
             rows.append(dict(name=r["name"], budget=float(r["budget"]) if r.get("budget") else None,
                              params=float(r["params"]), tokens=float(r["tokens"]), val_loss=float(r["val_loss"]),
                              tokens_per_step=float(r.get("tokens_per_step") or "nan")))
-        except (KeyError, ValueError) as e:
-            die(f"{path}: a row is not a sweep row ({e}); it needs name, params, tokens and val_loss columns")
+    except (KeyError, ValueError) as e:
+        die(f"{path}: a row is not a sweep row ({e}); it needs name, params, tokens and val_loss columns")
     bad = [r["name"] for r in rows if not math.isfinite(r["val_loss"])]
     if bad:
         warn(f"{len(bad)} run(s) with a non-finite loss left out: {', '.join(bad[:5])}")
@@ -516,10 +518,14 @@ def cmd_plan(args):
         path = os.path.join(args.out_dir, "fit.json")
         if not os.path.exists(path):
             die(f"no fit at {path}; run 'python scaling.py fit' first, or use --published=chinchilla")
-        with open(path) as f:
-            fit = json.load(f)
-        p, max_flops, tps, src = fit["params"], fit["max_flops"], fit.get("tokens_per_step"), path
-        for w in fit["warnings"]:
+        try:  # a damaged or hand-made fit.json
+            with open(path) as f:
+                fit = json.load(f)
+            p, max_flops = {k: float(fit["params"][k]) for k in CHINCHILLA}, float(fit["max_flops"])
+            tps, src, flagged = fit.get("tokens_per_step"), path, list(fit["warnings"])
+        except (ValueError, KeyError, TypeError) as e:
+            die(f"{path} is not a fit of 'scaling.py fit' ({type(e).__name__}: {e}); run the fit again")
+        for w in flagged:
             warn(f"the fit was flagged: {w}")
     r = plan(p, C, max_flops, tps, args.force)
     ac, ab = r["batch_anchor"]
@@ -597,7 +603,7 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     fig.savefig(os.path.join(out_dir, "coord_check.png"), dpi=110)
 
 def cmd_coord_check(args):
-    widths = [int(w) for w in args.widths.split(",")]
+    widths = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")]
     _, slopes = coord_check(widths, args.steps, args.lr, args.seeds, optimizer=args.optimizer, out_dir=args.out_dir)
     print(f"slope of log mean |activation| against log width after step {args.steps} (0 = flat, 1 = grows like "
           f"width):")
@@ -608,7 +614,7 @@ def cmd_coord_check(args):
 def cmd_lr_transfer(args, extra):
     cfg = base_config(args, extra)
     vocab = vocab_of(cfg)
-    widths, lrs = [int(w) for w in args.widths.split(",")], parse_floats(args.lrs, "--lrs")
+    widths, lrs = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")], parse_floats(args.lrs, "--lrs")
     plan_ = []
     for mup, w, lr in itertools.product((False, True), widths, lrs):
         c = dataclasses.replace(cfg, n_embd=w, n_head=args.n_head, n_layer=args.n_layer)
@@ -662,8 +668,12 @@ def cmd_compare(args):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.exists(path):
             die(f"{path} not found: pass the out_dir of a run")
-        *whole, cut = open(path).read().split("\n")  # a killed run can leave a cut-off last line
-        rows = [json.loads(line) for line in whole if line.strip()]
+        try:  # a killed run can leave a cut-off last line
+            *whole, cut = open(path, encoding="utf-8").read().split("\n")
+            rows = [json.loads(line) for line in whole if line.strip()]
+        except ValueError as e:  # not JSON lines, or not UTF-8
+            die(f"{path}: not a metrics.jsonl ({e}); pass the out_dir of a train_*.py run")
+        rows = [r for r in rows if isinstance(r, dict) and "step" in r]  # a step's records
         if cut.strip():
             print(f"warning: {path}: its last line is cut off (a killed run's); skipped")
         pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
@@ -677,8 +687,11 @@ def cmd_compare(args):
         print(f"{run}: {metric} {pts[-1][1]:.4f} at step {pts[-1][0]}")
     ax.set(xlabel="step", ylabel=", ".join(metrics), title=os.path.basename(args.out))
     ax.legend(fontsize=8)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    fig.savefig(args.out, dpi=110)
+    try:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        fig.savefig(args.out, dpi=110)
+    except (OSError, ValueError) as e:  # a file where a folder goes; a format matplotlib lacks
+        die(f"cannot write --out={args.out} ({getattr(e, 'strerror', None) or e}); pass a .png you can write")
     print(f"wrote {args.out}")
 
 # -----------------------------------------------------------------------------
