@@ -173,8 +173,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class Block(nn.Module):
-    """A DiT block with adaLN-Zero (Peebles & Xie 2023): the conditioning c sets each
-    branch's shift, scale and gate; the gates start at 0, the block as the identity."""
+    """A DiT block, adaLN-Zero (Peebles & Xie 2023): c sets each branch's shift, scale and gate (0 at first)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -819,20 +818,21 @@ def sample_main(cfg):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
-                          "sample_steps per_class log_every"),
-                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples "
-                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
+                          "sample_steps per_class log_every bench_steps"),  # before the check that divides by them
+                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
+                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
                       (-1, "num_classes")):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
-        die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
+    if not (0 <= cfg.ema < 1 and 0 <= cfg.class_dropout < 1 and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1
+            and cfg.t_std > 0 and cfg.mlp_ratio > 0):
+        die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
