@@ -288,8 +288,7 @@ def augment(x, cfg, flip):
     return x
 
 def mix(x, y, cfg):
-    """Mixup or cutmix (one at random if both, as timm) of the batch with its reverse:
-    (x, y, y reversed, lam), the loss being lam CE(y) + (1 - lam) CE(y reversed)."""
+    """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
     use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
     alpha = cfg.cutmix if use_cutmix else cfg.mixup
     if alpha == 0:
@@ -814,6 +813,7 @@ def load_image_data(data_dir, splits=("train", "val")):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
+    with reading(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
