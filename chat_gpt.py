@@ -159,16 +159,16 @@ def source_tokenizer(where):
     return ckpt["tokenizer"], ckpt["data_info"]["vocab_size"]
 
 def prepare(cfg):
-    """--prepare: conversations in the template of --init_from's tokenizer, as token shards and parallel mask shards
-    in --data_dir, split by conversation; built in a temp dir and moved in, so a failure leaves nothing half-made."""
+    """--prepare: conversations in --init_from's template, as token and mask shards staged, then moved to --data_dir."""
     import prepare_data  # its shard writer
     tok, vocab_size = source_tokenizer(cfg.init_from)
     tpl, encode = make_template(tok, vocab_size), tg.load_tokenizer(tok)[0]
     if encode is tg.encode_ids:
         tg.die(f"the {tok['tokenizer']} tokenizer did not load (see above); it is needed to tokenize conversations")
     data_dir = os.path.abspath(cfg.data_dir)
-    os.makedirs(data_dir, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".chat-", dir=os.path.dirname(data_dir))
+    with tg.reading(data_dir, "pass a --data_dir that is a folder you can write"):
+        os.makedirs(data_dir, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=".chat-", dir=os.path.dirname(data_dir))
     try:
         src = cfg.prepare
         if src == "arithmetic":  # written out, so the data dir shows the format it was made from

@@ -411,7 +411,9 @@ def export_hf(cfg, ckpt, path, sd):
         conf, hf = rope_hf(c, sd, vocab, path)
     eot, tok = ckpt["tokenizer"].get("eot_id"), hf_tokenizer(ckpt["tokenizer"], path)  # before any file is written
     conf.update(vocab_size=vocab, bos_token_id=eot, eos_token_id=eot, torch_dtype="float32")
-    stage = tempfile.mkdtemp(prefix=".hf-", dir=os.path.dirname(os.path.abspath(cfg.out_dir)))  # then moved in
+    with tg.reading(cfg.out_dir, "pass an --out_dir that is a folder you can write"):
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=".hf-", dir=os.path.dirname(os.path.abspath(cfg.out_dir)))  # then moved in
     hf = {k: v.float().contiguous().clone() for k, v in hf.items()}  # safetensors wants no views or shared storage
     save_file(hf, os.path.join(stage, "model.safetensors"), metadata={"format": "pt"})  # pt: transformers wants it
     files = {"config.json": conf}
@@ -422,7 +424,6 @@ def export_hf(cfg, ckpt, path, sd):
     for name, obj in files.items():
         with open(os.path.join(stage, name), "w") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
-    os.makedirs(cfg.out_dir, exist_ok=True)
     for name in ["model.safetensors", *files]:
         os.replace(os.path.join(stage, name), os.path.join(cfg.out_dir, name))
     os.rmdir(stage)

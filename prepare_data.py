@@ -553,7 +553,9 @@ def load_images(paths, size, split):
                 gray &= im.mode in ("1", "L", "LA")
                 out[i] = np.asarray(ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            fail(f"cannot read the image {p} ({type(e).__name__}); delete or fix it")
+            if i:  # a progress line is open: the error goes after it, not on it
+                print(file=sys.stderr)
+            fail(f"cannot read the image {p} ({type(e).__name__}: {e}); delete or fix it")
         if time.time() - shown > 0.5 or i + 1 == len(paths):
             shown = time.time()
             print(f"\r{split}: {i + 1:,}/{len(paths):,} images", end="", file=sys.stderr)
@@ -710,8 +712,8 @@ def main(argv=None):
         args.run(args)
     except KeyboardInterrupt:
         fail("interrupted: nothing half-written is left; run the command again (a download resumes)")
-    except PermissionError as e:
-        fail(f"{e.filename}: permission denied; pass a --data_dir in a folder you can write")
+    except (PermissionError, FileExistsError, NotADirectoryError) as e:  # a file where a folder goes
+        fail(f"{e.filename}: {(e.strerror or type(e).__name__).lower()}; pass a --data_dir in a folder you can write")
     finally:
         signal.signal(signal.SIGTERM, old)
     return 0

@@ -48,11 +48,9 @@ BATCH_ANCHOR = (5.76e23, 1.5e6)
 TSV_COLS = ("name", "budget", "n_layer", "n_embd", "n_head", "params", "tokens", "flops", "steps", "lr", "mup",
             "val_loss", "val_bpb", "train_loss", "train_time", "tokens_per_step")
 
-
 def die(msg):
     """Stop with a one-line error and a non-zero exit."""
     raise SystemExit(f"scaling.py: error: {msg}")
-
 
 def warn(msg):
     print(f"WARNING: {msg}", file=sys.stderr)
@@ -60,11 +58,9 @@ def warn(msg):
 # -----------------------------------------------------------------------------
 # Runs: one train_gpt.py run per row, appended to a TSV, so a sweep resumes where it stopped
 
-
 def head_count(n_embd):
     """Heads for a ladder width: 32-dim heads, fewer for the smallest widths."""
     return max(1, n_embd // 32)
-
 
 def matmul_params(cfg, vocab):
     """N: the parameters that do a matmul per token, all but the input embedding (a lookup); built on meta, free."""
@@ -72,12 +68,10 @@ def matmul_params(cfg, vocab):
         model = tg.GPT(cfg, vocab)
     return sum(p.numel() for p in model.parameters()) - model.wte.weight.numel()
 
-
 def read_tsv(path):
     """Rows of a TSV with a header as dicts of strings ([] if there is no file)."""
     lines = [ln.rstrip("\n").split("\t") for ln in open(path) if ln.strip()] if os.path.exists(path) else []
     return [dict(zip(lines[0], r)) for r in lines[1:]]
-
 
 def append_tsv(path, row):
     """Append one row (header first if the file is new), flushed to disk before the next run starts."""
@@ -89,14 +83,12 @@ def append_tsv(path, row):
         f.flush()
         os.fsync(f.fileno())
 
-
 def run_one(cfg, log_path):
     """train_gpt.main(cfg) with its output in log_path; resumes an interrupted run from its newest checkpoint."""
     cfg.resume = bool(tg.list_checkpoints(cfg.out_dir))
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return tg.main(cfg)
-
 
 def run_rows(plan, base, out_dir, tsv):
     """Train each (name, overrides, extra) of plan not yet in tsv; returns (failed runs, stopped by a signal)."""
@@ -129,7 +121,6 @@ def run_rows(plan, base, out_dir, tsv):
               f"{res['val_loss']:.4f} | {time.time() - t1:.0f} s | about {eta / 60:.0f} min left")
     return failed, False
 
-
 def base_config(args, extra_flags):
     """train_gpt.py's Config for the runs: quiet, no mid-run evals or samples, any extra train_gpt.py flag applied."""
     cfg = tg.parse_args(tg.Config, extra_flags)  # unknown flags fail here, with the nearest valid name
@@ -138,12 +129,10 @@ def base_config(args, extra_flags):
     given = {a.split("=")[0].lstrip("-") for a in extra_flags if a.startswith("--")}
     return dataclasses.replace(cfg, **{k: v for k, v in over.items() if k not in given})
 
-
 def vocab_of(cfg):
     """The vocabulary train_gpt.py will use for cfg's data (the data is prepared first if it is the default)."""
     tg.prepare_default_data(cfg, 0, 1, *tg.DEFAULT_DATA)
     return cfg.vocab_size or tg.load_meta(cfg.data_dir)["vocab_size"]
-
 
 def isoflop_plan(budgets, n_sizes, cfg, vocab, ratio=20.0, min_steps=100):
     """Per budget C, n_sizes ladder models spread evenly in log N over [N0 / 4, 4 N0] around the guess N0 =
@@ -172,7 +161,6 @@ def isoflop_plan(budgets, n_sizes, cfg, vocab, ratio=20.0, min_steps=100):
             plan.append((f"C{C:.0e}_L{L}_d{d}".replace("+", ""), over, {"budget": f"{C:.4g}", "params": n}))
     return plan
 
-
 def grid_plan(models, tokens, cfg, vocab):
     """A user's grid: every (n_layer x n_embd) model of --models for every token budget of --tokens."""
     tps = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -189,8 +177,9 @@ def grid_plan(models, tokens, cfg, vocab):
         plan.append((f"D{D:.0e}_L{L}_d{d}".replace("+", ""), over, {"budget": "", "params": params}))
     return plan
 
-
 def cmd_sweep(args, extra):
+    if args.sizes < 1 or not 0 < args.ratio < math.inf:
+        die(f"need --sizes >= 1 and --ratio > 0, got {args.sizes} and {args.ratio}")
     cfg = base_config(args, extra)
     vocab = vocab_of(cfg)
     if args.models or args.tokens:
@@ -209,37 +198,32 @@ def cmd_sweep(args, extra):
         die(f"{failed} run(s) failed; see their logs, fix, and run the same command again (finished runs are kept)")
     print(f"done: next, python scaling.py fit --out_dir={args.out_dir}")
 
-
-def parse_floats(s, flag):
+def parse_floats(s, flag, example="1e12,3e12"):
     try:
         vals = [float(v) for v in s.split(",") if v.strip()]
     except ValueError:
-        die(f"{flag}={s!r} is not a comma-separated list of numbers, e.g. 1e12,3e12")
-    if not vals or min(vals) <= 0:
-        die(f"{flag} needs positive numbers, got {s!r}")
+        vals = []
+    if not vals or not all(0 < v < math.inf for v in vals):  # nan is not
+        die(f"{flag}={s!r} is not a comma-separated list of positive numbers, e.g. {flag}={example}")
     return vals
 
 # -----------------------------------------------------------------------------
 # Fit: L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, Approach 3)
-
 
 def predict_log(theta, logN, logD):
     """log L of the law for theta (..., 5) = (e, a, b, alpha, beta) at log N, log D (n,): shape (..., n)."""
     e, a, b, al, be = theta.split(1, dim=-1)  # each (..., 1)
     return torch.logsumexp(torch.stack([a - al * logN, b - be * logD, e.expand_as(a - al * logN)]), dim=0)
 
-
 def huber(r, delta):
     """Huber loss: quadratic within delta, linear beyond, so a few bad runs cannot dominate the fit."""
     a = r.abs()
     return torch.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
 
-
 def objective(theta, logN, logD, logL, delta, w=None):
     """Sum over runs (weighted by w, the bootstrap counts) of Huber(log L_pred - log L); theta (K, 5) -> (K,)."""
     h = huber(predict_log(theta, logN, logD) - logL, delta)
     return (h * w).sum(-1) if w is not None else h.sum(-1)
-
 
 def lbfgs(f, x, iters=500, memory=10, tol=1e-12):
     """Minimise each row of x (K, P) independently with L-BFGS and a backtracking (Armijo) line search, all rows
@@ -290,11 +274,9 @@ def lbfgs(f, x, iters=500, memory=10, tol=1e-12):
             break
     return x.detach(), fx
 
-
 def grid_starts(param_grid):
     """Every combination of the grid's initial values, as a (K, 5) float64 tensor in NAMES order."""
     return torch.tensor(list(itertools.product(*(param_grid[k] for k in NAMES))), dtype=torch.float64)
-
 
 def fit_law(N, D, L, param_grid=None, delta=1e-3, starts=None, w=None):
     """Fit (E, A, B, alpha, beta) to runs (N, D, loss) from every start; returns (params dict, theta, all finals)."""
@@ -306,24 +288,20 @@ def fit_law(N, D, L, param_grid=None, delta=1e-3, starts=None, w=None):
     best = theta[fx.argmin()]
     return params_of(best), best, (theta, fx)
 
-
 def params_of(theta):
     e, a, b, al, be = theta.tolist()
     ex = lambda v: math.exp(v) if v < 700 else float("inf")  # noqa: E731  (a degenerate fit can run off)
     return dict(E=ex(e), A=ex(a), B=ex(b), alpha=al, beta=be)
 
-
 def law(p, N, D):
     """L(N, D) of a fit's params."""
     return p["E"] + p["A"] / np.asarray(N, dtype=float) ** p["alpha"] + p["B"] / np.asarray(D, dtype=float) ** p["beta"]
-
 
 def optimal_allocation(p, C):
     """Closed form of the law's optimum on the compute budget C = 6 N D (Hoffmann et al., eq. 4): (N_opt, D_opt)."""
     al, be = p["alpha"], p["beta"]
     G = (al * p["A"] / (be * p["B"])) ** (1 / (al + be))
     return G * (C / 6) ** (be / (al + be)), (C / 6) ** (al / (al + be)) / G
-
 
 def isoflop_minima(rows):
     """Approach 2: a parabola in log N through each budget's profile; [(C, N_opt, loss at N_opt, inside?)]."""
@@ -341,23 +319,21 @@ def isoflop_minima(rows):
         out.append((C, math.exp(xm), c0 + c1 * xm + c2 * xm * xm, bool(x.min() < xm < x.max())))
     return out
 
-
 def load_runs(path):
     """Finished runs of a sweep TSV: (rows with numbers, arrays N, D, L); runs with a non-finite loss are dropped."""
     rows = []
-    for r in read_tsv(path):
-        try:
+    try:  # a ValueError too: a file that is not UTF-8 text
+        for r in read_tsv(path):
             rows.append(dict(name=r["name"], budget=float(r["budget"]) if r.get("budget") else None,
                              params=float(r["params"]), tokens=float(r["tokens"]), val_loss=float(r["val_loss"]),
                              tokens_per_step=float(r.get("tokens_per_step") or "nan")))
-        except (KeyError, ValueError) as e:
-            die(f"{path}: a row is not a sweep row ({e}); it needs name, params, tokens and val_loss columns")
+    except (KeyError, ValueError) as e:
+        die(f"{path}: a row is not a sweep row ({e}); it needs name, params, tokens and val_loss columns")
     bad = [r["name"] for r in rows if not math.isfinite(r["val_loss"])]
     if bad:
         warn(f"{len(bad)} run(s) with a non-finite loss left out: {', '.join(bad[:5])}")
     rows = [r for r in rows if math.isfinite(r["val_loss"])]
     return rows, *(np.array([r[k] for r in rows]) for k in ("params", "tokens", "val_loss"))
-
 
 def diagnose(N, D, theta, param_grid, finals, boot):
     """Reasons to distrust a fit: too few runs, an under-determined grid, a fit at the edge of the start grid,
@@ -393,7 +369,6 @@ def diagnose(N, D, theta, param_grid, finals, boot):
                        f"more runs, or runs over a wider range of N and D")
     return out
 
-
 def bootstrap(N, D, L, theta, finals, n_boot, delta, seed=0, n_starts=32):
     """95% percentile intervals of each parameter over n_boot refits on runs resampled with replacement. Each refit
     starts from the full fit and the n_starts best starts of the grid (all 4,500 starts every time would be slow)."""
@@ -405,7 +380,6 @@ def bootstrap(N, D, L, theta, finals, n_boot, delta, seed=0, n_starts=32):
     counts = lambda: np.bincount(rng.integers(0, len(N), len(N)), minlength=len(N)).astype(float)  # noqa: E731
     rows = [fit_law(N, D, L, delta=delta, starts=starts, w=counts())[0] for _ in range(n_boot)]
     return {k: tuple(float(v) for v in np.percentile([r[k] for r in rows], [2.5, 97.5])) for k in rows[0]}
-
 
 def read_param_grid(spec):
     """--param_grid: a JSON file or inline JSON of {"e": [..], "a": [..], "b": [..], "alpha": [..], "beta": [..]}."""
@@ -420,7 +394,6 @@ def read_param_grid(spec):
         die(f"--param_grid needs a non-empty list for each of {', '.join(NAMES)}; missing or empty: "
             f"{', '.join(missing)}")
     return {k: [float(v) for v in grid[k]] for k in NAMES}
-
 
 def cmd_fit(args):
     tsv = args.tsv or os.path.join(args.out_dir, "sweep.tsv")
@@ -463,7 +436,6 @@ def cmd_fit(args):
     plot_fit(args.out_dir, rows, p, minima)
     print(f"wrote {args.out_dir}/fit.json, isoflop.png and fit.png; next: python scaling.py plan --flops=C")
     return res
-
 
 def plot_fit(out_dir, rows, p, minima):
     """isoflop.png: loss against N per budget, parabolas, the law and its frontier; fit.png: law against data."""
@@ -520,7 +492,6 @@ def plot_fit(out_dir, rows, p, minima):
 # -----------------------------------------------------------------------------
 # Plan: the compute-optimal model for a budget
 
-
 def plan(p, C, max_flops=None, tokens_per_step=None, force=False):
     """N_opt, D_opt (6 N D = C), the predicted loss and a batch size ~ C^0.25 for budget C; refuses to extrapolate
     beyond twice the largest fitted compute unless force. Returns a dict."""
@@ -539,7 +510,6 @@ def plan(p, C, max_flops=None, tokens_per_step=None, force=False):
     return dict(flops=C, params=N, tokens=D, tokens_per_param=D / N, loss=float(law(p, N, D)),
                 batch_tokens=2 ** round(math.log2(batch)), batch_anchor=(anchor_c, anchor_b))
 
-
 def cmd_plan(args):
     C = parse_floats(args.flops, "--flops")[0]
     if args.published:
@@ -548,10 +518,14 @@ def cmd_plan(args):
         path = os.path.join(args.out_dir, "fit.json")
         if not os.path.exists(path):
             die(f"no fit at {path}; run 'python scaling.py fit' first, or use --published=chinchilla")
-        with open(path) as f:
-            fit = json.load(f)
-        p, max_flops, tps, src = fit["params"], fit["max_flops"], fit.get("tokens_per_step"), path
-        for w in fit["warnings"]:
+        try:  # a damaged or hand-made fit.json
+            with open(path) as f:
+                fit = json.load(f)
+            p, max_flops = {k: float(fit["params"][k]) for k in CHINCHILLA}, float(fit["max_flops"])
+            tps, src, flagged = fit.get("tokens_per_step"), path, list(fit["warnings"])
+        except (ValueError, KeyError, TypeError) as e:
+            die(f"{path} is not a fit of 'scaling.py fit' ({type(e).__name__}: {e}); run the fit again")
+        for w in flagged:
             warn(f"the fit was flagged: {w}")
     r = plan(p, C, max_flops, tps, args.force)
     ac, ab = r["batch_anchor"]
@@ -564,7 +538,6 @@ def cmd_plan(args):
 
 # -----------------------------------------------------------------------------
 # muP checks: coordinate check and LR transfer
-
 
 def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2, seq_len=64, batch_size=8,
                 vocab=320, base_width=None, optimizer="adamw", out_dir=None):
@@ -606,7 +579,6 @@ def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2
         plot_coord_check(out_dir, widths, out, slopes, lr, optimizer)
     return out, slopes
 
-
 def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     import matplotlib.figure
     steps = next(iter(out["SP"].values())).shape[0]
@@ -630,9 +602,8 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     os.makedirs(out_dir, exist_ok=True)
     fig.savefig(os.path.join(out_dir, "coord_check.png"), dpi=110)
 
-
 def cmd_coord_check(args):
-    widths = [int(w) for w in args.widths.split(",")]
+    widths = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")]
     _, slopes = coord_check(widths, args.steps, args.lr, args.seeds, optimizer=args.optimizer, out_dir=args.out_dir)
     print(f"slope of log mean |activation| against log width after step {args.steps} (0 = flat, 1 = grows like "
           f"width):")
@@ -640,11 +611,10 @@ def cmd_coord_check(args):
         print(f"  {param:4s} " + " | ".join(f"{n} {v:+.2f}" for n, v in s.items()))
     print(f"wrote {args.out_dir}/coord_check.png")
 
-
 def cmd_lr_transfer(args, extra):
     cfg = base_config(args, extra)
     vocab = vocab_of(cfg)
-    widths, lrs = [int(w) for w in args.widths.split(",")], parse_floats(args.lrs, "--lrs")
+    widths, lrs = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")], parse_floats(args.lrs, "--lrs")
     plan_ = []
     for mup, w, lr in itertools.product((False, True), widths, lrs):
         c = dataclasses.replace(cfg, n_embd=w, n_head=args.n_head, n_layer=args.n_layer)
@@ -672,7 +642,6 @@ def cmd_lr_transfer(args, extra):
         die(f"{failed} run(s) failed; run the same command again to retry them")
     return res
 
-
 def plot_lr_transfer(out_dir, res):
     import matplotlib.figure
     fig = matplotlib.figure.Figure(figsize=(11, 4.2), layout="tight")
@@ -689,7 +658,6 @@ def plot_lr_transfer(out_dir, res):
     axes[0].set_ylabel("val loss")
     fig.savefig(os.path.join(out_dir, "lr_transfer.png"), dpi=110)
 
-
 def cmd_compare(args):
     """Runs' metrics.jsonl (any trainer's) against step: a colour a run, a line style a metric."""
     import matplotlib.figure
@@ -700,8 +668,12 @@ def cmd_compare(args):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.exists(path):
             die(f"{path} not found: pass the out_dir of a run")
-        *whole, cut = open(path).read().split("\n")  # a killed run can leave a cut-off last line
-        rows = [json.loads(line) for line in whole if line.strip()]
+        try:  # a killed run can leave a cut-off last line
+            *whole, cut = open(path, encoding="utf-8").read().split("\n")
+            rows = [json.loads(line) for line in whole if line.strip()]
+        except ValueError as e:  # not JSON lines, or not UTF-8
+            die(f"{path}: not a metrics.jsonl ({e}); pass the out_dir of a train_*.py run")
+        rows = [r for r in rows if isinstance(r, dict) and "step" in r]  # a step's records
         if cut.strip():
             print(f"warning: {path}: its last line is cut off (a killed run's); skipped")
         pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
@@ -715,14 +687,15 @@ def cmd_compare(args):
         print(f"{run}: {metric} {pts[-1][1]:.4f} at step {pts[-1][0]}")
     ax.set(xlabel="step", ylabel=", ".join(metrics), title=os.path.basename(args.out))
     ax.legend(fontsize=8)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    fig.savefig(args.out, dpi=110)
+    try:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        fig.savefig(args.out, dpi=110)
+    except (OSError, ValueError) as e:  # a file where a folder goes; a format matplotlib lacks
+        die(f"cannot write --out={args.out} ({getattr(e, 'strerror', None) or e}); pass a .png you can write")
     print(f"wrote {args.out}")
-
 
 # -----------------------------------------------------------------------------
 # Sharpness: the top Hessian eigenvalue of the loss at a checkpoint
-
 
 def sharpness(loss_fn, params, iters=10, seed=0):
     """Top eigenvalue of the loss Hessian (the "sharpness" of Cohen et al. 2021) by power iteration. Each
@@ -748,7 +721,6 @@ def sharpness(loss_fn, params, iters=10, seed=0):
             p.copy_(w)
     return lam
 
-
 def cmd_sharpness(args):
     """Top Hessian eigenvalue of a checkpoint's training loss, one per batch: its spread is the batches'."""
     if min(args.batches, args.iters) < 1:
@@ -773,15 +745,12 @@ def cmd_sharpness(args):
           f"of stability (Adam's bound is on the preconditioned Hessian, which this does not compute)")
     return {"sharpness": mean, "per_batch": lams, "step": step}
 
-
 # -----------------------------------------------------------------------------
 # Entry point
-
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own error prints the usage over several lines
         die(f"{message} (see python scaling.py -h)")
-
 
 def main(argv=None):
     """Parse argv (sys.argv when None) and run the subcommand; returns its result."""
@@ -844,7 +813,6 @@ def main(argv=None):
         die(f"unrecognized arguments: {' '.join(extra)} (see python scaling.py {args.command} -h)")
     cmd = globals()[f"cmd_{args.command}"]  # looked up when called, so a test can stand in for one
     return cmd(args, extra) if args.command in ("sweep", "lr_transfer") else cmd(args)
-
 
 if __name__ == "__main__":
     main()

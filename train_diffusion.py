@@ -173,8 +173,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class Block(nn.Module):
-    """A DiT block with adaLN-Zero (Peebles & Xie 2023): the conditioning c sets each
-    branch's shift, scale and gate; the gates start at 0, the block as the identity."""
+    """A DiT block, adaLN-Zero (Peebles & Xie 2023): c sets each branch's shift, scale and gate (0 at first)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -349,8 +348,7 @@ def lr_mult(cfg, step, progress):
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
-    """(mean, per-t) error on the first n_images val images (0: all), at 8 fixed timesteps with
-    fixed noise (the same for any B and ranks), so that evals compare."""
+    """(mean, per-t) error on the first n_images val images (0: all) at 8 fixed t and noise, so evals compare."""
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
@@ -406,8 +404,7 @@ def frechet_distance(a, b):
     return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
 
 class Judge:
-    """Scores samples with a train_vit.py classifier of the same data: its accuracy on them,
-    the Frechet distance of its features (FD-ViT), and FID with --fid_weights."""
+    """Scores samples by a train_vit.py classifier of their data: its accuracy, FD-ViT, and FID (--fid_weights)."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
@@ -422,7 +419,8 @@ class Judge:
             known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
             self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
-        self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
+        with reading(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
+            self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
@@ -791,12 +789,11 @@ def sample_main(cfg):
     check_choices(cfg)
     where = cfg.ckpt or cfg.out_dir
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    with reading(path, "pass a checkpoint written by train_diffusion.py"):
-        if ckpt is None or "objective" not in ckpt["config"]:
-            die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
     _, _, device = setup_dist(cfg.device)
     _, ctx, _ = setup_precision(device, cfg.dtype)
     with reading(path, "pass a checkpoint written by train_diffusion.py"):
+        if ckpt is None or "objective" not in ckpt["config"]:
+            die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
         fields = Config.__dataclass_fields__
         trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
         meta, K = ckpt["data_meta"], ckpt["num_classes"]
@@ -828,20 +825,21 @@ def sample_main(cfg):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
-                          "sample_steps per_class log_every"),
-                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples "
-                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
+                          "sample_steps per_class log_every bench_steps"),  # before the check that divides by them
+                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
+                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
                       (-1, "num_classes")):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    if not 0 <= cfg.ema < 1 or not 0 <= cfg.class_dropout < 1 or cfg.t_std <= 0:
-        die("need 0 <= --ema < 1, 0 <= --class_dropout < 1 and --t_std > 0")
+    if not (0 <= cfg.ema < 1 and 0 <= cfg.class_dropout < 1 and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1
+            and cfg.t_std > 0 and cfg.mlp_ratio > 0):
+        die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
@@ -850,8 +848,9 @@ def check_config(cfg):
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
-    if cfg.sample_out and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.sample_out))):
-        die(f"--sample_out={cfg.sample_out}: its folder does not exist; create it first")
+    folder = os.path.dirname(os.path.abspath(cfg.sample_out))
+    if cfg.sample_out and (os.path.isdir(cfg.sample_out) or not os.path.isdir(folder)):
+        die(f"--sample_out={cfg.sample_out} is a folder, or its folder does not exist; name a .png in one that does")
 
 # -----------------------------------------------------------------------------
 # Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
@@ -887,6 +886,7 @@ def load_image_data(data_dir, splits=("train", "val")):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
+    with reading(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():

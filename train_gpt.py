@@ -823,8 +823,7 @@ def mc_encoder(tokenizer):
     return encode
 
 def read_choices(path, encode):
-    """[(context ids, [ending ids], label)] of a JSONL in HellaSwag's format,
-    {"ctx": text, "endings": [text, ...], "label": k}; of a folder: its .jsonl."""
+    """[(context ids, [ending ids], label)] of a HellaSwag-format JSONL, or of a folder's one .jsonl."""
     if os.path.isdir(path):
         files = sorted(f for f in os.listdir(path) if f.endswith(".jsonl"))
         if len(files) != 1:
@@ -1152,22 +1151,23 @@ def consolidate_main(cfg):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    kv = cfg.n_kv_head or cfg.n_head
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE)")
-    if cfg.n_head % kv:
-        die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={kv}")
-    if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
-        die("--mup needs --base_width >= 1 and untied embeddings: drop --tie_embeddings")
-    ones = "n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every".split()
+    ones = ("n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every "
+            "bench_steps max_new_tokens").split()
     zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
              "seq_len_warmup max_steps time_budget embed_lr warmup_steps n_kv_head eval_every "
-             "save_every top_k temperature").split()  # < 0: no end
-    for k in ones + zeros:
+             "save_every top_k temperature weight_decay init_std").split()  # < 0: no end
+    for k in ones + zeros:  # before the checks that divide by them
         if getattr(cfg, k) < (low := int(k in ones)):
             die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    if cfg.lr <= 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
-        die("need --lr > 0, 0 <= --final_lr_frac <= 1 and 0 < --cooldown_frac <= 1")
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE)")
+    if cfg.n_head % (cfg.n_kv_head or cfg.n_head):
+        die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={cfg.n_kv_head}")
+    if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):
+        die("--mup needs --base_width >= 1 and untied embeddings: drop --tie_embeddings")
+    if not (cfg.lr > 0 and 0 <= cfg.final_lr_frac <= 1 and 0 < cfg.cooldown_frac <= 1
+            and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        die("need --lr > 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1, 0 <= --beta1, --beta2 < 1")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
         die(f"--seq_len_warmup needs --seq_len a multiple of 64 (got {cfg.seq_len}) and "
             f"64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")

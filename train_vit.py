@@ -288,8 +288,7 @@ def augment(x, cfg, flip):
     return x
 
 def mix(x, y, cfg):
-    """Mixup or cutmix (one at random if both, as timm) of the batch with its reverse:
-    (x, y, y reversed, lam), the loss being lam CE(y) + (1 - lam) CE(y reversed)."""
+    """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
     use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
     alpha = cfg.cutmix if use_cutmix else cfg.mixup
     if alpha == 0:
@@ -752,11 +751,9 @@ def predict_main(cfg):
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    files = [cfg.predict]
-    if not os.path.isfile(cfg.predict):
-        exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
-        found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)
-        files = sorted(f for f in found if f.lower().endswith(exts))
+    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
+    found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)  # of a folder
+    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(f for f in found if f.lower().endswith(exts))
     if not files:
         die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
     _, _, device = setup_dist(cfg.device)
@@ -782,19 +779,21 @@ def predict_main(cfg):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
-    if width % cfg.n_head or (width // cfg.n_head) % 2:
-        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
-    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every"),
-                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size "
-                          "loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every "
+                          "bench_steps"),  # before the check that divides by n_head
+                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std "
+                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
+    if width % cfg.n_head or (width // cfg.n_head) % 2:
+        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
-    if not 0 <= cfg.ema < 1 or not 0 <= cfg.drop_path < 1 or not 0 <= cfg.label_smoothing < 1:
-        die("need 0 <= --ema < 1, 0 <= --drop_path < 1 and 0 <= --label_smoothing < 1")
+    if not (0 <= cfg.ema < 1 and 0 <= cfg.drop_path < 1 and 0 <= cfg.label_smoothing < 1
+            and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.mlp_ratio > 0):
+        die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
     if not (cfg.benchmark or cfg.predict or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
@@ -832,6 +831,7 @@ def load_image_data(data_dir, splits=("train", "val")):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
+    with reading(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():

@@ -26,7 +26,7 @@ CASES = [  # (module, flags, what the line must name)
     (tg, dict(lr=0.0), "need --lr > 0"),
     (tv, dict(top_k=0), "--top_k must be at least 1"),
     (td, dict(sample_steps=0), "--sample_steps must be at least 1"),
-    (td, dict(sample=True, sample_out="missing_dir/x.png"), "its folder does not exist; create it first"),
+    (td, dict(sample=True, sample_out="missing_dir/x.png"), "its folder does not exist"),
 ]
 
 
@@ -58,17 +58,6 @@ def test_an_unwritable_results_tsv_warns_and_the_run_ends_well(tmp_path, capsys)
     (tmp_path / "results.tsv").mkdir()  # a folder where the file goes: open() fails, as on a read-only folder
     out = tg.finish("done", {"val_loss": 1.0, "peak_mem_gb": 0.0, "wall_time": 1.0}, "val_loss", str(tmp_path / "run"))
     assert out["val_loss"] == 1.0 and "warning: results.tsv not written" in capsys.readouterr().out
-
-
-def test_a_truncated_safetensors_file_is_one_line(tmp_path):
-    import finetune_gpt as ft
-    from test_finetune import GPT2, gpt2_folder
-    gpt2_folder(tmp_path / "gpt2", conf=GPT2)
-    blob = (tmp_path / "gpt2" / "model.safetensors").read_bytes()
-    (tmp_path / "gpt2" / "model.safetensors").write_bytes(blob[:len(blob) // 2])  # a download cut short
-    with pytest.raises(SystemExit) as e:
-        ft.main(ft.Config(sample=True, init_from=str(tmp_path / "gpt2"), device="cpu", max_new_tokens=2))
-    assert "model.safetensors: ValueError" in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
 
 
 def test_prepare_data_stopped_or_refused_leaves_nothing(tmp_path, monkeypatch):

@@ -298,7 +298,7 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--objective=score"], "is not one of flow|ddpm"),
     (["--sampler=ddim"], "does not fit --objective=flow"),
     (["--patch_sise=4"], "did you mean --patch_size"),
-    (["--class_dropout=1"], "0 <= --class_dropout < 1"),
+    (["--class_dropout=1"], "0 <= --ema, --class_dropout"),
     (["--eval_classifier=/nonexistent/vit"], "no such file or directory"),
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
     (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end

@@ -228,7 +228,7 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--pool=max"], "is not one of gap|cls"),
     (["--n_embd=30", "--n_head=4"], "must split into"),
     (["--patch_sise=4"], "did you mean --patch_size"),
-    (["--ema=1.0"], "0 <= --ema < 1"),
+    (["--ema=1.0"], "0 <= --ema, --drop_path"),
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
     (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
     (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),

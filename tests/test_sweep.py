@@ -1,0 +1,374 @@
+"""Issue 51's sweep of bad input across the seven scripts: each case runs a script in this process as its
+`if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
+non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
+warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
+makes --data_dir before it stages). The cases' ids say what each breaks; what each did before issue 51 (its
+make_fixtures and run, given 26d9540's scripts) is in issue 51's closing note."""
+import contextlib
+import importlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tiny runs of one step on CPU: a case's bad input is met before or at its first step
+GPT = ("--n_layer=1 --n_head=2 --n_embd=32 --seq_len=16 --batch_size=2 --max_steps=1 --time_budget=0 "
+       "--warmup_steps=1 --eval_every=0 --eval_tokens=64 --log_every=1 --sample_tokens=0 --device=cpu "
+       "--compile=false").split()
+IMG = ("--n_layer=1 --n_head=2 --n_embd=16 --patch_size=4 --batch_size=8 --max_steps=1 --time_budget=0 "
+       "--warmup_steps=1 --eval_every=0 --log_every=1 --device=cpu --compile=false").split()
+DIT = [*IMG, "--sample_steps=2", "--per_class=1", "--eval_images=8", "--final_samples=10"]
+
+
+def entry(script, argv):
+    """What `python SCRIPT ARGV...` runs: the script's `if __name__ == "__main__":` block."""
+    mod = importlib.import_module(script[:-3])
+    if script == "prepare_data.py":
+        sys.exit(mod.main(argv))
+    elif script == "scaling.py":
+        mod.main(argv)
+    else:  # the trainers parse flags with their own shim, the companions with train_gpt.py's
+        shim = mod if script.startswith("train_") else mod.tg
+        mod.main(shim.parse_args(mod.Config, argv))
+
+
+def run(script, argv, cwd):
+    """(exit status, stdout, stderr as a terminal shows it, files new under cwd) of the command, run in this
+    process from cwd. An exception other than SystemExit is what Python would print as a traceback."""
+    before = set(cwd.rglob("*"))
+    out, err, old = io.StringIO(), io.StringIO(), (os.getcwd(), sys.argv)
+    os.chdir(cwd)
+    sys.argv = [script, *argv]  # die() names the script from it
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                entry(script, argv)
+                code = 0
+            except SystemExit as e:  # Python prints a str code on stderr and exits 1
+                code = 1 if isinstance(e.code, str) else e.code or 0
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except BaseException as e:  # noqa: BLE001
+                code = 1
+                print(f"Traceback (most recent call last):\n{type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        os.chdir(old[0])
+        sys.argv = old[1]
+    new = sorted(str(p.relative_to(cwd)) for p in set(cwd.rglob("*")) - before
+                 if p.is_file() or p.name.startswith(".") or ".tmp" in p.name)  # an empty folder may stay
+    return code, out.getvalue(), err.getvalue(), new
+
+
+def problems(script, code, out, err, new):
+    """What is wrong with the ending of a command that should fail: [] if it ended as promised."""
+    found = []
+    if "Traceback" in out + err:
+        found.append("traceback: " + err.strip().split("\n")[-1][:200])
+    elif code == 0:
+        found.append("exit 0")
+    else:  # before the error, on lines of their own: warnings, one a problem, and progress (redrawn with \r)
+        lines = [line for line in err.split("\n") if line.strip()]
+        others = [line for line in lines[:-1] if not line.startswith("warning: ") and "\r" not in line]
+        if others or not lines or not lines[-1].startswith(f"{script}: error: "):
+            found.append(f"{len(lines)} lines on stderr: " + " / ".join(lines)[-300:])
+    if new:
+        found.append(f"left {', '.join(new)}")
+    return found
+
+
+def put(path, data):
+    """path, written with data (bytes or text), its folder made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def folder(path):
+    """path, made an empty folder."""
+    path.mkdir(parents=True)
+    return path
+
+
+def half(src, dst):
+    """dst: the first half of src's bytes, as a copy or download cut short."""
+    return put(dst, Path(src).read_bytes()[:Path(src).stat().st_size // 2])
+
+
+def replaced(src, dst, name, data):
+    """A copy dst of the folder src whose file `name` is data (bytes or text), or gone (None)."""
+    shutil.copytree(src, dst)
+    (dst / name).unlink()
+    if data is not None:
+        put(dst / name, data)
+    return dst
+
+
+def make_fixtures(root):
+    """The tiny inputs the cases damage: a byte corpus and a GPT checkpoint of it; shapes images and a ViT and a DiT
+    checkpoint of them; a folder of PNGs in two classes; and, where chat_gpt.py exists, chat data and a chat model."""
+    import prepare_data
+    from PIL import Image
+
+    from conftest import write_corpus
+    f = SimpleNamespace(corpus=write_corpus(root / "corpus", n_train=40, n_val=5), shapes=root / "shapes",
+                        vit=root / "vit", dit=root / "dit", pngs=root / "pngs", chat=root / "chat")
+    entry("train_gpt.py", [*GPT, "--max_steps=2", f"--data_dir={f.corpus}", f"--out_dir={root / 'gpt'}"])
+    f.gpt = next((root / "gpt").glob("ckpt_*.pt"))
+    splits = {"train": prepare_data.make_shapes(32, 16, 0), "val": prepare_data.make_shapes(8, 16, 1)}
+    prepare_data.write_images(f.shapes, splits, list(prepare_data.SHAPES), "shapes")
+    entry("train_vit.py", [*IMG, f"--data_dir={f.shapes}", f"--out_dir={f.vit}", "--eval_images=8"])
+    entry("train_diffusion.py", [*DIT, f"--data_dir={f.shapes}", f"--out_dir={f.dit}"])
+    for i, im in enumerate(prepare_data.make_shapes(6, 16, 3)[0]):
+        (f.pngs / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(im).save(f.pngs / f"c{i % 2}" / f"im{i}.png")
+    if os.path.exists(os.path.join(os.path.dirname(prepare_data.__file__), "chat_gpt.py")):  # not at 26d9540
+        entry("chat_gpt.py", chat(f, "--prepare=arithmetic", "--conversations=20", f"--data_dir={f.chat}"))
+        entry("chat_gpt.py", chat(f, f"--data_dir={f.chat}", f"--out_dir={root / 'chat_model'}", "--max_steps=1",
+                                  "--eval_turns=1", "--batch_size=2", "--eval_every=0"))
+        f.chat_model = next((root / "chat_model").glob("ckpt_*.pt"))
+    return f
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    """make_fixtures' inputs, made once for the module."""
+    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
+
+
+def gpt(f, t, *flags):
+    """train_gpt.py's (or finetune_gpt.py's) flags for a one-step run on the corpus, then flags."""
+    return [*GPT, f"--data_dir={f.corpus}", f"--out_dir={t / 'out'}", *flags]
+
+
+def gpt_data(f, t, name, data):
+    """A one-step run on a copy of the corpus whose file `name` is data (None: gone)."""
+    return gpt(f, t, f"--data_dir={replaced(f.corpus, t / 'data', name, data)}")
+
+
+def img(f, t, flags, *more):
+    """A one-step image run (flags: IMG or DIT) on the shapes, then more."""
+    return [*flags, f"--data_dir={f.shapes}", f"--out_dir={t / 'out'}", *more]
+
+
+def img_data(f, t, flags, name, data):
+    """A one-step image run on a copy of the shapes whose file `name` is data (None: gone)."""
+    return img(f, t, flags, f"--data_dir={replaced(f.shapes, t / 'data', name, data)}")
+
+
+def chat(f, *flags):
+    """chat_gpt.py's flags from the GPT checkpoint, then flags."""
+    return [f"--init_from={f.gpt}", "--seq_len=128", "--device=cpu", "--compile=false", *flags]
+
+
+def hf_folder(t, config=None, weights=("model.safetensors", b"")):
+    """A Hugging Face GPT-2 folder: config.json (else a valid one for a tiny GPT-2) and (name, bytes) of weights."""
+    conf = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8, "n_positions": 16,
+            "layer_norm_epsilon": 1e-5, "vocab_size": 64}
+    put(t / "hf" / "config.json", json.dumps(conf) if config is None else config)
+    put(t / "hf" / weights[0], weights[1])
+    return t / "hf"
+
+
+def cut_safetensors(t):
+    """A model.safetensors cut short, as a download that stopped."""
+    import torch
+    from safetensors.torch import save_file
+    save_file({"wte.weight": torch.zeros(64, 8)}, t / "whole.safetensors")
+    return "model.safetensors", (t / "whole.safetensors").read_bytes()[:100]
+
+
+def resume_from_cut(f, t, ckpt, flags):
+    """flags, then --resume from an out_dir whose only checkpoint was cut short."""
+    half(ckpt, t / "run" / ckpt.name)
+    return [*flags, f"--out_dir={t / 'run'}", "--resume"]
+
+
+def short_shard(t, f):
+    """A one-step run on a copy of the corpus whose train shard holds 5 tokens, fewer than a row (--seq_len + 1)."""
+    import prepare_data
+    d = replaced(f.corpus, t / "data", "train_000000.bin", None)
+    prepare_data.write_shard(d / "train_000000.bin", list(range(5)))
+    return gpt(f, t, f"--data_dir={d}")
+
+
+def cut_png(t, f):
+    """prepare_data.py imagefolder on a copy of the PNG folder with one image cut short."""
+    shutil.copytree(f.pngs, t / "pngs")
+    half(f.pngs / "c1" / "im5.png", t / "pngs" / "c1" / "im5.png")
+    return ["imagefolder", str(t / "pngs"), f"--data_dir={t / 'd'}", "--image_size=16"]
+
+
+def cut_mnist(t):
+    """prepare_data.py mnist, its four downloads there already but each cut off after gzip's header."""
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                 "t10k-labels-idx1-ubyte.gz"):
+        put(t / "d" / name, b"\x1f\x8b\x08\x00")
+    return ["mnist", f"--data_dir={t / 'd'}"]
+
+
+def chat_data_cut(t, f):
+    """SFT on a copy of the chat data whose val mask shard was cut short."""
+    d = replaced(f.chat, t / "d", "val_mask_000000.bin", (f.chat / "val_mask_000000.bin").read_bytes()[:-2])
+    return chat(f, f"--data_dir={d}", f"--out_dir={t / 'o'}", "--max_steps=1")
+
+
+NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
+NOT_JSON = "hello\n{]\n"
+CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
+    # train_gpt.py
+    "gpt-out_dir-is-a-file": ("train_gpt.py", lambda t, f: gpt(f, t, f"--out_dir={put(t / 'o', 'x')}")),
+    "gpt-n_head-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--n_head=0")),
+    "gpt-beta1-above-1": ("train_gpt.py", lambda t, f: gpt(f, t, "--beta1=1.5")),
+    "gpt-weight_decay-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--weight_decay=-0.1")),
+    "gpt-init_std-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--init_std=-1")),
+    "gpt-bench_steps-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--benchmark", "--bench_steps=0")),
+    "gpt-max_new_tokens-negative": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={f.gpt}",
+                                                                 "--max_new_tokens=-1", "--device=cpu"]),
+    "gpt-sample-ckpt-cut": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
+    "gpt-resume-ckpt-cut": ("train_gpt.py", lambda t, f: resume_from_cut(f, t, f.gpt, gpt(f, t))),
+    "gpt-consolidate-ckpt-cut": ("train_gpt.py", lambda t, f: [f"--consolidate={half(f.gpt, t / 'c.pt')}",
+                                                              f"--out_dir={t / 'o'}"]),
+    "gpt-meta-json-cut": ("train_gpt.py", lambda t, f: gpt_data(f, t, "meta.json", '{"format": "trainsu')),
+    "gpt-prepare-interrupted-no-meta-json": ("train_gpt.py", lambda t, f: gpt_data(f, t, "meta.json", None)),
+    "gpt-shard-odd-bytes": ("train_gpt.py", lambda t, f: gpt_data(
+        f, t, "train_000000.bin", (f.corpus / "train_000000.bin").read_bytes()[:-1])),
+    "gpt-shard-shorter-than-a-row": ("train_gpt.py", short_shard),
+    "gpt-eval_mc-not-json": ("train_gpt.py", lambda t, f: gpt(f, t, f"--eval_mc={put(t / 'mc.jsonl', NOT_JSON)}")),
+    "gpt-eval_mc-not-utf8": ("train_gpt.py", lambda t, f: gpt(f, t, f"--eval_mc={put(t / 'mc.jsonl', NOT_UTF8)}")),
+    # train_vit.py
+    "vit-out_dir-is-a-file": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--out_dir={put(t / 'o', 'x')}")),
+    "vit-n_head-0": ("train_vit.py", lambda t, f: img(f, t, IMG, "--n_head=0")),
+    "vit-beta2-1": ("train_vit.py", lambda t, f: img(f, t, IMG, "--beta2=1")),
+    "vit-mlp_ratio-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--mlp_ratio=-1")),
+    "vit-predict-png-cut": ("train_vit.py", lambda t, f: [
+        f"--predict={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
+    "vit-predict-ckpt-cut": ("train_vit.py", lambda t, f: [
+        f"--predict={f.pngs}", f"--ckpt={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "vit-resume-ckpt-cut": ("train_vit.py", lambda t, f: resume_from_cut(
+        f, t, next(f.vit.glob("ckpt_*.pt")), img(f, t, IMG))),
+    "vit-meta-json-not-json": ("train_vit.py", lambda t, f: img_data(f, t, IMG, "meta.json", "\x00\x01")),
+    "vit-prepare-interrupted-no-meta-json": ("train_vit.py", lambda t, f: img_data(f, t, IMG, "meta.json", None)),
+    "vit-images-npy-cut": ("train_vit.py", lambda t, f: img_data(
+        f, t, IMG, "train_images.npy", (f.shapes / "train_images.npy").read_bytes()[:500])),
+    "vit-labels-npy-not-npy": ("train_vit.py", lambda t, f: img_data(f, t, IMG, "val_labels.npy", b"\x93NUMPY")),
+    # train_diffusion.py
+    "dit-out_dir-is-a-file": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--out_dir={put(t / 'o', 'x')}")),
+    "dit-n_head-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--n_head=0")),
+    "dit-beta1-negative": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--beta1=-0.5")),
+    "dit-mlp_ratio-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--mlp_ratio=0")),
+    "dit-sample-ckpt-cut": ("train_diffusion.py", lambda t, f: [
+        "--sample", f"--ckpt={half(next(f.dit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "dit-sample-cfg_scale-negative": ("train_diffusion.py", lambda t, f: [
+        "--sample", f"--ckpt={f.dit}", "--cfg_scale=-1", "--device=cpu"]),
+    "dit-sample_out-is-a-folder": ("train_diffusion.py", lambda t, f: [
+        "--sample", f"--ckpt={f.dit}", f"--sample_out={folder(t / 'grid.png')}", "--device=cpu", "--sample_steps=1",
+        "--per_class=1"]),
+    "dit-sample_out-in-a-file": ("train_diffusion.py", lambda t, f: [
+        "--sample", f"--ckpt={f.dit}", f"--sample_out={put(t / 'f', 'x') / 'grid.png'}", "--device=cpu"]),
+    "dit-eval_classifier-ckpt-cut": ("train_diffusion.py", lambda t, f: img(
+        f, t, DIT, f"--eval_classifier={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}")),
+    "dit-fid_weights-not-torchscript": ("train_diffusion.py", lambda t, f: img(
+        f, t, DIT, f"--eval_classifier={f.vit}", f"--fid_weights={put(t / 'inception.pt', b'PK')}")),
+    "dit-images-npy-cut": ("train_diffusion.py", lambda t, f: img_data(
+        f, t, DIT, "val_images.npy", (f.shapes / "val_images.npy").read_bytes()[:300])),
+    # finetune_gpt.py
+    "ft-init_from-ckpt-cut": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--init_from={half(f.gpt, t / 'c.pt')}")),
+    "ft-init_from-hf-config-not-json": ("finetune_gpt.py", lambda t, f: [
+        "--sample", f"--init_from={hf_folder(t, config='{model_type')}", "--device=cpu"]),
+    "ft-init_from-hf-safetensors-cut": ("finetune_gpt.py", lambda t, f: [
+        "--sample", f"--init_from={hf_folder(t, weights=cut_safetensors(t))}", "--device=cpu"]),
+    "ft-init_from-hf-bin-cut": ("finetune_gpt.py", lambda t, f: [
+        "--sample", f"--init_from={hf_folder(t, weights=('pytorch_model.bin', f.gpt.read_bytes()[:999]))}",
+        "--device=cpu"]),
+    "ft-teacher-ckpt-cut": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={half(f.gpt, t / 'c.pt')}")),
+    "ft-distill_temp-0": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={f.gpt}", "--distill_temp=0")),
+    "ft-export-int8-ckpt-cut": ("finetune_gpt.py", lambda t, f: [
+        "--export=int8", f"--ckpt={half(f.gpt, t / 'c.pt')}", f"--out_dir={t / 'o'}"]),
+    "ft-export-hf-out_dir-is-a-file": ("finetune_gpt.py", lambda t, f: [
+        "--export=hf", f"--ckpt={f.gpt}", f"--out_dir={put(t / 'o', 'x')}"]),
+    # chat_gpt.py
+    "chat-prepare-not-json": ("chat_gpt.py", lambda t, f: chat(
+        f, f"--prepare={put(t / 'c.jsonl', NOT_JSON)}", f"--data_dir={t / 'd'}")),
+    "chat-prepare-not-utf8": ("chat_gpt.py", lambda t, f: chat(
+        f, f"--prepare={put(t / 'c.jsonl', NOT_UTF8)}", f"--data_dir={t / 'd'}")),
+    "chat-prepare-init_from-cut": ("chat_gpt.py", lambda t, f: chat(
+        f, "--prepare=arithmetic", f"--init_from={half(f.gpt, t / 'c.pt')}", f"--data_dir={t / 'd'}")),
+    "chat-prepare-data_dir-is-a-file": ("chat_gpt.py", lambda t, f: chat(
+        f, "--prepare=arithmetic", "--conversations=4", f"--data_dir={put(t / 'd', 'x')}")),
+    "chat-mask-shard-cut": ("chat_gpt.py", chat_data_cut),
+    "chat-ckpt-cut": ("chat_gpt.py", lambda t, f: [
+        "--chat", f"--ckpt={half(f.chat_model, t / 'c.pt')}", "--prompt=hi", "--device=cpu"]),
+    "chat-max_new_tokens-0": ("chat_gpt.py", lambda t, f: [
+        "--chat", f"--ckpt={f.chat_model}", "--prompt=hi", "--max_new_tokens=0", "--device=cpu"]),
+    "chat-temperature-negative": ("chat_gpt.py", lambda t, f: [
+        "--chat", f"--ckpt={f.chat_model}", "--prompt=hi", "--temperature=-0.5", "--device=cpu"]),
+    # prepare_data.py
+    "prep-text-data_dir-is-a-file": ("prepare_data.py", lambda t, f: [
+        "text", str(put(t / "a.txt", "hello world\n" * 50)), f"--data_dir={put(t / 'd', 'x')}"]),
+    "prep-shapes-data_dir-in-a-file": ("prepare_data.py", lambda t, f: [
+        "shapes", f"--data_dir={put(t / 'f', 'x') / 'd'}", "--train_size=4", "--val_size=2", "--image_size=8"]),
+    "prep-text-shard_tokens-0": ("prepare_data.py", lambda t, f: [
+        "text", str(put(t / "a.txt", "hello\n" * 50)), f"--data_dir={t / 'd'}", "--shard_tokens=0"]),
+    "prep-imagefolder-image_size-0": ("prepare_data.py", lambda t, f: [
+        "imagefolder", str(f.pngs), f"--data_dir={t / 'd'}", "--image_size=0"]),
+    "prep-imagefolder-val_fraction-nan": ("prepare_data.py", lambda t, f: [
+        "imagefolder", str(f.pngs), f"--data_dir={t / 'd'}", "--val_fraction=nan"]),
+    "prep-imagefolder-png-cut": ("prepare_data.py", cut_png),
+    "prep-cifar10-download-corrupt": ("prepare_data.py", lambda t, f: [
+        "cifar10", f"--data_dir={put(t / 'd' / 'cifar-10-python.tar.gz', b'not a tar').parent}"]),
+    "prep-mnist-download-cut": ("prepare_data.py", lambda t, f: cut_mnist(t)),
+    # scaling.py
+    "scaling-compare-run-missing": ("scaling.py", lambda t, f: ["compare", str(t / "nothing"),
+                                                                f"--out={t / 'c.png'}"]),
+    "scaling-compare-metrics-not-json": ("scaling.py", lambda t, f: [
+        "compare", str(put(t / "r" / "metrics.jsonl", NOT_JSON).parent), f"--out={t / 'c.png'}"]),
+    "scaling-compare-metrics-not-utf8": ("scaling.py", lambda t, f: [
+        "compare", str(put(t / "r" / "metrics.jsonl", NOT_UTF8).parent), f"--out={t / 'c.png'}"]),
+    "scaling-compare-out-in-a-file": ("scaling.py", lambda t, f: [
+        "compare", str(put(t / "r" / "metrics.jsonl", '{"step": 1, "loss": 2.0}\n').parent),
+        f"--out={put(t / 'f', 'x') / 'c.png'}"]),
+    "scaling-compare-out-format-unknown": ("scaling.py", lambda t, f: [
+        "compare", str(put(t / "r" / "metrics.jsonl", '{"step": 1, "loss": 2.0}\n').parent),
+        f"--out={t / 'c.plot'}"]),
+    "scaling-plan-fit-json-cut": ("scaling.py", lambda t, f: [
+        "plan", "--flops=1e12", "--out_dir=" + str(put(t / "s" / "fit.json", '{"params": {').parent)]),
+    "scaling-plan-fit-json-no-params": ("scaling.py", lambda t, f: [
+        "plan", "--flops=1e12", "--out_dir=" + str(put(t / "s" / "fit.json", "{}").parent)]),
+    "scaling-plan-flops-nan": ("scaling.py", lambda t, f: ["plan", "--flops=nan", "--published=chinchilla"]),
+    "scaling-fit-tsv-not-utf8": ("scaling.py", lambda t, f: ["fit", f"--tsv={put(t / 's.tsv', NOT_UTF8)}",
+                                                             f"--out_dir={t / 'o'}"]),
+    "scaling-sweep-ratio-0": ("scaling.py", lambda t, f: ["sweep", "--ratio=0", f"--data_dir={f.corpus}",
+                                                          f"--out_dir={t / 'o'}"]),
+    "scaling-sweep-sizes-0": ("scaling.py", lambda t, f: ["sweep", "--sizes=0", f"--data_dir={f.corpus}",
+                                                          f"--out_dir={t / 'o'}"]),
+    "scaling-lr_transfer-widths-not-numbers": ("scaling.py", lambda t, f: [
+        "lr_transfer", "--widths=wide", f"--data_dir={f.corpus}", f"--out_dir={t / 'o'}"]),
+    "scaling-sharpness-ckpt-cut": ("scaling.py", lambda t, f: ["sharpness", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_ends_in_one_line(case, fx, tmp_path, capfd):
+    script, setup = CASES[case]
+    argv = setup(tmp_path, fx)
+    code, out, err, new = run(script, argv, tmp_path)
+    assert not problems(script, code, out, err, new), err[-3000:]
+    assert "Traceback" not in capfd.readouterr().err  # nothing reached the real stderr either
+
+
+def test_a_real_process_ends_as_the_sweep_models_it(tmp_path):
+    """One case as a user meets it, in a process of its own: exit status 1 and the one line that the in-process
+    run gives (prepare_data.py: the cheapest script to start)."""
+    argv = CASES["prep-text-data_dir-is-a-file"][1](tmp_path, None)
+    code, _, err, _ = run("prepare_data.py", argv, tmp_path)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *argv], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert (p.returncode, p.stderr) == (code, err) == (1, err), p.stderr
