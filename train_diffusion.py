@@ -237,8 +237,8 @@ class DiT(nn.Module):
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per matmul weight per token (adaLN's: per image), plus attention."""
-        # the patch embedding makes no grad for the pixels: 4 a weight, not 6. FlopCounterMode counts 1.7% more at
-        # cifar10 (tests/test_compile.py): the scores that a flash backward recomputes, which MFU leaves out
+        # the patch embedding makes no grad for the pixels: 4 a weight. FlopCounterMode counts 1.7% more
+        # at cifar10 (tests/test_compile.py): the scores a flash backward recomputes
         T, mats = self.grid ** 2, [(k, p.numel()) for k, p in self.named_parameters() if p.ndim == 2]
         once = sum(n for k, n in mats if "ada." in k or k.startswith("t_mlp."))  # the conditioning: once an image
         n = sum(n for k, n in mats if k.startswith(("blocks.", "out.")) and "ada." not in k)
@@ -330,7 +330,7 @@ def build_optimizers(cfg, raw, device):
     decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
     rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)  # found_inf: skips
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
     for g in opt.param_groups:
         g["peak_lr"] = g["lr"]
     return [opt]
@@ -348,7 +348,7 @@ def lr_mult(cfg, step, progress):
 
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
-    """(mean, per-t) error on the first n_images val images (0: all) at 8 fixed t and noise, so evals compare."""
+    """(mean, per-t) error on n_images val images (0: all) at 8 fixed t and noise."""
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
@@ -404,7 +404,7 @@ def frechet_distance(a, b):
     return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
 
 class Judge:
-    """Scores samples by a train_vit.py classifier of their data: its accuracy, FD-ViT, and FID (--fid_weights)."""
+    """Scores samples by a train_vit.py classifier of their data: accuracy, FD-ViT, FID."""
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
@@ -645,7 +645,7 @@ def train(cfg, stop):
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
     alpha_bar, scored = cosine_alpha_bar(), cfg.eval_classifier and master and not cfg.benchmark
-    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)  # samples' scorer
+    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
