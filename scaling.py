@@ -603,6 +603,8 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     fig.savefig(os.path.join(out_dir, "coord_check.png"), dpi=110)
 
 def cmd_coord_check(args):
+    if args.steps < 1 or args.seeds < 1:
+        die(f"need --steps >= 1 and --seeds >= 1, got {args.steps} and {args.seeds}")
     widths = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")]
     _, slopes = coord_check(widths, args.steps, args.lr, args.seeds, optimizer=args.optimizer, out_dir=args.out_dir)
     print(f"slope of log mean |activation| against log width after step {args.steps} (0 = flat, 1 = grows like "

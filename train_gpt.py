@@ -1152,10 +1152,10 @@ def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
     ones = ("n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every "
-            "bench_steps max_new_tokens").split()
+            "bench_steps max_new_tokens rope_base").split()
     zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
              "seq_len_warmup max_steps time_budget embed_lr warmup_steps n_kv_head eval_every "
-             "save_every top_k temperature weight_decay init_std").split()  # < 0: no end
+             "save_every top_k temperature weight_decay init_std norm_eps").split()  # < 0: no end
     for k in ones + zeros:  # before the checks that divide by them
         if getattr(cfg, k) < (low := int(k in ones)):
             die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")

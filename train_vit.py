@@ -781,7 +781,7 @@ def check_config(cfg):
     check_choices(cfg)
     for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every "
                           "bench_steps"),  # before the check that divides by n_head
-                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std "
+                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
                           "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
         for k in keys.split():
             if getattr(cfg, k) < low:

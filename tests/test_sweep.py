@@ -230,6 +230,8 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-weight_decay-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--weight_decay=-0.1")),
     "gpt-init_std-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--init_std=-1")),
     "gpt-bench_steps-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--benchmark", "--bench_steps=0")),
+    "gpt-rope_base-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--rope_base=0")),
+    "gpt-norm_eps-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--norm_eps=-1e-6")),
     "gpt-max_new_tokens-negative": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={f.gpt}",
                                                                  "--max_new_tokens=-1", "--device=cpu"]),
     "gpt-sample-ckpt-cut": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
@@ -248,6 +250,7 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "vit-n_head-0": ("train_vit.py", lambda t, f: img(f, t, IMG, "--n_head=0")),
     "vit-beta2-1": ("train_vit.py", lambda t, f: img(f, t, IMG, "--beta2=1")),
     "vit-mlp_ratio-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--mlp_ratio=-1")),
+    "vit-eval_images-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--eval_images=-1")),
     "vit-predict-png-cut": ("train_vit.py", lambda t, f: [
         f"--predict={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
     "vit-predict-ckpt-cut": ("train_vit.py", lambda t, f: [
@@ -349,6 +352,7 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
                                                           f"--out_dir={t / 'o'}"]),
     "scaling-sweep-sizes-0": ("scaling.py", lambda t, f: ["sweep", "--sizes=0", f"--data_dir={f.corpus}",
                                                           f"--out_dir={t / 'o'}"]),
+    "scaling-coord_check-steps-0": ("scaling.py", lambda t, f: ["coord_check", "--steps=0", f"--out_dir={t / 'o'}"]),
     "scaling-lr_transfer-widths-not-numbers": ("scaling.py", lambda t, f: [
         "lr_transfer", "--widths=wide", f"--data_dir={f.corpus}", f"--out_dir={t / 'o'}"]),
     "scaling-sharpness-ckpt-cut": ("scaling.py", lambda t, f: ["sharpness", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
