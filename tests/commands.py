@@ -103,8 +103,10 @@ def interpreter_error():
 def workshop_tiny(script, args):
     """The flags appended to a command that runs (they win over its own): TINY for a trainer, TINY_SCALING for a
     scaling.py subcommand that trains or plans from its own fit, a small val split for shapes."""
-    if script in TRAINERS:
-        return TINY[TRAINERS[script]].split()
+    if script in TRAINERS:  # a GPT command with no budget of its own would train for the default 240 s
+        budgets = ("--max_steps", "--tokens", "--time_budget")
+        free = TRAINERS[script] is train_gpt and not any(a.startswith(budgets) for a in args)
+        return TINY[TRAINERS[script]].split() + ["--max_steps=20"] * free
     if script == "scaling.py":
         return [] if "--published" in args else TINY_SCALING.get(args[0], [])
     if script == "prepare_data.py":
