@@ -693,7 +693,7 @@ def train(cfg, stop):
         # noise, t, label dropout, flips: drawn for the global batch seeded by (seed, step), a slice
         # per rank: a resumed run draws the same numbers, for any world size
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
-        clock = train_time + (step - synced) * pace  # since the sync: at the last interval's pace
+        clock = train_time + (step - synced) * pace  # since the read: at its pace (none yet: read)
         mult = lr_mult(cfg, step, clock / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
@@ -729,7 +729,7 @@ def train(cfg, stop):
             ema.update()
         scaler.update()
         step += 1
-        done = train_time + (step - synced) * pace >= time_budget if time_budget else step >= max_steps
+        done = (not pace or train_time + (step - synced) * pace >= time_budget) if time_budget else step >= max_steps
         evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
         if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
             continue  # the next step, with no host sync

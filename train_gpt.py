@@ -1016,7 +1016,7 @@ def train(cfg, stop, start=Start()):
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     trace, synced, pace = torch.zeros(cfg.log_every, 3, device=device), step, 0.0  # rows till a sync
     while not last_step:
-        clock = train_time + (step - synced) * pace  # since the sync: at the last interval's pace
+        clock = train_time + (step - synced) * pace  # since the read: at its pace (none yet: read)
         mult = lr_mult(cfg, step, clock / time_budget if time_budget else step / max_steps)
         for opt in opts:
             opt.zero_grad(set_to_none=True)  # here: an eval reads the grads
@@ -1042,7 +1042,7 @@ def train(cfg, stop, start=Start()):
             opt.step()
         scaler.update()
         step += 1
-        done = train_time + (step - synced) * pace >= time_budget if time_budget else step >= max_steps
+        done = (not pace or train_time + (step - synced) * pace >= time_budget) if time_budget else step >= max_steps
         evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
         if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
             continue  # the next step, with no host sync
