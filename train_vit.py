@@ -675,7 +675,7 @@ def train(cfg, stop):
             ema.update()
         scaler.update()
         step += 1
-        done = (not pace or train_time + (step - synced) * pace >= time_budget) if time_budget else step >= max_steps
+        done = (not pace or clock + pace >= time_budget) if time_budget else step >= max_steps  # estimated
         evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
         if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
             continue  # the next step, with no host sync

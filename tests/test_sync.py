@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import prepare_data
 import test_train_diffusion
 import test_train_gpt
 import test_train_vit
 import train_diffusion as td
 import train_gpt as tg
 import train_vit as tv
+from test_train_vit import shapes  # noqa: F401 (a fixture: its images)
 
 LOG_EVERY = 4
 
@@ -37,14 +37,6 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shapes")
-    splits = {"train": prepare_data.make_shapes(200, 16, 0), "val": prepare_data.make_shapes(40, 16, 1)}
-    prepare_data.write_images(d, splits, list(prepare_data.SHAPES), "shapes")
-    return d
 
 
 @pytest.mark.parametrize("mod, tests, extra", [(tg, test_train_gpt, {}), (tv, test_train_vit, {"ema": 0.9,
