@@ -60,7 +60,7 @@ class Config:
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # query heads
     n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
-    n_embd: int = 128
+    n_embd: int = 64  # 64 beats 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
     seq_len: int = 128  # context length
     vocab_size: int = 0  # 0 = the data's
     mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"
@@ -147,7 +147,7 @@ GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_
             tokens="auto", batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20,
             save_every=2000, optimizer="adamw", norm="rmsnorm")
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 2.0M parameters, 240 s on a 2-core CPU
+    "cpu_demo": {},  # the defaults: 0.78M parameters, 240 s on a 2-core CPU
     "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, optimizer="muon", out_dir="out/gpt2_124m"),
     "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4,
                       out_dir="out/gpt2_350m"),
