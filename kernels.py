@@ -393,8 +393,7 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-100, softcap=None
 def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
     """Per-row loss and dlogits of a chunk in plain PyTorch (the non-Triton path); mirrors _ce_fwd/_ce_bwd_kernel.
     The padding columns, from `classes` on, are set to -inf: no probability, no gradient. All in place in zf, the
-    chunk's own (chunk, V) buffer: on a CPU a pass over it, or a temporary of its size, costs about a matmul's time
-    (in place, the default GPT's fp32 step went from 477 to 441 ms; BENCHMARKS.md, issue 49)."""
+    chunk's own (chunk, V) buffer: on a CPU a pass over it costs about a matmul's time (BENCHMARKS.md, issue 49)."""
     th = torch.tanh(z.float() / softcap) if softcap else None
     zf = softcap * th if softcap else z.float()  # z itself in fp32
     zf[:, classes:] = float("-inf")
@@ -403,12 +402,13 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
     zt = zf.gather(1, ti).squeeze(1)
     logp = torch.ops.aten._log_softmax.out(zf, -1, False, out=zf)  # zf - lse, row by row
     nll = -logp.gather(1, ti).squeeze(1)
-    loss = torch.where(valid, nll + z_loss * (zt + nll) ** 2, 0.0)  # lse = z_t + nll
+    lse = zt + nll
+    loss = torch.where(valid, nll + z_loss * lse * lse, 0.0)
     if dloss is None:
         return loss, None
     # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t), times the row's grad
     dl = torch.where(valid, dloss, 0.0)
-    g = logp.exp_().mul_(((1 + 2 * z_loss * (zt + nll)) * dl)[:, None])
+    g = logp.exp_().mul_(((1 + 2 * z_loss * lse) * dl)[:, None])
     g.scatter_add_(1, ti, -dl[:, None])
     if softcap:  # chain rule through cap*tanh(x/cap): 1 - tanh^2, in place
         g.mul_(th.square_().neg_().add_(1))
