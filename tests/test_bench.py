@@ -28,7 +28,7 @@ def test_dry_run_runs_every_command(tmp_path):
     (tmp_path / "nanoGPT").mkdir()
     (tmp_path / "nanoGPT" / "train.py").write_text(STAND_IN)
     env = {**os.environ, "PYTHON": sys.executable, "LOGS": str(tmp_path / "logs"), "NANOGPT": str(tmp_path / "nanoGPT"),
-           "CUDA_VISIBLE_DEVICES": ""}
+           "CUDA_VISIBLE_DEVICES": "", "KERNELS": "auto torch triton"}
     p = subprocess.run(["bash", os.path.join(ROOT, "bench.sh"), "--dry-run"], capture_output=True, text=True, env=env,
                        timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
