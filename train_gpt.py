@@ -55,10 +55,10 @@ class Config:
     # data and output
     data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards, or nanoGPT's .bin
     out_dir: str = "out/gpt"  # checkpoints, metrics.jsonl, config.json
-    preset: str = ""  # cpu_demo|gpt2_124m|gpt2_350m; flags still win
+    preset: str = ""  # cpu_demo|cpu_128|gpt2_124m|gpt2_350m; flags win
     # model
     n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # query heads
+    n_head: int = 2  # query heads; 2 x 32 wide beat 4 x 16 on a CPU
     n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
     n_embd: int = 64  # 64 beats 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
     seq_len: int = 128  # context length
@@ -86,7 +86,7 @@ class Config:
     total_batch: int = 0  # tokens a step, all ranks; sets grad_accum
     # optimizer and schedule
     optimizer: Literal["muon", "adamw"] = "muon"  # muon: + AdamW
-    lr: float = 4e-3  # peak LR, of Muon and AdamW alike
+    lr: float = 8e-3  # peak LR, of Muon and AdamW alike (4e-3 at 128 wide)
     embed_lr: float = 0.0  # of the input embedding; 0 = auto
     weight_decay: float = 0.1  # on hidden matrices only
     beta1: float = 0.9  # AdamW
@@ -143,13 +143,13 @@ class Config:
 # prepare_data.py's command for the default data_dir, what it makes, its flags
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
 # GPT-2's sizes on FineWeb (BENCHMARKS.md: Muon won at 124M)
-GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0,
-            tokens="auto", batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20,
-            save_every=2000, optimizer="adamw", norm="rmsnorm")
+GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, lr=4e-3, tokens="auto",
+            batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, norm="rmsnorm")
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.78M parameters, 240 s on a 2-core CPU
-    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, optimizer="muon", out_dir="out/gpt2_124m"),
-    "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, lr=3e-4,
+    "cpu_128": dict(n_embd=128, n_head=4, lr=4e-3),  # the defaults until 2026-11-27 (WORKSHOP.md)
+    "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, out_dir="out/gpt2_124m"),
+    "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, optimizer="adamw", lr=3e-4,
                       out_dir="out/gpt2_350m"),
 }
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
