@@ -219,7 +219,7 @@ def test_sweep_fit_plan_end_to_end_with_resume(corpus, tmp_path, capsys):
     out = str(tmp_path / "sc")
     # the recipe the fit's residual bound was set on: with Muon + LayerNorm these 6 tiny runs fit to 0.095
     flags = ["sweep", "--models=1x16,1x32,2x32", "--tokens=8e3,2.4e4", f"--out_dir={out}", f"--data_dir={corpus}",
-             "--batch_size=4", "--seq_len=32", "--warmup_steps=5", "--optimizer=adamw", "--norm=rmsnorm"]
+             "--batch_size=4", "--seq_len=32", "--warmup_steps=5", "--optimizer=adamw", "--lr=4e-3", "--norm=rmsnorm"]
     with faults.inject(sc.tg, "sigterm@10"):  # a signal in the first run: it saves and the sweep stops
         sc.main(flags)
     assert "stopped at step 50" in capsys.readouterr().out  # its next log step, where the host reads the signal
