@@ -327,7 +327,8 @@ def test_cli_of_finetune_gpt_is_train_gpts_over_its_config(capsys):
             tg.parse_args(ft.Config, argv)
     assert tg.parse_args(ft.Config, ["--preset=gpt2_124m"]).n_embd == 768
     assert tg.parse_args(ft.Config, ["--preset=finetune"]).init_from == "gpt2"
-    with pytest.raises(SystemExit, match="unknown --preset=finetune; choose one of cpu_demo, cpu_128, gpt2_124m, gpt2_350m$"):
+    presets = "cpu_demo, cpu_128, gpt2_124m, gpt2_350m"
+    with pytest.raises(SystemExit, match=f"unknown --preset=finetune; choose one of {presets}$"):
         tg.parse_args(tg.Config, ["--preset=finetune"])
     assert get_args(ft.Config.__dataclass_fields__["mlp"].type) == ("swiglu", "relu2", "gelu")  # inherited
     assert tg.field_comments(ft.Config)["n_layer"] == "transformer blocks"  # and its help text
