@@ -1048,6 +1048,9 @@ def parse_args(cls, argv):
     args, unknown = p.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
+        # a job that moved to a companion script: name its new command
+        if flag.lstrip("-") in getattr(module, "MOVED", {}):
+            die(f"{flag} moved: {module.MOVED[flag.lstrip('-')]}")
         near = difflib.get_close_matches(flag.lstrip("-"), [f.name for f in dataclasses.fields(cls)], n=1)
         die(f"unknown flag {flag!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
     preset = vars(args).get("preset", "")
