@@ -47,6 +47,8 @@ class Config(ft.Config):
     eval_turns: int = 200              # val conversations whose last answer is sampled and scored, first and last
     chat: bool = False                 # talk to --ckpt in the terminal; with --prompt, answer one turn and exit
     system: str = ""                   # --chat: a system turn that opens the conversation
+    ckpt: str = ""                     # --chat: the SFT checkpoint to talk to; empty = --out_dir
+    prompt: str = ""                   # --chat: answer this one message and exit
     # SFT's own defaults: a short run from trained weights, evals of a few hundred conversations
     data_dir: str = "data/arith_chat"  # --prepare's output: token and mask shards, meta.json
     out_dir: str = "out/chat"          # the SFT checkpoint and metrics.jsonl
@@ -66,6 +68,8 @@ SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # a role's tu
 def check_config(cfg):
     """finetune_gpt.py's checks, then chat's, each a one-line message that names the fix."""
     ft.check_config(cfg)
+    if cfg.max_new_tokens < 1:
+        tg.die(f"--max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
     if not 0 < cfg.val_percent < 100 or cfg.conversations < 2 or cfg.eval_turns < 0:
         tg.die("need 0 < --val_percent < 100, --conversations >= 2 and --eval_turns >= 0")
     if cfg.parallel == "fsdp" or cfg.teacher or cfg.qat:

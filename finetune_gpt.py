@@ -4,7 +4,6 @@ fine-tuned whole or with LoRA, distilled from a teacher, trained on the INT8
 grid (QAT), exported as int8 or for Hugging Face. It runs train_gpt.py's
 loop (all its flags work here), adding where a run starts (FineTune) and exports.
 
-  python finetune_gpt.py --sample --init_from=gpt2 --prompt="The meaning of life is"
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2  # GPT-2
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 --lora_rank=8 --lr=1e-3 --out_dir=out/lora
   python finetune_gpt.py --merge_lora --ckpt=out/lora --out_dir=out/lora_merged
@@ -12,6 +11,7 @@ loop (all its flags work here), adding where a run starts (FineTune) and exports
   python finetune_gpt.py --qat=8 --out_dir=out/gpt_qat  # train on the int8 grid
   python finetune_gpt.py --export=int8 --ckpt=out/gpt_qat --out_dir=out/gpt_int8
   python finetune_gpt.py --export=hf --ckpt=out/finetune --out_dir=out/hf  # transformers loads it
+  python finetune_gpt.py --export=pt --ckpt=out/gpt_fsdp/ckpt_0001000 --out_dir=out/gpt_one  # shards: one file
   torchrun --nproc_per_node=8 finetune_gpt.py --preset=finetune --init_from=gpt2-xl --data_dir=data/mine_gpt2
   python finetune_gpt.py -h  # every flag, with its default
 """
@@ -51,7 +51,8 @@ class Config(tg.Config):
     distill_temp: float = 2.0  # T: both softmaxes at this temperature
     qat: int = 0  # QAT: hidden weights on a grid of this many bits; 0 = off
     merge_lora: bool = False  # write --ckpt, LoRA merged in, to --out_dir
-    export: str = ""  # write --ckpt to --out_dir as int8 or hf (Hugging Face)
+    export: str = ""  # write --ckpt to --out_dir as int8, hf (Hugging Face) or pt (FSDP shards as one file)
+    ckpt: str = ""  # the checkpoint that --merge_lora and --export write
 
 PRESETS = {
     **tg.PRESETS,
@@ -61,6 +62,10 @@ PRESETS = {
                      warmup_steps=10, seq_len=256, batch_size=4, eval_every=50,
                      eval_tokens=8192, sample_tokens=100, out_dir="out/finetune"),
 }
+# jobs on a finished checkpoint that moved to companion scripts (they read GPT-2, LoRA and int8 too)
+MOVED = {**tg.MOVED,
+         "sample": "python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=out/finetune)",
+         "eval_only": "python eval_gpt.py --ckpt=gpt2 --items=data/hellaswag (or --ckpt=out/finetune)"}
 ADAPT_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "qat")  # resumes share these
 
 def check_config(cfg):
@@ -70,9 +75,9 @@ def check_config(cfg):
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.init_from) or targets - {"attn", "mlp"}:
         tg.die(f"--lora_rank={cfg.lora_rank} --lora_targets={cfg.lora_targets}: LoRA needs a rank >= 0, "
                f"--init_from=WEIGHTS to adapt, and targets among attn,mlp")
-    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8", "hf"):
+    if cfg.qat < 0 or cfg.qat == 1 or cfg.export not in ("", "int8", "hf", "pt"):
         tg.die(f"--qat={cfg.qat} --export={cfg.export}: --qat takes 0 (off) or 2 bits and up, "
-               f"--export only int8 or hf")
+               f"--export only int8, hf or pt")
     if not (0 <= cfg.distill_weight <= 1 and cfg.distill_temp > 0):
         tg.die("need 0 <= --distill_weight <= 1 and --distill_temp > 0")
 
@@ -346,22 +351,13 @@ def load_teacher(cfg, device, vocab_size, tokenizer):
 
 def load_model(where, device):
     """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or HF folder) or of a
-    checkpoint as plain_weights() reads it: what --sample and --teacher read."""
+    checkpoint as plain_weights() reads it: what --teacher, sample_gpt.py and eval_gpt.py read."""
     if is_gpt2(where):
         return from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
     return tg.load_model(where, device, plain_weights)
 
 # -----------------------------------------------------------------------------
-# After training: sample, merge, export
-
-def sample_main(cfg):
-    """--sample: continue --prompt from GPT-2 or a checkpoint."""
-    where, device = cfg.ckpt or cfg.init_from or cfg.out_dir, tg.setup_dist(cfg.device)[2]
-    model, tokenizer, step, path = load_model(where, device)
-    ids, text = tg.sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                          cfg.seed, cfg.prompt)
-    print(f"# {path} (step {step})\n{text}")
-    return {"text": text, "ids": ids}
+# After training: merge, export
 
 def export_main(cfg):
     """--merge_lora, --export=int8 or hf: --ckpt as a plain model in --out_dir; int8: hidden
@@ -373,6 +369,11 @@ def export_main(cfg):
                "a LoRA run (--lora_rank)") + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
     if tg.list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
         tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
+    if cfg.export == "pt":  # an FSDP run's folder of shards as one file: optimizer state and all, to resume anywhere
+        tg.write_checkpoint(cfg.out_dir, ckpt)
+        out = tg.list_checkpoints(cfg.out_dir)[-1][1]
+        print(f"wrote {path} as one file: {out}")
+        return {"path": out}
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
         sd = out = plain_weights(ckpt)
         if cfg.export == "hf":
@@ -548,12 +549,8 @@ def hf_tokenizer(tok, path):
                       "vocab": {text(t): ranks[t] for t in order}, "merges": merges}}
 
 def main(cfg):
-    """Fine-tune (or --sample, --eval_only, --merge_lora, --export) per cfg; returns a dict of final metrics."""
+    """Fine-tune (or --merge_lora, --export) per cfg; returns a dict of final metrics."""
     check_config(cfg)
-    if cfg.sample:
-        return sample_main(cfg)
-    if cfg.eval_only:  # e.g. HellaSwag on GPT-2 itself: --init_from=gpt2
-        return tg.eval_main(cfg, cfg.ckpt or cfg.init_from or cfg.out_dir, load_model)
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
     return tg.main(cfg, FineTune())

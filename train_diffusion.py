@@ -556,13 +556,13 @@ def clip_grads(params, max_norm):
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
-def agree(rows, signal, train_time, world_size):
-    """The host sync (log steps, evals, saves): the guard's rows since the last, and the signal
-    and time averaged, so that every rank decides alike."""
-    t = rows.new_tensor([float(signal is not None), train_time])
-    *flat, stopped, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
+def agree(rows, train_time, world_size):
+    """The host sync (log steps, evals, saves, a stop): the guard's rows since the last, and the
+    time averaged over ranks, so that every rank decides alike."""
+    t = rows.new_tensor([train_time])
+    *flat, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
     width = rows.shape[1]
-    return [flat[i:i + width] for i in range(0, len(flat), width)], stopped > 0, train_time
+    return [flat[i:i + width] for i in range(0, len(flat), width)], train_time
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -686,7 +686,6 @@ def train(cfg, stop):
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    # the loop: an optimizer step (micro-steps, clip, agree, check, update, EMA), log, eval, save
     t0, lap, last_step = time.perf_counter(), (step, train_time), False
     trace, synced, pace = torch.zeros(cfg.log_every, 3, device=device), step, 0.0  # rows till a sync
     while not last_step:
@@ -731,10 +730,11 @@ def train(cfg, stop):
         step += 1
         done = (not pace or clock + pace >= time_budget) if time_budget else step >= max_steps  # estimated
         evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
-        if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
+        stopped = stop.requested(world_size)  # SIGTERM: obeyed after this step, whatever --log_every
+        if not (done or stopped or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
             continue  # the next step, with no host sync
         now = time.perf_counter()  # agree() waits for the GPU: in the next interval's time
-        rows, stopped, now_time = agree(trace[:step - synced], stop.received, train_time + now - t0, world_size)
+        rows, now_time = agree(trace[:step - synced], train_time + now - t0, world_size)
         pace, train_time, t0 = (now_time - train_time) / (step - synced), now_time, now
         reason = guard.read(rows, synced, metrics)  # skipped; repeated ones roll back (PaLM 5.1)
         synced, (loss, gnorm) = step, rows[-1][:2]
@@ -1475,16 +1475,34 @@ class Guard:
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
-    """SIGTERM/SIGINT: save, exit 0; a 2nd acts at once."""
+    """SIGTERM/SIGINT: finish the step, save, exit 0; a second signal acts at once.
+
+    The handler only sets a flag, and the loop asks after every step whether to stop. A scheduler
+    gives a preempted job seconds (Kubernetes 30 by default, `timeout -k 5` five), so the flag is
+    not left for the next log step. In one process it is host state: reading it costs nothing.
+    Under torchrun each rank gets the signal at a different step, so the ranks agree through a
+    tiny all-reduce of a CPU tensor (gloo): no device sync, and every rank stops after the same
+    step, at most one step after the first rank got the signal."""
 
     def __enter__(self):
-        self.received, main = None, threading.current_thread() is threading.main_thread()  # only there
+        self.received, self.group = None, None
+        main = threading.current_thread() is threading.main_thread()  # signals reach only that thread
         self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
         return self
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
         signal.signal(signum, self.old[signum])
+
+    def requested(self, world_size):
+        """Whether any rank got a signal; every rank calls it after every step."""
+        if world_size == 1:
+            return self.received is not None
+        if self.group is None:  # a CPU group beside NCCL's; made by every rank at the same step
+            self.group = dist.new_group(backend="gloo")
+        flag = torch.tensor([float(self.received is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() > 0
 
     def __exit__(self, *exc):
         for sig, handler in self.old.items():

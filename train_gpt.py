@@ -8,11 +8,12 @@ DDP or FSDP2, exact resume, a KV-cache sampler.
 
   python train_gpt.py          # CPU demo on the stdlib corpus, ~4 min
   torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m
-  python train_gpt.py --sample --ckpt=out/gpt --prompt="def "
   python train_gpt.py --benchmark --preset=gpt2_124m
   python train_gpt.py -h       # every flag, with its default
 
-Fine-tuning, LoRA, distillation, INT8, export: finetune_gpt.py.
+Jobs on a finished checkpoint live beside it: sample_gpt.py samples text,
+eval_gpt.py scores multiple choice (HellaSwag), finetune_gpt.py fine-tunes
+(LoRA, distillation, INT8) and exports.
 """
 import base64
 import contextlib
@@ -102,7 +103,6 @@ class Config:
     # eval, logging, checkpoints
     eval_every: int = 250  # steps; 0 = only at the end
     eval_tokens: int = 65536  # a periodic eval's; the final's <= 4M
-    eval_mc: str = ""  # multiple choice scored at evals: data/hellaswag
     log_every: int = 25  # steps between log lines
     sample_tokens: int = 200  # sampled at each eval; 0 = off
     save_every: int = 0  # steps; 0 = only at the end
@@ -130,13 +130,7 @@ class Config:
     bench_steps: int = 20  # timed, after 5 warm-up steps
     profile: bool = False  # benchmark: trace.json of 3 more steps
     kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
-    # sampling
-    sample: bool = False  # sample from a checkpoint, don't train
-    ckpt: str = ""  # checkpoint to sample; empty = out_dir
-    eval_only: bool = False  # score --eval_mc on --ckpt and exit
-    consolidate: str = ""  # FSDP checkpoint to write as one file
-    prompt: str = ""  # text to continue
-    max_new_tokens: int = 500
+    # the text sampled at evals (sample_gpt.py samples a finished checkpoint)
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 50  # 0 = all tokens
 
@@ -151,6 +145,16 @@ PRESETS = {
     "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, out_dir="out/gpt2_124m"),
     "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, optimizer="adamw", lr=3e-4,
                       out_dir="out/gpt2_350m"),
+}
+# jobs on a finished checkpoint that moved to companion scripts: an old flag names the new command
+MOVED = {
+    "sample": "python sample_gpt.py --ckpt=out/gpt --prompt=TEXT",
+    "prompt": "python sample_gpt.py --ckpt=out/gpt --prompt=TEXT",
+    "max_new_tokens": "python sample_gpt.py --ckpt=out/gpt --max_new_tokens=N",
+    "ckpt": "python sample_gpt.py --ckpt=PATH (text) or python eval_gpt.py --ckpt=PATH (multiple choice)",
+    "eval_only": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag",
+    "consolidate": "python finetune_gpt.py --export=pt --ckpt=SHARDED_CKPT --out_dir=NEW_DIR",
+    "eval_mc": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag (--every_checkpoint for a run's milestones)",
 }
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
@@ -776,13 +780,13 @@ def clip_grads(params, max_norm):
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
-def agree(rows, signal, train_time, world_size):
-    """The host sync (log steps, evals, saves): the guard's rows since the last, and the signal
-    and time averaged, so that every rank decides alike."""
-    t = rows.new_tensor([float(signal is not None), train_time])
-    *flat, stopped, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
+def agree(rows, train_time, world_size):
+    """The host sync (log steps, evals, saves, a stop): the guard's rows since the last, and the
+    time averaged over ranks, so that every rank decides alike."""
+    t = rows.new_tensor([train_time])
+    *flat, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
     width = rows.shape[1]
-    return [flat[i:i + width] for i in range(0, len(flat), width)], stopped > 0, train_time
+    return [flat[i:i + width] for i in range(0, len(flat), width)], train_time
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -813,81 +817,6 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
         line += f" (the val split has {have}: read more than once)" if n * per_batch > have else ""
     print(line)
     return rec
-
-def mc_encoder(tokenizer):
-    """The run's encode, for --eval_mc's text."""
-    encode = load_tokenizer(tokenizer)[0]
-    if encode is encode_ids:
-        die(f"--eval_mc needs the run's tokenizer ({tokenizer.get('tokenizer')}), "
-            "which did not load (see above)")
-    return encode
-
-def read_choices(path, encode):
-    """[(context ids, [ending ids], label)] of a HellaSwag-format JSONL, or of a folder's one .jsonl."""
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".jsonl"))
-        if len(files) != 1:
-            die(f"--eval_mc={path}: {len(files)} .jsonl files there; name one")
-        path = os.path.join(path, files[0])
-    items = []
-    with reading(path, "pass a JSONL file"), open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            try:
-                d = json.loads(line)
-                ctx, ends, label = d["ctx"], d["endings"], int(d["label"])
-                ok = isinstance(ctx, str) and 0 <= label < len(ends)
-                ok = ok and all(isinstance(e, str) for e in ends)
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
-                die(f"{path}:{i}: not a multiple-choice item; each line needs "
-                    '{"ctx": text, "endings": [text, ...], "label": index}')
-            # an ending follows its context after a space (build-nanogpt, llm.c)
-            items.append((encode(ctx), [encode(" " + e) for e in ends], label))
-    if not items:
-        die(f"--eval_mc={path}: no items")
-    return items
-
-def choice_losses(model, rows, ctx, device):
-    """(summed loss, tokens) of each row's ending; rows: (ids, k), the ending
-    the last k ids. One forward, right-padded; only the endings are targets."""
-    T = max(len(ids) for ids, _ in rows) - 1
-    x = torch.zeros(len(rows), T, dtype=torch.long)
-    y = torch.full((len(rows), T), -100)  # no target: context and padding
-    for i, (ids, k) in enumerate(rows):
-        x[i, :len(ids) - 1] = torch.tensor(ids[:-1])
-        y[i, len(ids) - 1 - k:len(ids) - 1] = torch.tensor(ids[-k:])
-    with ctx:
-        loss = model(x.to(device), y.to(device), reduction="none").float()
-    return loss.view(len(rows), T).sum(1).cpu(), (y != -100).sum(1)
-
-def score_choices(model, items, ctx, seq_len, rank, world_size, device, what,
-                  per_batch=0):
-    """{mc_acc, mc_acc_norm, mc_items}: is the ending of least loss (acc), of
-    least loss a token (acc_norm), the label? Items shard over the ranks."""
-    mine = sorted(items[rank::world_size], key=lambda it: len(it[0]) + len(it[1][0]))
-    # items per forward: one on a CPU, where more were slower (they pad), many on a GPU
-    per_batch = per_batch or (16 if device.type == "cuda" else 1)
-    n_batches = math.ceil(math.ceil(len(items) / world_size) / per_batch)
-    hits = torch.zeros(3)  # acc, acc_norm, items
-    model.eval()
-    with torch.no_grad():
-        for b in range(n_batches):  # alike on every rank: FSDP's forwards are collective
-            batch = mine[b * per_batch:(b + 1) * per_batch]
-            rows = [((c + e)[-seq_len - 1:], min(len(e), seq_len))
-                    for c, ends, _ in batch for e in ends]
-            total, count = choice_losses(model, rows or [([0, 0], 1)], ctx, device)
-            for _, ends, label in batch:
-                s, n = total[:len(ends)], count[:len(ends)]
-                total, count = total[len(ends):], count[len(ends):]
-                hits += torch.tensor([s.argmin() == label, (s / n).argmin() == label, 1])
-    model.train()
-    hits = hits.to(device)
-    if world_size > 1:
-        dist.all_reduce(hits)
-    acc, acc_norm, n = hits.tolist()
-    print(f"{what}: acc_norm {acc_norm / n:.2%} | acc {acc / n:.2%} | {n:.0f} items")
-    return {"mc_acc": acc / n, "mc_acc_norm": acc_norm / n, "mc_items": int(n)}
 
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled after prompt (or an end-of-text token), with a KV cache."""
@@ -980,7 +909,6 @@ def train(cfg, stop, start=Start()):
                                    device=device, eot=meta["eot_id"], vocab_size=vocab_size)
         train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
         val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
-    choices = cfg.eval_mc and not cfg.benchmark and read_choices(cfg.eval_mc, mc_encoder(tokenizer))
 
     # model, optimizers, guard; the budget: steps (--max_steps or --tokens), or seconds
     raw = start.build(cfg, vocab_size, device, init)
@@ -1044,10 +972,11 @@ def train(cfg, stop, start=Start()):
         step += 1
         done = (not pace or clock + pace >= time_budget) if time_budget else step >= max_steps  # estimated
         evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
-        if not (done or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
+        stopped = stop.requested(world_size)  # SIGTERM: obeyed after this step, whatever --log_every
+        if not (done or stopped or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
             continue  # the next step, with no host sync
         now = time.perf_counter()  # agree() waits for the GPU: in the next interval's time
-        rows, stopped, now_time = agree(trace[:step - synced], stop.received, train_time + now - t0, world_size)
+        rows, now_time = agree(trace[:step - synced], train_time + now - t0, world_size)
         pace, train_time, t0 = (now_time - train_time) / (step - synced), now_time, now
         reason = guard.read(rows, synced, metrics)  # skipped; repeated ones roll back (PaLM 5.1)
         synced, (loss, gnorm) = step, rows[-1][:2]
@@ -1069,8 +998,6 @@ def train(cfg, stop, start=Start()):
         paused = time.perf_counter()  # evals and saves are not training time
         if (done and not stopped) or evals:
             rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=done and not stopped)
-            if choices:  # e.g. HellaSwag: each ending's loss given its context
-                rec |= score_choices(raw, choices, ctx, T, rank, world_size, device, f"eval {step:05d} | {cfg.eval_mc}")
             if cfg.sample_tokens:  # every rank: an FSDP forward needs all
                 out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature,
                                 cfg.top_k, cfg.seed)
@@ -1108,51 +1035,19 @@ def load_model(where, device, weights=None):
     """(model in eval mode, tokenizer, step, path); weights(ckpt): the state dict."""
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first, or pass --ckpt=PATH")
-    with reading(path, "pass train_gpt.py's (finetune_gpt.py --sample: LoRA, int8)"):
+        die(f"no complete checkpoint at {where!r}; train first (python train_gpt.py), or pass --ckpt=PATH")
+    with reading(path, "pass a checkpoint of train_gpt.py (or read LoRA and int8 ones with finetune_gpt.load_model)"):
         fields = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
         model = build_model(Config(**fields), ckpt["data_info"]["vocab_size"], device)
         model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
         load_tokenizer(ckpt["tokenizer"])
     return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
-def sample_main(cfg):
-    """--sample: continue --prompt from a checkpoint."""
-    model, tokenizer, step, path = load_model(cfg.ckpt or cfg.out_dir, setup_dist(cfg.device)[2])
-    ids, text = sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, cfg.prompt)
-    print(f"# {path} (step {step})\n{text}")
-    return {"text": text, "ids": ids}
-
-def eval_main(cfg, where, load):
-    """--eval_only: --eval_mc's accuracy of a checkpoint (or GPT-2: load)."""
-    if not cfg.eval_mc:
-        die("--eval_only scores --eval_mc; pass --eval_mc=data/hellaswag")
-    rank, world_size, device = setup_dist(cfg.device)
-    model, tokenizer, step, path = load(where, device)
-    items = read_choices(cfg.eval_mc, mc_encoder(tokenizer))
-    ctx, t0 = setup_precision(device, cfg.dtype)[1], time.perf_counter()
-    rec = score_choices(model, items, ctx, model.cfg.seq_len, rank, world_size, device,
-                        f"# {path} (step {step}) | {cfg.eval_mc}")
-    print(f"{rec['mc_items']} items in {time.perf_counter() - t0:.1f} s")
-    return rec
-
-def consolidate_main(cfg):
-    """--consolidate: an FSDP run's sharded checkpoint as one file in --out_dir."""
-    ckpt, path = load_checkpoint(cfg.consolidate) if os.path.exists(cfg.consolidate) else (None, None)
-    if ckpt is None:
-        die(f"--consolidate={cfg.consolidate}: no checkpoint; pass an FSDP run's folder")
-    if list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
-        die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
-    write_checkpoint(cfg.out_dir, ckpt)
-    out = list_checkpoints(cfg.out_dir)[-1][1]
-    print(f"wrote {path} as one file: {out}")
-    return {"path": out}
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
     ones = ("n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every "
-            "bench_steps max_new_tokens rope_base").split()
+            "bench_steps rope_base").split()
     zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
              "seq_len_warmup max_steps time_budget embed_lr warmup_steps n_kv_head eval_every "
              "save_every top_k temperature weight_decay init_std norm_eps").split()  # < 0: no end
@@ -1182,14 +1077,8 @@ def check_config(cfg):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
 
 def main(cfg, start=Start()):
-    """Train (or --benchmark, --sample, --eval_only, --consolidate) per cfg; returns the final metrics."""
+    """Train (or --benchmark) per cfg; returns the final metrics."""
     check_config(cfg)
-    if cfg.sample:
-        return sample_main(cfg)
-    if cfg.eval_only:
-        return eval_main(cfg, cfg.ckpt or cfg.out_dir, load_model)
-    if cfg.consolidate:
-        return consolidate_main(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
         while True:
             found = list_checkpoints(cfg.out_dir)
@@ -1698,16 +1587,34 @@ class Guard:
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
-    """SIGTERM/SIGINT: save, exit 0; a 2nd acts at once."""
+    """SIGTERM/SIGINT: finish the step, save, exit 0; a second signal acts at once.
+
+    The handler only sets a flag, and the loop asks after every step whether to stop. A scheduler
+    gives a preempted job seconds (Kubernetes 30 by default, `timeout -k 5` five), so the flag is
+    not left for the next log step. In one process it is host state: reading it costs nothing.
+    Under torchrun each rank gets the signal at a different step, so the ranks agree through a
+    tiny all-reduce of a CPU tensor (gloo): no device sync, and every rank stops after the same
+    step, at most one step after the first rank got the signal."""
 
     def __enter__(self):
-        self.received, main = None, threading.current_thread() is threading.main_thread()  # only there
+        self.received, self.group = None, None
+        main = threading.current_thread() is threading.main_thread()  # signals reach only that thread
         self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
         return self
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
         signal.signal(signum, self.old[signum])
+
+    def requested(self, world_size):
+        """Whether any rank got a signal; every rank calls it after every step."""
+        if world_size == 1:
+            return self.received is not None
+        if self.group is None:  # a CPU group beside NCCL's; made by every rank at the same step
+            self.group = dist.new_group(backend="gloo")
+        flag = torch.tensor([float(self.received is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() > 0
 
     def __exit__(self, *exc):
         for sig, handler in self.old.items():

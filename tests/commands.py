@@ -13,9 +13,11 @@ import subprocess
 import sys
 
 import chat_gpt
+import eval_gpt
 import finetune_gpt
 import kernels
 import prepare_data
+import sample_gpt
 import scaling
 import train_diffusion
 import train_gpt
@@ -25,13 +27,15 @@ from faults import inject, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = {"train_gpt.py": train_gpt, "finetune_gpt.py": finetune_gpt, "chat_gpt.py": chat_gpt,
-            "train_vit.py": train_vit, "train_diffusion.py": train_diffusion}
-RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt}  # a companion: the trainer whose CLI shim and loop (where faults go) it uses
+            "sample_gpt.py": sample_gpt, "eval_gpt.py": eval_gpt, "train_vit.py": train_vit,
+            "train_diffusion.py": train_diffusion}
+RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt, sample_gpt: train_gpt, eval_gpt: train_gpt}  # a companion: the trainer whose CLI shim and loop (where faults go) it uses
 # appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
 # (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
 TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
         finetune_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
         # a chat model keeps its base's shape; 60 dialogues of bytes, a few steps, 4 answers sampled
+        sample_gpt: "--max_new_tokens=16 --device=cpu", eval_gpt: "--device=cpu",
         chat_gpt: "--batch_size=4 --max_steps=6 --conversations=60 --eval_turns=4 --max_new_tokens=16 --device=cpu",
         train_vit: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=16 --max_steps=4 --eval_every=2 --eval_images=32 "
                    "--device=cpu",

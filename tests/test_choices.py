@@ -1,5 +1,5 @@
-"""Multiple-choice evaluation (--eval_mc, HellaSwag's format): the packed scorer against a reference written from the
-definition, then end to end in a training run, on a checkpoint, on two ranks, and on a GPT-2 folder."""
+"""Multiple-choice evaluation (eval_gpt.py, HellaSwag's format): the packed scorer against a reference written from
+the definition, then end to end on a run's checkpoints, on two ranks, and on a GPT-2 folder."""
 import json
 import os
 import subprocess
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import eval_gpt
 import train_gpt as tg
 from conftest import hellaswag_items, write_corpus
 
@@ -60,10 +61,10 @@ def test_scorer_equals_the_definition(vocab_size):
     model = random_gpt(vocab_size)
     acc, acc_norm, per_ending = reference(model, items)
     rows = [(c + e, len(e)) for c, ends, _ in items for e in ends]
-    total, count = tg.choice_losses(model, rows, tg.contextlib.nullcontext(), torch.device("cpu"))
+    total, count = eval_gpt.choice_losses(model, rows, tg.contextlib.nullcontext(), torch.device("cpu"))
     assert count.tolist() == [n for _, n in per_ending]  # the ending's tokens, not the context's nor the padding
     torch.testing.assert_close(total, torch.tensor([s for s, _ in per_ending]), rtol=1e-4, atol=1e-4)
-    rec = tg.score_choices(model, items, tg.contextlib.nullcontext(), 128, 0, 1, torch.device("cpu"), "mc", per_batch=5)
+    rec = eval_gpt.score_choices(model, items, tg.contextlib.nullcontext(), 128, 0, 1, torch.device("cpu"), "mc", per_batch=5)
     assert (rec["mc_acc"], rec["mc_acc_norm"], rec["mc_items"]) == (acc, acc_norm, 24)
     assert acc != acc_norm or len({round(s, 3) for s, _ in per_ending}) > 1  # the two scores are not one in disguise
 
@@ -71,43 +72,72 @@ def test_scorer_equals_the_definition(vocab_size):
 def test_read_choices_takes_a_folder_and_refuses_bad_lines(tmp_path):
     encode = tg.load_tokenizer(BYTES)[0]
     write_items(tmp_path / "hellaswag_val.jsonl", hellaswag_items(3))
-    assert len(tg.read_choices(str(tmp_path), encode)) == 3
+    assert len(eval_gpt.read_choices(str(tmp_path), encode)) == 3
     bad = tmp_path / "bad.jsonl"
     for line in ('{"ctx": "a", "endings": ["b"], "label": 1}', '{"ctx": "a"}', "not json"):
         bad.write_text(json.dumps(hellaswag_items(1)[0]) + "\n" + line + "\n")
         with pytest.raises(SystemExit, match=r"bad.jsonl:2: not a multiple-choice item; each line needs"):
-            tg.read_choices(str(bad), encode)
+            eval_gpt.read_choices(str(bad), encode)
     with pytest.raises(SystemExit, match="2 .jsonl files there; name one"):
-        tg.read_choices(str(tmp_path), encode)
+        eval_gpt.read_choices(str(tmp_path), encode)
 
 
-def test_eval_mc_in_a_run_on_its_checkpoint_and_on_two_ranks(tmp_path):
-    """HellaSwag-format items scored at the run's evals (metrics.jsonl and the eval line), then --eval_only on the
-    saved checkpoint, in one process and in two (items sharded, counts all-reduced): all equal the reference."""
+def test_a_run_scored_on_its_checkpoints_and_on_two_ranks(tmp_path):
+    """HellaSwag-format items scored on a run's checkpoint, in one process and in two (items sharded, counts
+    all-reduced), and on each checkpoint the run kept (--every_checkpoint): all equal the reference."""
     data, mc = write_corpus(tmp_path / "data"), write_items(tmp_path / "mc.jsonl", hellaswag_items(37))
     out = tmp_path / "run"
     cfg = tg.Config(n_layer=2, n_head=2, n_embd=32, seq_len=64, batch_size=8, max_steps=6, eval_every=3, log_every=3,
                     sample_tokens=0, device="cpu", dtype="float32", compile="false", data_dir=str(data),
-                    out_dir=str(out), eval_mc=str(mc))
-    final = tg.main(cfg)
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["mc_items"] for r in rows if "mc_items" in r] == [37, 37]
+                    out_dir=str(out), save_every=3)
+    tg.main(cfg)
     model, tok, _, _ = tg.load_model(str(out), torch.device("cpu"))
     encode = tg.load_tokenizer(tok)[0]
     items = [(encode(it["ctx"]), [encode(" " + e) for e in it["endings"]], it["label"]) for it in hellaswag_items(37)]
     acc, acc_norm, _ = reference(model, items)
-    assert (final["mc_acc"], final["mc_acc_norm"]) == (acc, acc_norm)
-    one = tg.main(tg.Config(eval_only=True, ckpt=str(out), eval_mc=str(mc), device="cpu", dtype="float32"))
+    one = eval_gpt.main(eval_gpt.Config(ckpt=str(out), items=str(mc), device="cpu", dtype="float32"))
     assert (one["mc_acc"], one["mc_acc_norm"], one["mc_items"]) == (acc, acc_norm, 37)
+    every = eval_gpt.main(eval_gpt.Config(ckpt=str(out), items=str(mc), device="cpu", dtype="float32",
+                                          every_checkpoint=True))
+    assert every == one  # the last of steps 3 and 6 is the newest checkpoint
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "train_gpt.py"), "--eval_only", f"--ckpt={out}", f"--eval_mc={mc}",
+                          os.path.join(ROOT, "eval_gpt.py"), f"--ckpt={out}", f"--items={mc}",
                           "--device=cpu", "--dtype=float32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert two.returncode == 0, two.stderr[-2000:]
     assert f"acc_norm {acc_norm:.2%} | acc {acc:.2%} | 37 items" in two.stdout, two.stdout
+    assert two.stdout.count("ckpt_0000006") == 1 and "ckpt_0000003" not in two.stdout
+
+
+def test_an_item_with_an_empty_context_starts_at_the_end_of_text_token(tmp_path):
+    """Issue 61: an item whose "ctx" is empty crashed the scorer with a shape error; its endings are now scored after
+    the end-of-text token, as lm-evaluation-harness does, and without one it is refused in one line."""
+    items = hellaswag_items(3)
+    items[1]["ctx"] = ""
+    path = write_items(tmp_path / "mc.jsonl", items)
+    encode = tg.load_tokenizer(BYTES)[0]
+    read = eval_gpt.read_choices(str(path), encode, eot=256)
+    assert read[1][0] == [256] and read[1][1][0] == encode(" " + items[1]["endings"][0])
+    rec = eval_gpt.score_choices(random_gpt(257), read, tg.contextlib.nullcontext(), 128, 0, 1, torch.device("cpu"),
+                                 "mc")
+    assert rec["mc_items"] == 3
+    with pytest.raises(SystemExit, match=r"mc.jsonl:2: the context is empty and this tokenizer has no end-of-text"):
+        eval_gpt.read_choices(str(path), encode, eot=None)
+
+
+def test_the_old_flags_name_the_new_commands():
+    """train_gpt.py and finetune_gpt.py --sample and --eval_only moved to sample_gpt.py and eval_gpt.py: each old flag
+    stops in one line that names the new command."""
+    import finetune_gpt as ft
+    for cls, flag, new in ((tg.Config, "--sample", "sample_gpt.py"), (tg.Config, "--eval_only", "eval_gpt.py"),
+                           (tg.Config, "--eval_mc=x", "eval_gpt.py"), (ft.Config, "--sample", "sample_gpt.py --ckpt=gpt2"),
+                           (ft.Config, "--eval_only", "eval_gpt.py --ckpt=gpt2")):
+        with pytest.raises(SystemExit) as e:
+            tg.parse_args(cls, [flag])
+        assert f"{flag.split('=')[0]} moved: python {new}" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_eval_only_on_a_gpt2_folder_made_by_transformers(tmp_path, monkeypatch):
-    """finetune_gpt.py --eval_only --init_from=FOLDER scores GPT-2 as transformers' GPT2LMHeadModel does."""
+    """eval_gpt.py --ckpt=FOLDER scores GPT-2 as transformers' GPT2LMHeadModel does."""
     transformers = pytest.importorskip("transformers")
     import tiktoken
 
@@ -124,6 +154,5 @@ def test_eval_only_on_a_gpt2_folder_made_by_transformers(tmp_path, monkeypatch):
     items = [(stand_in.encode_ordinary(it["ctx"]), [stand_in.encode_ordinary(" " + e) for e in it["endings"]],
               it["label"]) for it in hellaswag_items(16)]
     acc, acc_norm, _ = reference(lambda idx: hf(idx).logits, items)
-    rec = ft.main(ft.Config(eval_only=True, init_from=str(tmp_path / "gpt2"), eval_mc=str(mc), device="cpu",
-                            dtype="float32"))
+    rec = eval_gpt.main(eval_gpt.Config(ckpt=str(tmp_path / "gpt2"), items=str(mc), device="cpu", dtype="float32"))
     assert (rec["mc_acc"], rec["mc_acc_norm"], rec["mc_items"]) == (acc, acc_norm, 16)

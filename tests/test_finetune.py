@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import finetune_gpt as ft
+import sample_gpt
 import train_gpt as tg
 from test_train_gpt import TINY, losses, tiny
 
@@ -290,7 +291,7 @@ def test_export_int8_keeps_the_loss_and_samples(corpus, tmp_path):
     assert r["int8_mb"] < 0.5 * r["float_mb"]  # the hidden matrices at a quarter; embedding and head as they were
     ckpt, _ = tg.load_checkpoint(r["path"])
     assert ckpt["model"]["blocks.0.attn.qkv.weight"].dtype == torch.int8 and ckpt["model"]["wte.weight"].dtype == torch.float32
-    out = ft.main(ft.Config(sample=True, ckpt=r["path"], max_new_tokens=20, device="cpu"))
+    out = sample_gpt.main(sample_gpt.Config(ckpt=r["path"], max_new_tokens=20, device="cpu"))
     assert len(out["ids"]) == 1 + 20
 
 

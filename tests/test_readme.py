@@ -37,8 +37,8 @@ KNOWN_FAILURES = {
         "resume tests show, and a complete one stops in this one line"),
 }
 # the modes of each trainer that read a run instead of starting one
-NOT_TRAINING = {"train_gpt": ("resume", "sample", "eval_only", "consolidate", "benchmark"),
-                "finetune_gpt": ("resume", "sample", "eval_only", "export", "merge_lora", "consolidate", "benchmark"),
+NOT_TRAINING = {"train_gpt": ("resume", "benchmark"), "sample_gpt": ("ckpt",), "eval_gpt": ("ckpt",),
+                "finetune_gpt": ("resume", "export", "merge_lora", "benchmark"),
                 "chat_gpt": ("prepare", "chat"),
                 "train_vit": ("resume", "predict", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
 
@@ -57,13 +57,15 @@ def why_parse_only(argv):
         return "the test suite, which runs anyway"
     if (argv[1] == "prepare_data.py" and argv[2] in DOWNLOADS) or flags.get("tokenizer") == "gpt2":
         return "the network"  # gpt2 tokens need tiktoken's files
-    if any(flags.get(k) in finetune_gpt.GPT2_NAMES[1:] for k in ("init_from", "teacher")):
+    if any(flags.get(k) in finetune_gpt.GPT2_NAMES[1:] for k in ("init_from", "teacher", "ckpt")):
         return "the network"  # only models/gpt2 has a stand-in
     if argv[1] == "chat_gpt.py" and flags.get("init_from") == "gpt2" and "prepare" not in flags:
         return "GPT-2's 1,024 positions: models/gpt2's stand-in has 40, too few for a conversation"
     if flags.get("device") == "cuda" or flags.get("preset") in GPU_PRESETS or argv[1:] == ["kernels.py", "--bench"]:
         return "a GPU"
-    if "consolidate" in flags:
+    if "gpt2_124m" in flags.get("ckpt", ""):
+        return "a GPU (the checkpoints of a --preset=gpt2_124m run)"
+    if flags.get("export") == "pt":
         return "an FSDP checkpoint folder, which only a torchrun run writes"
     return None
 
@@ -85,7 +87,7 @@ def readme_tiny(script, args):
         return extra + (["--models=1x16,1x32", "--tokens=8e3"] if any(a.startswith("--models") for a in args) else [])
     extra = list(workshop_tiny(script, args))
     if script in ("train_gpt.py", "finetune_gpt.py"):  # a length warmup grows in multiples of 64, from 64
-        extra += ["--max_steps=6", "--eval_every=3", "--sample_tokens=8", "--max_new_tokens=16"] + (
+        extra += ["--max_steps=6", "--eval_every=3", "--sample_tokens=8"] + (
             ["--seq_len=128"] if any(a.startswith("--seq_len_warmup") for a in args) else [])
     elif script == "prepare_data.py" and any(a.startswith("--tokenizer=bpe") for a in args):
         extra += ["--tokenizer=bpe:300"]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import finetune_gpt as ft
+import sample_gpt
 import train_gpt as tg
 from conftest import python_like_docs
 from test_finetune import ft_tiny, gpt2_corpus, gpt2_folder, gpt2_reference  # noqa: F401 - gpt2_corpus is a fixture
@@ -116,7 +117,7 @@ def test_nanogpt_layouts_train_past_evals_with_samples(layout, tokenizer, vocab,
     assert len(samples) == 2 and all(s.strip() for s in samples)
     if layout == "chars":
         assert set(samples[0]) <= set(text) | {"\n"}
-    out = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "out"), max_new_tokens=10, device="cpu"))
+    out = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "out"), max_new_tokens=10, device="cpu"))
     assert len(out["ids"]) == 1 + 10  # a newline (or token 0) to start from, then 10 more
 
 
@@ -163,13 +164,13 @@ def test_data_boundaries_end_in_training_or_one_line(tmp_path):
     r = tg.main(tiny(tmp_path / "d2", tmp_path / "long", max_steps=2, seq_len=512, batch_size=1))  # docs: ~150 chars
     assert r["steps"] == 2
     with pytest.raises(SystemExit) as e:
-        tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "o"), prompt="\u00e9\u00e9", device="cpu"))
+        sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "o"), prompt="\u00e9\u00e9", device="cpu"))
     assert "none of its characters is in the chars vocabulary" in str(e.value) and "\n" not in str(e.value)
     write_nanogpt(tmp_path / "ids", "bytes")
     with open(tmp_path / "ids" / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 300}, f)
     tg.main(tiny(tmp_path / "ids", tmp_path / "ids_out", max_steps=1))
-    out = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "ids_out"), prompt="17 42", max_new_tokens=3,
+    out = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "ids_out"), prompt="17 42", max_new_tokens=3,
                             device="cpu"))
     assert out["ids"][:2] == [17, 42] and len(out["text"].split()) == 5
 

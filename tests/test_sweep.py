@@ -1,4 +1,4 @@
-"""Issue 51's sweep of bad input across the seven scripts: each case runs a script in this process as its
+"""Issue 51's sweep of bad input across the scripts: each case runs a script in this process as its
 `if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
 warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
@@ -232,19 +232,21 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-bench_steps-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--benchmark", "--bench_steps=0")),
     "gpt-rope_base-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--rope_base=0")),
     "gpt-norm_eps-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--norm_eps=-1e-6")),
-    "gpt-max_new_tokens-negative": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={f.gpt}",
-                                                                 "--max_new_tokens=-1", "--device=cpu"]),
-    "gpt-sample-ckpt-cut": ("train_gpt.py", lambda t, f: ["--sample", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
+    "sample-max_new_tokens-negative": ("sample_gpt.py", lambda t, f: [f"--ckpt={f.gpt}", "--max_new_tokens=-1",
+                                                                     "--device=cpu"]),
+    "sample-ckpt-cut": ("sample_gpt.py", lambda t, f: [f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
     "gpt-resume-ckpt-cut": ("train_gpt.py", lambda t, f: resume_from_cut(f, t, f.gpt, gpt(f, t))),
-    "gpt-consolidate-ckpt-cut": ("train_gpt.py", lambda t, f: [f"--consolidate={half(f.gpt, t / 'c.pt')}",
+    "ft-export-pt-ckpt-cut": ("finetune_gpt.py", lambda t, f: ["--export=pt", f"--ckpt={half(f.gpt, t / 'c.pt')}",
                                                               f"--out_dir={t / 'o'}"]),
     "gpt-meta-json-cut": ("train_gpt.py", lambda t, f: gpt_data(f, t, "meta.json", '{"format": "trainsu')),
     "gpt-prepare-interrupted-no-meta-json": ("train_gpt.py", lambda t, f: gpt_data(f, t, "meta.json", None)),
     "gpt-shard-odd-bytes": ("train_gpt.py", lambda t, f: gpt_data(
         f, t, "train_000000.bin", (f.corpus / "train_000000.bin").read_bytes()[:-1])),
     "gpt-shard-shorter-than-a-row": ("train_gpt.py", short_shard),
-    "gpt-eval_mc-not-json": ("train_gpt.py", lambda t, f: gpt(f, t, f"--eval_mc={put(t / 'mc.jsonl', NOT_JSON)}")),
-    "gpt-eval_mc-not-utf8": ("train_gpt.py", lambda t, f: gpt(f, t, f"--eval_mc={put(t / 'mc.jsonl', NOT_UTF8)}")),
+    "eval-items-not-json": ("eval_gpt.py", lambda t, f: [f"--ckpt={f.gpt}", f"--items={put(t / 'mc.jsonl', NOT_JSON)}",
+                                                         "--device=cpu"]),
+    "eval-items-not-utf8": ("eval_gpt.py", lambda t, f: [f"--ckpt={f.gpt}", f"--items={put(t / 'mc.jsonl', NOT_UTF8)}",
+                                                         "--device=cpu"]),
     # train_vit.py
     "vit-out_dir-is-a-file": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--out_dir={put(t / 'o', 'x')}")),
     "vit-n_head-0": ("train_vit.py", lambda t, f: img(f, t, IMG, "--n_head=0")),
@@ -284,13 +286,12 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
         f, t, DIT, "val_images.npy", (f.shapes / "val_images.npy").read_bytes()[:300])),
     # finetune_gpt.py
     "ft-init_from-ckpt-cut": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--init_from={half(f.gpt, t / 'c.pt')}")),
-    "ft-init_from-hf-config-not-json": ("finetune_gpt.py", lambda t, f: [
-        "--sample", f"--init_from={hf_folder(t, config='{model_type')}", "--device=cpu"]),
-    "ft-init_from-hf-safetensors-cut": ("finetune_gpt.py", lambda t, f: [
-        "--sample", f"--init_from={hf_folder(t, weights=cut_safetensors(t))}", "--device=cpu"]),
-    "ft-init_from-hf-bin-cut": ("finetune_gpt.py", lambda t, f: [
-        "--sample", f"--init_from={hf_folder(t, weights=('pytorch_model.bin', f.gpt.read_bytes()[:999]))}",
-        "--device=cpu"]),
+    "sample-hf-config-not-json": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, config='{model_type')}", "--device=cpu"]),
+    "sample-hf-safetensors-cut": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=cut_safetensors(t))}", "--device=cpu"]),
+    "sample-hf-bin-cut": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=('pytorch_model.bin', f.gpt.read_bytes()[:999]))}", "--device=cpu"]),
     "ft-teacher-ckpt-cut": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={half(f.gpt, t / 'c.pt')}")),
     "ft-distill_temp-0": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={f.gpt}", "--distill_temp=0")),
     "ft-export-int8-ckpt-cut": ("finetune_gpt.py", lambda t, f: [

@@ -61,8 +61,9 @@ def test_the_host_reads_only_at_log_steps(mod, tests, extra, corpus, shapes, tmp
 
 
 def test_a_signal_and_a_rollback_act_at_the_next_sync_and_resume_exactly(corpus, tmp_path):
-    """With log_every=4 the host reads at steps 4, 8, ...: SIGTERM at step 5 saves and exits 0 at step 8, within one
-    log interval, and spikes at steps 24-26 roll back at step 28; each run resumes bit-exactly from its checkpoint."""
+    """With log_every=4 the host reads at steps 4, 8, ...; SIGTERM at step 5 still saves and exits 0 after step 5
+    (the flag is host state, read every step: issue 61), and spikes at steps 24-26 roll back at step 28; each run
+    resumes bit-exactly from its checkpoint."""
     import shutil
 
     import faults
@@ -71,7 +72,8 @@ def test_a_signal_and_a_rollback_act_at_the_next_sync_and_resume_exactly(corpus,
     whole = tg.main(test_train_gpt.tiny(corpus, tmp_path / "a", **kw))
     with faults.inject(tg, "sigterm@5"):
         stopped = tg.main(test_train_gpt.tiny(corpus, tmp_path / "b", **kw))
-    assert stopped["preempted"] and stopped["steps"] == 8 and [s for s, _ in tg.list_checkpoints(str(tmp_path / "b"))] == [8]
+    assert stopped["preempted"] and stopped["steps"] == 5
+    assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "b"))] == [5]
     resumed = tg.main(test_train_gpt.tiny(corpus, tmp_path / "b", **kw, resume=True))
     assert resumed["val_loss"] == whole["val_loss"] and losses(tmp_path / "a")[12] == losses(tmp_path / "b")[12]
 
@@ -86,3 +88,30 @@ def test_a_signal_and_a_rollback_act_at_the_next_sync_and_resume_exactly(corpus,
     shutil.copy(tg.list_checkpoints(str(out))[-2][1], tmp_path / "again")  # step 30, after the rollback
     again = tg.main(test_train_gpt.tiny(corpus, tmp_path / "again", **kw, resume=True))
     assert again["val_loss"] == r["val_loss"] and losses(tmp_path / "again")[40] == losses(out)[40]
+
+
+@pytest.mark.parametrize("mod, tests", [(tg, test_train_gpt), (tv, test_train_vit), (td, test_train_diffusion)],
+                         ids=["gpt", "vit", "dit"])
+def test_sigterm_is_obeyed_after_its_step_whatever_log_every(mod, tests, corpus, shapes, tmp_path, monkeypatch):
+    """Issue 61: with --log_every=1000 a SIGTERM at step 10 saves a checkpoint of step 10 and stops there, not at the
+    next log step (a scheduler's grace is seconds). The flag is read every step without a device read, which
+    test_the_host_reads_only_at_log_steps counts."""
+    import faults
+    run = tests.tiny(corpus if mod is tg else shapes, tmp_path / "o", max_steps=40, log_every=1000, eval_every=0,
+                     save_every=0, dtype="float32")
+    with faults.inject(mod, "sigterm@10"):
+        stopped = mod.main(run)
+    assert stopped["preempted"] and stopped["steps"] == 10, stopped
+    assert [s for s, _ in mod.list_checkpoints(str(tmp_path / "o"))] == [10]
+
+
+def test_sigterm_from_outside_a_process(corpus, tmp_path):
+    """The same as a real process: `python tests/faults.py sigterm@10 train_gpt.py --log_every=1000` exits 0 at
+    step 10 with its checkpoint, and says how to resume."""
+    p = test_train_gpt.run_script(f"--data_dir={corpus}", f"--out_dir={tmp_path}/o", "--n_layer=2", "--n_embd=32",
+                                  "--n_head=2", "--seq_len=32", "--batch_size=2", "--max_steps=200", "--time_budget=0",
+                                  "--log_every=1000", "--sample_tokens=0", "--device=cpu", "--dtype=float32",
+                                  fault="sigterm@10")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "stopped by SIGTERM at step 10" in p.stdout and "--resume" in p.stdout, p.stdout[-2000:]
+    assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "o"))] == [10]

@@ -13,6 +13,7 @@ import torch
 
 import faults
 import prepare_data
+import sample_gpt
 import train_gpt as tg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +219,7 @@ def test_time_budget_and_token_budget(corpus, tmp_path):
 
 def test_sample_from_checkpoint(corpus, tmp_path):
     tg.main(tiny(corpus, tmp_path / "out", max_steps=5))
-    r = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "out"), prompt="def ", max_new_tokens=30, device="cpu"))
+    r = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "out"), prompt="def ", max_new_tokens=30, device="cpu"))
     assert r["text"].startswith("def ") and len(r["ids"]) == 1 + 4 + 30
 
 
@@ -384,8 +385,8 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
 def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(corpus, tmp_path, capsys):
     """FSDP on two ranks, --async_save: each checkpoint a folder of DCP shards. Resumed in one process with the same
     rows per step (another micro-batch), the losses go on as in the two-rank run; a torn folder (state.pt missing, a
-    shard cut short) is skipped with one warning; a crafted .metadata is refused unrun; --consolidate writes the
-    weights as one file, which --sample reads."""
+    shard cut short) is skipped with one warning; a crafted .metadata is refused unrun; finetune_gpt.py --export=pt
+    writes the weights as one file, which sample_gpt.py reads."""
     two = tmp_path / "two"
     p = run_script("--dtype=float32", f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32",
                    "--max_steps=5", "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu",
@@ -428,14 +429,15 @@ def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(cor
         tg.load_checkpoint(str(evil))
     assert not (tmp_path / "ran").exists()
 
-    r = tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    import finetune_gpt as ft
+    r = ft.main(ft.Config(export="pt", ckpt=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
     whole, single = tg.load_checkpoint(str(two))[0], tg.load_checkpoint(r["path"])[0]
     assert r["path"].endswith("ckpt_0000005.pt") and whole.keys() == single.keys()
     assert all(torch.equal(whole["model"][k], single["model"][k]) for k in whole["model"])
     assert whole["model"]["wte.weight"].shape[0] >= 257  # the whole tensors, not a shard
     with pytest.raises(SystemExit, match="holds checkpoints already"):
-        tg.main(tg.Config(consolidate=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
-    s = tg.main(tg.Config(sample=True, ckpt=str(tmp_path / "c"), prompt="def ", max_new_tokens=5, device="cpu"))
+        ft.main(ft.Config(export="pt", ckpt=str(two / "ckpt_0000005"), out_dir=str(tmp_path / "c"), device="cpu"))
+    s = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "c"), prompt="def ", max_new_tokens=5, device="cpu"))
     assert s["text"].startswith("def ") and len(s["ids"]) == 1 + 4 + 5
 
 

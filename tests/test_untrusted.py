@@ -13,6 +13,7 @@ import torch
 
 import prepare_data
 import train_diffusion as td
+import sample_gpt
 import train_gpt as tg
 import train_vit as tv
 from conftest import python_like_docs, write_corpus
@@ -97,7 +98,7 @@ def test_checkpoints_from_others(gpt_run, tmp_path, capfd):
     for i, blob in enumerate(files):
         path = tmp_path / f"case{i}.pt"
         path.write_bytes(blob)
-        results.append(outcome(lambda: tg.main(tg.Config(sample=True, ckpt=str(path), max_new_tokens=2, device="cpu")),
+        results.append(outcome(lambda: sample_gpt.main(sample_gpt.Config(ckpt=str(path), max_new_tokens=2, device="cpu")),
                                capfd))
         if i % 4 == 0:  # the same file as the newest of a run's checkpoints: --resume falls back or stops in one line
             run = tmp_path / f"run{i}"
