@@ -178,9 +178,11 @@ def grid_plan(models, tokens, cfg, vocab):
     return plan
 
 def cmd_sweep(args, extra):
-    if args.sizes < 1 or not 0 < args.ratio < math.inf:
-        die(f"need --sizes >= 1 and --ratio > 0, got {args.sizes} and {args.ratio}")
-    cfg = base_config(args, extra)
+    if args.sizes < 1 or not 0 < args.ratio < math.inf or not 0 < args.lr < math.inf:
+        die(f"need --sizes >= 1, --ratio > 0 and --lr > 0, got {args.sizes}, {args.ratio} and {args.lr}")
+    # the sweep's own LR, that of the sweeps in the docs: train_gpt.py's default (8e-3) was tuned for its 64-wide
+    # model in 240 s, and at it the tiny AdamW runs of tests/test_scaling.py fit 7x worse (log residual 0.25)
+    cfg = dataclasses.replace(base_config(args, extra), lr=args.lr)
     vocab = vocab_of(cfg)
     if args.models or args.tokens:
         if not (args.models and args.tokens):
@@ -767,6 +769,8 @@ def main(argv=None):
     p.add_argument("--min_steps", type=int, default=100, help="leave out models that would train fewer steps")
     p.add_argument("--models", default="", help="a grid instead: LAYERSxWIDTH,... (e.g. 2x64,4x128) with --tokens")
     p.add_argument("--tokens", default="", help="a grid instead: token budgets D (e.g. 1e6,4e6) with --models")
+    p.add_argument("--lr", type=float, default=4e-3, help="peak LR of every run (the LR of WORKSHOP.md's and "
+                   "docs/scaling.md's sweeps; train_gpt.py's own default, 8e-3, is for its 64-wide model)")
     p = transfer = sub.add_parser("lr_transfer", help="loss vs LR at several widths, SP and muP", allow_abbrev=False)
     p.add_argument("--widths", default="32,64,128,256", help="n_embd values; the smallest is muP's base width")
     p.add_argument("--lrs", default="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", help="peak learning rates")

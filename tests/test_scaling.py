@@ -217,17 +217,19 @@ def test_sharpness_and_compare_read_a_finished_run(corpus, tmp_path, capsys):
 
 def test_sweep_fit_plan_end_to_end_with_resume(corpus, tmp_path, capsys):
     out = str(tmp_path / "sc")
-    # the recipe the fit's residual bound was set on: with Muon + LayerNorm these 6 tiny runs fit to 0.095
+    # the recipe the fit's residual bound was set on, at the sweep's own LR (4e-3): with Muon + LayerNorm these 6 tiny
+    # runs fit to 0.095
     flags = ["sweep", "--models=1x16,1x32,2x32", "--tokens=8e3,2.4e4", f"--out_dir={out}", f"--data_dir={corpus}",
-             "--batch_size=4", "--seq_len=32", "--warmup_steps=5", "--optimizer=adamw", "--lr=4e-3", "--norm=rmsnorm"]
+             "--batch_size=4", "--seq_len=32", "--warmup_steps=5", "--optimizer=adamw", "--norm=rmsnorm"]
     with faults.inject(sc.tg, "sigterm@10"):  # a signal in the first run: it saves and the sweep stops
         sc.main(flags)
-    assert "stopped at step 50" in capsys.readouterr().out  # its next log step, where the host reads the signal
+    assert "stopped at step 10" in capsys.readouterr().out  # the step the signal came in (issue 61)
     assert not os.path.exists(os.path.join(out, "sweep.tsv"))
     sc.main(flags)  # the same command: the first run resumes from its checkpoint, the rest run
     assert "0 already" in capsys.readouterr().out
     rows = sc.read_tsv(os.path.join(out, "sweep.tsv"))
     assert len(rows) == 6 and all(math.isfinite(float(r["val_loss"])) for r in rows)
+    assert {float(r["lr"]) for r in rows} == {4e-3}  # the sweep's own LR, not train_gpt.py's default (8e-3)
     first = next(r for r in rows if r["name"] == "D8e03_L1_d16")
     assert int(first["steps"]) == round(8e3 / 128) and "resumed from" in open(os.path.join(out, "runs",
                                                                                          "D8e03_L1_d16.log")).read()

@@ -353,6 +353,8 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
                                                           f"--out_dir={t / 'o'}"]),
     "scaling-sweep-sizes-0": ("scaling.py", lambda t, f: ["sweep", "--sizes=0", f"--data_dir={f.corpus}",
                                                           f"--out_dir={t / 'o'}"]),
+    "scaling-sweep-lr-nan": ("scaling.py", lambda t, f: ["sweep", "--lr=nan", f"--data_dir={f.corpus}",
+                                                         f"--out_dir={t / 'o'}"]),
     "scaling-coord_check-steps-0": ("scaling.py", lambda t, f: ["coord_check", "--steps=0", f"--out_dir={t / 'o'}"]),
     "scaling-lr_transfer-widths-not-numbers": ("scaling.py", lambda t, f: [
         "lr_transfer", "--widths=wide", f"--data_dir={f.corpus}", f"--out_dir={t / 'o'}"]),
