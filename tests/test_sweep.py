@@ -376,3 +376,12 @@ def test_a_real_process_ends_as_the_sweep_models_it(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *argv], capture_output=True, text=True,
                        cwd=tmp_path, timeout=120)
     assert (p.returncode, p.stderr) == (code, err) == (1, err), p.stderr
+
+
+def test_kernels_py_refuses_an_unknown_argument(tmp_path):
+    """python kernels.py takes --bench (a GPU's timings), or nothing or -h (its docstring): a typo is refused in one
+    line with exit status 1, not answered with the docstring and exit 0 as if a bench had run."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py"), "--bnech"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    line = "kernels.py: error: unknown argument '--bnech'; its only flag is --bench (a GPU's timings)\n"
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", line), p.stderr
