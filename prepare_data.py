@@ -25,6 +25,7 @@ written last: classes, image_size, channels, the train pixels' mean and std, and
 import argparse
 import base64
 import contextlib
+import difflib
 import gzip
 import heapq
 import io
@@ -654,6 +655,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own error prints the usage over several lines
         fail(f"{message} (see python {self.prog} -h)")
 
+def check_flags(unknown, command, parser):
+    """Stop at arguments that the subcommand's parser does not take, naming the flag nearest the first as the
+    trainers do: a typo such as --data-dir must say which flag it missed, not only that it was not taken."""
+    names = [s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    near = difflib.get_close_matches(unknown[0].split("=")[0].lstrip("-"), names, n=1)  # every flag has the "--"
+    fix = f"did you mean --{near[0]}?" if near else f"see python prepare_data.py {command} -h"
+    fail(f"unrecognized arguments: {' '.join(unknown)}; {fix}")
+
 def main(argv=None):
     """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
     parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -706,7 +715,9 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
     p.add_argument("--image_size", type=int, default=32, help="the shorter side resized to this, the centre cropped")
     p.add_argument("--flip_ok", action="store_true", help="a mirror image is still of its class: the trainers may flip")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        check_flags(unknown, args.command, commands.choices[args.command])
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage is removed
     try:
         args.run(args)

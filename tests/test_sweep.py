@@ -3,7 +3,8 @@
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
 warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
 makes --data_dir before it stages). The cases' ids say what each breaks; what each did before issue 51 (its
-make_fixtures and run, given 26d9540's scripts) is in issue 51's closing note."""
+make_fixtures and run, given 26d9540's scripts) is in issue 51's closing note. Issue 61 added the
+cases at the end of CASES, and SAYS: what the line of some must also say."""
 import contextlib
 import importlib
 import io
@@ -356,6 +357,15 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "scaling-lr_transfer-widths-not-numbers": ("scaling.py", lambda t, f: [
         "lr_transfer", "--widths=wide", f"--data_dir={f.corpus}", f"--out_dir={t / 'o'}"]),
     "scaling-sharpness-ckpt-cut": ("scaling.py", lambda t, f: ["sharpness", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
+    # issue 61: a failed preparation leaves no new folder, a typo gets the nearest flag, a message names the right
+    # flag and what the path holds, and nothing trained yet names the command that trains it
+    "prep-flag-misspelt": ("prepare_data.py", lambda t, f: ["stdlib", "--data-dir=d"]),
+    "prep-flag-of-another-command": ("prepare_data.py", lambda t, f: ["shapes", "--tokenizer=gpt2"]),
+}
+SAYS = {  # what the line must say, beyond the one line that every case ends in
+    "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
+    "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
+                                    "shapes -h",
 }
 
 
@@ -365,6 +375,7 @@ def test_bad_input_ends_in_one_line(case, fx, tmp_path, capfd):
     argv = setup(tmp_path, fx)
     code, out, err, new = run(script, argv, tmp_path)
     assert not problems(script, code, out, err, new), err[-3000:]
+    assert SAYS.get(case, "") in err.strip().split("\n")[-1], err[-3000:]
     assert "Traceback" not in capfd.readouterr().err  # nothing reached the real stderr either
 
 
