@@ -18,9 +18,7 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import finetune_gpt as ft
+import prepare_data  # its shard writer, and its cleanup after a preparation that failed
 import train_gpt as tg
 
 # -----------------------------------------------------------------------------
@@ -160,16 +159,12 @@ def source_tokenizer(where):
 
 def prepare(cfg):
     """--prepare: conversations in --init_from's template, as token and mask shards staged, then moved to --data_dir."""
-    import prepare_data  # its shard writer
     tok, vocab_size = source_tokenizer(cfg.init_from)
     tpl, encode = make_template(tok, vocab_size), tg.load_tokenizer(tok)[0]
     if encode is tg.encode_ids:
         tg.die(f"the {tok['tokenizer']} tokenizer did not load (see above); it is needed to tokenize conversations")
     data_dir = os.path.abspath(cfg.data_dir)
-    with tg.reading(data_dir, "pass a --data_dir that is a folder you can write"):
-        os.makedirs(data_dir, exist_ok=True)
-        stage = tempfile.mkdtemp(prefix=".chat-", dir=os.path.dirname(data_dir))
-    try:
+    with prepare_data.staging(Path(data_dir), tg.die) as stage:  # built beside data_dir, then moved in
         src = cfg.prepare
         if src == "arithmetic":  # written out, so the data dir shows the format it was made from
             src = os.path.join(stage, "conversations.jsonl")
@@ -199,8 +194,6 @@ def prepare(cfg):
                 os.remove(old)
         for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):  # meta.json last
             os.replace(os.path.join(stage, name), os.path.join(data_dir, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     print(f"wrote {cfg.data_dir} ({tok['tokenizer']}, vocab {vocab_size} + {len(SPECIALS)} chat tokens): " + " | ".join(
         f"{k} {s['conversations']:,} conversations, {s['tokens']:,} tokens ({s['learnt']:,} learnt)"
         for k, s in splits.items()))
@@ -437,8 +430,9 @@ def chat_main(cfg):
 def main(cfg):
     """Prepare conversations, fine-tune on them, or chat, per cfg; returns a dict of final metrics."""
     check_config(cfg)
-    if cfg.prepare:
-        return prepare(cfg)
+    if cfg.prepare:  # a failed or interrupted one leaves no new folder behind, as prepare_data.py's
+        with prepare_data.leaving_nothing_new(cfg.data_dir):
+            return prepare(cfg)
     if cfg.chat:
         return chat_main(cfg)
     return train(cfg)

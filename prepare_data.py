@@ -72,6 +72,34 @@ def fail(message):
     """Stop with a one-line error that names the problem and the fix: a non-zero exit, no traceback."""
     raise SystemExit(f"prepare_data.py: error: {message}")
 
+@contextlib.contextmanager
+def leaving_nothing_new(folder):
+    """Run the body; if it fails or is interrupted, remove the folders that it made on the way to `folder` and left
+    empty, so that a failed command leaves nothing new behind. A partial download stays: the next run resumes it."""
+    new = [p for p in [Path(folder), *Path(folder).parents] if not p.exists()]  # deepest first
+    try:
+        yield
+    except BaseException:
+        for p in new:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise
+
+@contextlib.contextmanager
+def staging(data_dir, die=fail):
+    """A hidden folder beside data_dir (made first) to build files in, which the caller moves into data_dir at the
+    end: a run killed halfway leaves the previous data (or none) in data_dir, never a mix that looks prepared.
+    die: the calling script's one-line error (chat_gpt.py --prepare stages here too)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
+    except OSError as e:  # a file where a folder goes, or a folder this process may not write
+        die(f"{e.filename}: {(e.strerror or type(e).__name__).lower()}; pass a --data_dir in a folder you can write")
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
 # -----------------------------------------------------------------------------
 # Shards
 
@@ -228,8 +256,6 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
                               f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
             print(file=sys.stderr)
     except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
-        if not any(path.parent.iterdir()):  # nothing came: no empty folder is left (a partial download stays)
-            path.parent.rmdir()
         fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use {instead} instead")
     if total and n != total:
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
@@ -311,11 +337,7 @@ def prepare_text(args):
     if not any(train_docs) or not any(val_docs):
         utf8 = " (files must be UTF-8: iconv -f latin1 -t utf-8 converts)" if "binary or mis-encoded" in bad else ""
         fail(f"the train or the val split has no text{utf8}; give more text or change --val_percent")
-    # build everything in a hidden sibling dir and move it in at the end: a run killed halfway leaves
-    # the previous data (or none) in data_dir, never a mix that looks prepared
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
-    try:
+    with staging(data_dir) as stage:  # built beside data_dir, then moved in
         encode, info = make_tokenizer(args.tokenizer, train_docs, stage)
         splits, eot = {}, np.array([info["eot_id"]], np.uint16)
         for split, docs in (("train", train_docs), ("val", val_docs)):
@@ -336,8 +358,6 @@ def prepare_text(args):
             old.unlink(missing_ok=True)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
             os.replace(f, data_dir / f.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     for split, s in splits.items():
         print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | "
               f"{len(s['shards'])} shard(s)")
@@ -615,9 +635,7 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
                 image_size=list(train.shape[1:3]), channels=int(train.shape[3]),
                 mean=pix.mean(0).round(4).tolist(), std=pix.std(0).round(4).tolist(),
                 splits={s: {"images": len(x)} for s, (x, _) in splits.items()}, flip_ok=bool(flip_ok))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
-    try:
+    with staging(data_dir) as stage:
         for split, (x, y) in splits.items():
             np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
             np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
@@ -625,8 +643,6 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
         (data_dir / "meta.json").unlink(missing_ok=True)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
             os.replace(f, data_dir / f.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return meta
 
 # Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is not
@@ -718,9 +734,10 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         check_flags(unknown, args.command, commands.choices[args.command])
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage is removed
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage and new folders go
     try:
-        args.run(args)
+        with leaving_nothing_new(args.data_dir or f"models/{args.model}"):  # gpt2's default folder
+            args.run(args)
     except KeyboardInterrupt:
         fail("interrupted: nothing half-written is left; run the command again (a download resumes)")
     except (PermissionError, FileExistsError, NotADirectoryError) as e:  # a file where a folder goes

@@ -1,10 +1,10 @@
 """Issue 51's sweep of bad input across the seven scripts: each case runs a script in this process as its
 `if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
-warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
-makes --data_dir before it stages). The cases' ids say what each breaks; what each did before issue 51 (its
-make_fixtures and run, given 26d9540's scripts) is in issue 51's closing note. Issue 61 added the
-cases at the end of CASES, and SAYS: what the line of some must also say."""
+warning, then the error), never a traceback, and no file left behind (an empty folder is allowed, except from a
+preparation: prepare_data.py and chat_gpt.py --prepare leave no new folder either). The cases' ids say what each
+breaks; what each did before issue 51 (its make_fixtures and run, given 26d9540's scripts) is in issue 51's closing
+note. Issue 61 added the cases at the end of CASES, and SAYS: what the line of some must also say."""
 import contextlib
 import importlib
 import io
@@ -62,8 +62,9 @@ def run(script, argv, cwd):
     finally:
         os.chdir(old[0])
         sys.argv = old[1]
-    new = sorted(str(p.relative_to(cwd)) for p in set(cwd.rglob("*")) - before
-                 if p.is_file() or p.name.startswith(".") or ".tmp" in p.name)  # an empty folder may stay
+    preparing = script == "prepare_data.py" or any(a.startswith("--prepare=") for a in argv)
+    new = sorted(str(p.relative_to(cwd)) for p in set(cwd.rglob("*")) - before  # an empty folder may stay, but
+                 if p.is_file() or preparing or p.name.startswith(".") or ".tmp" in p.name)  # not a data dir's
     return code, out.getvalue(), err.getvalue(), new
 
 
@@ -359,6 +360,8 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "scaling-sharpness-ckpt-cut": ("scaling.py", lambda t, f: ["sharpness", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
     # issue 61: a failed preparation leaves no new folder, a typo gets the nearest flag, a message names the right
     # flag and what the path holds, and nothing trained yet names the command that trains it
+    "prep-text-bpe-too-large-in-new-folders": ("prepare_data.py", lambda t, f: [
+        "text", str(put(t / "a.txt", "hello world\n" * 50)), f"--data_dir={t / 'new' / 'd'}", "--tokenizer=bpe:9000"]),
     "prep-flag-misspelt": ("prepare_data.py", lambda t, f: ["stdlib", "--data-dir=d"]),
     "prep-flag-of-another-command": ("prepare_data.py", lambda t, f: ["shapes", "--tokenizer=gpt2"]),
 }
@@ -387,6 +390,23 @@ def test_a_real_process_ends_as_the_sweep_models_it(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *argv], capture_output=True, text=True,
                        cwd=tmp_path, timeout=120)
     assert (p.returncode, p.stderr) == (code, err) == (1, err), p.stderr
+
+
+def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, monkeypatch):
+    """A preparation stopped by Ctrl-C (or SIGTERM, which prepare_data.py turns into one) after it made its data dir,
+    and a download that fails, each in folders that did not exist: neither leaves a folder behind."""
+    import prepare_data
+
+    def interrupted(path, tokens):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data, "write_shard", interrupted)
+    argv = ["text", str(put(tmp_path / "a.txt", "hello world\n" * 50)), f"--data_dir={tmp_path / 'new' / 'd'}"]
+    code, out, err, new = run("prepare_data.py", argv, tmp_path)
+    assert not problems("prepare_data.py", code, out, err, new) and "error: interrupted: " in err, err
+    monkeypatch.setattr(prepare_data, "HELLASWAG_URL", (tmp_path / "nowhere" / "hellaswag_val.jsonl").as_uri())
+    code, out, err, new = run("prepare_data.py", ["hellaswag", f"--data_dir={tmp_path / 'new' / 'hs'}"], tmp_path)
+    assert not problems("prepare_data.py", code, out, err, new) and "error: cannot download " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
 def test_kernels_py_refuses_an_unknown_argument(tmp_path):
