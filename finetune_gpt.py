@@ -91,6 +91,30 @@ def is_gpt2(name):
     files = ("model.safetensors", "pytorch_model.bin")
     return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in files)
 
+def check_weights(flag, where, fix=""):
+    """Stop in one line that says what `where` (given as flag) holds instead of weights, unless it may hold some:
+    GPT-2 (a name or a folder), a checkpoint file, a sharded one's ckpt_N folder, or a run's folder of them (whose
+    files load_checkpoint checks). fix: what to do instead; by default, the kinds of weights that load."""
+    if is_gpt2(where) or os.path.isfile(where) or tg.list_checkpoints(where) or (
+            os.path.isdir(where) and os.path.basename(os.path.normpath(where)).startswith("ckpt_")):
+        return
+    names = sorted(os.listdir(where)) if os.path.isdir(where) else []
+    if not os.path.isdir(where):
+        held = "no such file or folder"
+    elif not names:
+        held = "an empty folder"
+    elif "meta.json" in names:  # prepared data: the trainers read it through --data_dir
+        held = "a data dir: --data_dir takes it"
+    elif "config.json" in names:  # a Hugging Face folder without its weights, or a run that saved none yet
+        held = "config.json but no weights: no ckpt_*.pt, model.safetensors or pytorch_model.bin"
+    else:
+        held = "it holds " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if fix:  # the caller knows what makes the weights it wants
+        tg.die(f"{flag}={where}: no checkpoint there ({held}); {fix}")
+    tg.die(f"{flag}={where}: no checkpoint there, nor a Hugging Face GPT-2 folder ({held}); give a checkpoint of "
+           f"train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
+
+
 def gpt2_folder(name):
     """GPT-2's folder: models/NAME for a name (prepare_data.py fetches it once), else name."""
     if name not in GPT2_NAMES:
@@ -314,11 +338,11 @@ def load_init(cfg, rank, world_size):
         print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, "
               f"context {cfg.seq_len}")
         return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
-    ckpt, path = tg.load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
+    check_weights("--init_from", cfg.init_from)
+    ckpt, path = tg.load_checkpoint(cfg.init_from)
     if ckpt is None:
-        tg.die(f"--init_from={cfg.init_from}: no checkpoint there, nor a Hugging Face GPT-2 folder (config.json and "
-               f"model.safetensors); give a checkpoint of train_gpt.py, a GPT-2 folder, or one of "
-               f"{', '.join(GPT2_NAMES)}")
+        tg.die(f"--init_from={cfg.init_from}: no checkpoint there is readable (see the warnings above); give a "
+               f"checkpoint of train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
         tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume)")
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
@@ -335,7 +359,7 @@ def load_init(cfg, rank, world_size):
 
 def load_teacher(cfg, device, vocab_size, tokenizer):
     """--teacher: the model to distil from, frozen, in eval mode; it reads our tokens."""
-    teacher, tok, _, path = load_model(cfg.teacher, device)
+    teacher, tok, _, path = load_model(cfg.teacher, device, "--teacher")
     ours = tokenizer or tok
     if teacher.vocab_size != vocab_size or any(tok.get(k) != ours.get(k) for k in ("tokenizer", "ranks", "itos")):
         tg.die(f"--teacher={cfg.teacher} reads {tok['tokenizer']} tokens ({teacher.vocab_size}) but the student reads "
@@ -344,20 +368,27 @@ def load_teacher(cfg, device, vocab_size, tokenizer):
           f"(1 - {cfg.distill_weight:g}) CE + {cfg.distill_weight:g} x {cfg.distill_temp:g}^2 KL(teacher || student)")
     return teacher.requires_grad_(False)
 
-def load_model(where, device):
+def load_model(where, device, flag="--ckpt", fix=""):
     """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or HF folder) or of a
-    checkpoint as plain_weights() reads it: what --sample and --teacher read."""
+    checkpoint as plain_weights() reads it: what --sample and --teacher read. flag: the flag
+    that gave where, which an error names (with fix: check_weights)."""
     if is_gpt2(where):
         return from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
+    check_weights(flag, where, fix)
     return tg.load_model(where, device, plain_weights)
 
 # -----------------------------------------------------------------------------
 # After training: sample, merge, export
 
+def weights_flag(cfg):
+    """(flag, path) of the weights --sample and --eval_only read: --ckpt, else --init_from, else --out_dir."""
+    name = "ckpt" if cfg.ckpt else "init_from" if cfg.init_from else "out_dir"
+    return f"--{name}", getattr(cfg, name)
+
 def sample_main(cfg):
     """--sample: continue --prompt from GPT-2 or a checkpoint."""
-    where, device = cfg.ckpt or cfg.init_from or cfg.out_dir, tg.setup_dist(cfg.device)[2]
-    model, tokenizer, step, path = load_model(where, device)
+    (flag, where), device = weights_flag(cfg), tg.setup_dist(cfg.device)[2]
+    model, tokenizer, step, path = load_model(where, device, flag)
     ids, text = tg.sample(model, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                           cfg.seed, cfg.prompt)
     print(f"# {path} (step {step})\n{text}")
@@ -553,7 +584,8 @@ def main(cfg):
     if cfg.sample:
         return sample_main(cfg)
     if cfg.eval_only:  # e.g. HellaSwag on GPT-2 itself: --init_from=gpt2
-        return tg.eval_main(cfg, cfg.ckpt or cfg.init_from or cfg.out_dir, load_model)
+        flag, where = weights_flag(cfg)
+        return tg.eval_main(cfg, where, lambda path, device: load_model(path, device, flag))
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
     return tg.main(cfg, FineTune())

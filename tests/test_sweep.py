@@ -364,11 +364,23 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
         "text", str(put(t / "a.txt", "hello world\n" * 50)), f"--data_dir={t / 'new' / 'd'}", "--tokenizer=bpe:9000"]),
     "prep-flag-misspelt": ("prepare_data.py", lambda t, f: ["stdlib", "--data-dir=d"]),
     "prep-flag-of-another-command": ("prepare_data.py", lambda t, f: ["shapes", "--tokenizer=gpt2"]),
+    "ft-sample-init_from-empty-folder": ("finetune_gpt.py", lambda t, f: [
+        "--sample", f"--init_from={folder(t / 'empty')}", "--device=cpu"]),
+    "ft-sample-init_from-a-data-dir": ("finetune_gpt.py", lambda t, f: [
+        "--sample", f"--init_from={f.corpus}", "--device=cpu"]),
+    "ft-init_from-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--init_from={folder(t / 'empty')}")),
+    "ft-teacher-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={folder(t / 'empty')}")),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
     "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
                                     "shapes -h",
+    "ft-sample-init_from-empty-folder": "/empty: no checkpoint there, nor a Hugging Face GPT-2 folder (an empty "
+                                        "folder); give a checkpoint of train_gpt.py, a GPT-2 folder, or one of gpt2,",
+    "ft-sample-init_from-a-data-dir": "/corpus: no checkpoint there, nor a Hugging Face GPT-2 folder (a data dir: "
+                                      "--data_dir takes it); give a checkpoint",
+    "ft-init_from-empty-folder": "/empty: no checkpoint there, nor a Hugging Face GPT-2 folder (an empty folder); give",
+    "ft-teacher-empty-folder": "error: --teacher=",
 }
 
 
