@@ -404,9 +404,13 @@ def train(cfg):
 def chat_main(cfg):
     """--chat: a terminal chat with --ckpt that keeps the conversation; --prompt: one turn, then exit."""
     device = tg.setup_dist(cfg.device)[2]
-    model, tok, step, path = ft.load_model(cfg.ckpt or cfg.out_dir, device)
+    # what makes a chat model: SFT on --data_dir (after --prepare, if the data is not there yet) into --out_dir
+    sft = f"python chat_gpt.py --init_from={cfg.init_from} --data_dir={cfg.data_dir}"
+    first = "" if os.path.exists(os.path.join(cfg.data_dir, "meta.json")) else f"{sft} --prepare=arithmetic, then "
+    fix = f"train a chat model first: {first}{sft} --out_dir={cfg.out_dir}"
+    model, tok, step, path = ft.load_model(cfg.ckpt or cfg.out_dir, device, "--ckpt" if cfg.ckpt else "--out_dir", fix)
     if not tok.get("chat"):
-        tg.die(f"{path} is no chat model (its tokenizer has no template); fine-tune one with chat_gpt.py first")
+        tg.die(f"{path} is no chat model (its tokenizer has no template); {fix}")
     tpl, (encode, decode) = tok["chat"], tg.load_tokenizer(tok)
     msgs = [{"role": "system", "content": cfg.system}] if cfg.system else []
     gen = torch.Generator(device).manual_seed(cfg.seed)

@@ -222,6 +222,12 @@ def chat_data_cut(t, f):
     return chat(f, f"--data_dir={d}", f"--out_dir={t / 'o'}", "--max_steps=1")
 
 
+def chat_data_here(t, f):
+    """--chat with nothing trained, in a folder whose data/arith_chat (the default --data_dir) is prepared."""
+    shutil.copytree(f.chat, t / "data" / "arith_chat")
+    return ["--chat", "--prompt=hi", "--device=cpu"]
+
+
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
@@ -370,6 +376,10 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
         "--sample", f"--init_from={f.corpus}", "--device=cpu"]),
     "ft-init_from-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--init_from={folder(t / 'empty')}")),
     "ft-teacher-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={folder(t / 'empty')}")),
+    "chat-nothing-trained": ("chat_gpt.py", lambda t, f: ["--chat", "--prompt=hi", "--device=cpu"]),
+    "chat-nothing-trained-data-ready": ("chat_gpt.py", chat_data_here),
+    "chat-ckpt-not-a-chat-model": ("chat_gpt.py", lambda t, f: [
+        "--chat", f"--ckpt={f.gpt}", f"--data_dir={f.chat}", "--prompt=hi", "--device=cpu"]),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
@@ -381,6 +391,15 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
                                       "--data_dir takes it); give a checkpoint",
     "ft-init_from-empty-folder": "/empty: no checkpoint there, nor a Hugging Face GPT-2 folder (an empty folder); give",
     "ft-teacher-empty-folder": "error: --teacher=",
+    "chat-nothing-trained": "error: --out_dir=out/chat: no checkpoint there (no such file or folder); train a chat "
+                            "model first: python chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat "
+                            "--prepare=arithmetic, then python chat_gpt.py --init_from=out/gpt "
+                            "--data_dir=data/arith_chat --out_dir=out/chat",
+    "chat-nothing-trained-data-ready": "error: --out_dir=out/chat: no checkpoint there (no such file or folder); "
+                                       "train a chat model first: python chat_gpt.py --init_from=out/gpt "
+                                       "--data_dir=data/arith_chat --out_dir=out/chat",
+    "chat-ckpt-not-a-chat-model": "is no chat model (its tokenizer has no template); train a chat model first: python "
+                                  "chat_gpt.py --init_from=out/gpt --data_dir=",
 }
 
 
