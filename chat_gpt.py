@@ -159,6 +159,7 @@ def source_tokenizer(where):
 
 def prepare(cfg):
     """--prepare: conversations in --init_from's template, as token and mask shards staged, then moved to --data_dir."""
+    ft.check_writable("--data_dir", cfg.data_dir)
     tok, vocab_size = source_tokenizer(cfg.init_from)
     tpl, encode = make_template(tok, vocab_size), tg.load_tokenizer(tok)[0]
     if encode is tg.encode_ids:
@@ -315,6 +316,7 @@ def evaluate(cfg, model, convs, tpl, ctx, rank, world_size, step, turns):
 
 def data_and_model(cfg, rank, world_size):
     """(cfg in --init_from's shape, meta, chat tokenizer, init), the data's tokenizer checked against the model's."""
+    ft.check_out_dir(cfg.out_dir, "chat model")  # now, not when it is written after the training
     meta = tg.load_meta(cfg.data_dir)
     if "chat" not in meta:
         tg.die(f"{cfg.data_dir} holds no conversations; make it with python chat_gpt.py --prepare=FILE.jsonl "
@@ -325,8 +327,6 @@ def data_and_model(cfg, rank, world_size):
             theirs, init["vocab_size"]) != meta["chat"]:
         tg.die(f"{cfg.data_dir} was prepared for another tokenizer or template than --init_from={cfg.init_from}'s; "
                f"prepare it again with --init_from={cfg.init_from}")
-    if tg.list_checkpoints(cfg.out_dir):
-        tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
     return dataclasses.replace(cfg, **arch), meta, tok, init
 
 def train(cfg):

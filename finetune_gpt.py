@@ -114,6 +114,21 @@ def check_weights(flag, where, fix=""):
     tg.die(f"{flag}={where}: no checkpoint there, nor a Hugging Face GPT-2 folder ({held}); give a checkpoint of "
            f"train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
 
+def check_writable(flag, path):
+    """Stop before the work if path (given as flag) cannot become a folder of files: it is a file, lies inside one,
+    or in a folder this process may not write. Checked at the start, a long run does not fail when it writes."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):  # the nearest folder that exists: the missing ones are made inside it
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        kind = "a file" if not os.path.isdir(folder) else "a folder you may not write"
+        tg.die(f"{flag}={path} cannot be written: {folder} is {kind}; pass a {flag} you can write")
+
+def check_out_dir(out_dir, what):
+    """Stop before the work if out_dir holds checkpoints already or cannot be written (check_writable)."""
+    if tg.list_checkpoints(out_dir):
+        tg.die(f"{out_dir} holds checkpoints already; pass a new --out_dir for the {what}")
+    check_writable("--out_dir", out_dir)
 
 def gpt2_folder(name):
     """GPT-2's folder: models/NAME for a name (prepare_data.py fetches it once), else name."""
@@ -402,7 +417,8 @@ def export_main(cfg):
     if ckpt is None or not (cfg.export or ckpt["config"].get("lora_rank")):
         tg.die(f"{flag} needs --ckpt=PATH, a checkpoint of " + ("train_gpt.py" if cfg.export else
                "a LoRA run (--lora_rank)") + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
-    if tg.list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
+    check_out_dir(cfg.out_dir, f"{what} model")  # before the conversion, not when its result is written
+    if os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
         tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
         sd = out = plain_weights(ckpt)

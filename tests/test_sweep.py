@@ -423,6 +423,33 @@ def test_a_real_process_ends_as_the_sweep_models_it(tmp_path):
     assert (p.returncode, p.stderr) == (code, err) == (1, err), p.stderr
 
 
+BEFORE_THE_WORK = {  # id: (script, setup, the module and name of the work that the output path is checked before)
+    "ft-export-int8-out_dir-in-a-file": ("finetune_gpt.py", lambda t, f: [
+        "--export=int8", f"--ckpt={f.gpt}", f"--out_dir={put(t / 'f', 'x') / 'o'}"], ("finetune_gpt", "plain_weights")),
+    "ft-export-hf-out_dir-is-a-file": ("finetune_gpt.py", lambda t, f: [
+        "--export=hf", f"--ckpt={f.gpt}", f"--out_dir={put(t / 'o', 'x')}"], ("finetune_gpt", "plain_weights")),
+    "chat-sft-out_dir-is-a-file": ("chat_gpt.py", lambda t, f: chat(
+        f, f"--data_dir={f.chat}", f"--out_dir={put(t / 'o', 'x')}", "--max_steps=1"), ("chat_gpt", "build")),
+    "chat-prepare-data_dir-in-a-file": ("chat_gpt.py", lambda t, f: chat(
+        f, "--prepare=arithmetic", f"--data_dir={put(t / 'f', 'x') / 'd'}"), ("chat_gpt", "source_tokenizer")),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_THE_WORK))
+def test_an_output_path_is_checked_before_the_work(case, fx, tmp_path, monkeypatch):
+    """An output path that cannot be written stops the command before the work that would fill it (an export's
+    conversion, SFT's training, --prepare's tokenizing): here that work raises if it starts at all."""
+    script, setup, (module, name) = BEFORE_THE_WORK[case]
+    argv = setup(tmp_path, fx)
+
+    def work(*args, **kwargs):
+        raise AssertionError(f"{name} ran before the output path was checked")
+    monkeypatch.setattr(importlib.import_module(module), name, work)
+    code, out, err, new = run(script, argv, tmp_path)
+    assert not problems(script, code, out, err, new), err[-3000:]
+    assert "cannot be written: " in err.strip().split("\n")[-1], err[-3000:]
+
+
 def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, monkeypatch):
     """A preparation stopped by Ctrl-C (or SIGTERM, which prepare_data.py turns into one) after it made its data dir,
     and a download that fails, each in folders that did not exist: neither leaves a folder behind."""
