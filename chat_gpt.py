@@ -18,9 +18,7 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import finetune_gpt as ft
+import prepare_data  # its shard writer, and its cleanup after a preparation that failed
 import train_gpt as tg
 
 # -----------------------------------------------------------------------------
@@ -164,16 +163,13 @@ def source_tokenizer(where):
 
 def prepare(cfg):
     """--prepare: conversations in --init_from's template, as token and mask shards staged, then moved to --data_dir."""
-    import prepare_data  # its shard writer
+    ft.check_writable("--data_dir", cfg.data_dir)
     tok, vocab_size = source_tokenizer(cfg.init_from)
     tpl, encode = make_template(tok, vocab_size), tg.load_tokenizer(tok)[0]
     if encode is tg.encode_ids:
         tg.die(f"the {tok['tokenizer']} tokenizer did not load (see above); it is needed to tokenize conversations")
     data_dir = os.path.abspath(cfg.data_dir)
-    with tg.reading(data_dir, "pass a --data_dir that is a folder you can write"):
-        os.makedirs(data_dir, exist_ok=True)
-        stage = tempfile.mkdtemp(prefix=".chat-", dir=os.path.dirname(data_dir))
-    try:
+    with prepare_data.staging(Path(data_dir), tg.die) as stage:  # built beside data_dir, then moved in
         src = cfg.prepare
         if src == "arithmetic":  # written out, so the data dir shows the format it was made from
             src = os.path.join(stage, "conversations.jsonl")
@@ -203,8 +199,6 @@ def prepare(cfg):
                 os.remove(old)
         for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):  # meta.json last
             os.replace(os.path.join(stage, name), os.path.join(data_dir, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     print(f"wrote {cfg.data_dir} ({tok['tokenizer']}, vocab {vocab_size} + {len(SPECIALS)} chat tokens): " + " | ".join(
         f"{k} {s['conversations']:,} conversations, {s['tokens']:,} tokens ({s['learnt']:,} learnt)"
         for k, s in splits.items()))
@@ -326,6 +320,7 @@ def evaluate(cfg, model, convs, tpl, ctx, rank, world_size, step, turns):
 
 def data_and_model(cfg, rank, world_size):
     """(cfg in --init_from's shape, meta, chat tokenizer, init), the data's tokenizer checked against the model's."""
+    ft.check_out_dir(cfg.out_dir, "chat model")  # now, not when it is written after the training
     meta = tg.load_meta(cfg.data_dir)
     if "chat" not in meta:
         tg.die(f"{cfg.data_dir} holds no conversations; make it with python chat_gpt.py --prepare=FILE.jsonl "
@@ -336,8 +331,6 @@ def data_and_model(cfg, rank, world_size):
             theirs, init["vocab_size"]) != meta["chat"]:
         tg.die(f"{cfg.data_dir} was prepared for another tokenizer or template than --init_from={cfg.init_from}'s; "
                f"prepare it again with --init_from={cfg.init_from}")
-    if tg.list_checkpoints(cfg.out_dir):
-        tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir")
     return dataclasses.replace(cfg, **arch), meta, tok, init
 
 def train(cfg):
@@ -415,9 +408,17 @@ def train(cfg):
 def chat_main(cfg):
     """--chat: a terminal chat with --ckpt that keeps the conversation; --prompt: one turn, then exit."""
     device = tg.setup_dist(cfg.device)[2]
-    model, tok, step, path = ft.load_model(cfg.ckpt or cfg.out_dir, device)
+    # what makes a chat model: SFT on --data_dir (after --prepare, if the data is not there yet) into --out_dir
+    sft = f"python chat_gpt.py --init_from={cfg.init_from} --data_dir={cfg.data_dir}"
+    fix = f"train a chat model first: {sft} --out_dir={cfg.out_dir}"
+    if not os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+        fix = f"train a chat model first: {sft} --prepare=arithmetic, then {sft} --out_dir={cfg.out_dir}"
+    if cfg.ckpt:
+        model, tok, step, path = ft.load_model(cfg.ckpt, device, "--ckpt", fix)
+    else:
+        model, tok, step, path = ft.load_model(cfg.out_dir, device, "--out_dir", fix)
     if not tok.get("chat"):
-        tg.die(f"{path} is no chat model (its tokenizer has no template); fine-tune one with chat_gpt.py first")
+        tg.die(f"{path} is no chat model (its tokenizer has no template); {fix}")
     tpl, (encode, decode) = tok["chat"], tg.load_tokenizer(tok)
     msgs = [{"role": "system", "content": cfg.system}] if cfg.system else []
     gen = torch.Generator(device).manual_seed(cfg.seed)
@@ -441,8 +442,9 @@ def chat_main(cfg):
 def main(cfg):
     """Prepare conversations, fine-tune on them, or chat, per cfg; returns a dict of final metrics."""
     check_config(cfg)
-    if cfg.prepare:
-        return prepare(cfg)
+    if cfg.prepare:  # a failed or interrupted one leaves no new folder behind, as prepare_data.py's
+        with prepare_data.leaving_nothing_new(cfg.data_dir):
+            return prepare(cfg)
     if cfg.chat:
         return chat_main(cfg)
     return train(cfg)

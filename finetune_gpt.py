@@ -96,6 +96,45 @@ def is_gpt2(name):
     files = ("model.safetensors", "pytorch_model.bin")
     return name in GPT2_NAMES or any(os.path.exists(os.path.join(name, f)) for f in files)
 
+def check_weights(flag, where, fix=""):
+    """Stop in one line that says what `where` (given as flag) holds instead of weights, unless it may hold some:
+    GPT-2 (a name or a folder), a checkpoint file, a sharded one's ckpt_N folder, or a run's folder of them (whose
+    files load_checkpoint checks). fix: what to do instead; by default, the kinds of weights that load."""
+    if is_gpt2(where) or os.path.isfile(where) or tg.list_checkpoints(where) or (
+            os.path.isdir(where) and os.path.basename(os.path.normpath(where)).startswith("ckpt_")):
+        return
+    names = sorted(os.listdir(where)) if os.path.isdir(where) else []
+    if not os.path.isdir(where):
+        held = "no such file or folder"
+    elif not names:
+        held = "an empty folder"
+    elif "meta.json" in names:  # prepared data: the trainers read it through --data_dir
+        held = "a data dir: --data_dir takes it"
+    elif "config.json" in names:  # a Hugging Face folder without its weights, or a run that saved none yet
+        held = "config.json but no weights: no ckpt_*.pt, model.safetensors or pytorch_model.bin"
+    else:
+        held = "it holds " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if fix:  # the caller knows what makes the weights it wants
+        tg.die(f"{flag}={where}: no checkpoint there ({held}); {fix}")
+    tg.die(f"{flag}={where}: no checkpoint there, nor a Hugging Face GPT-2 folder ({held}); give a checkpoint of "
+           f"train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
+
+def check_writable(flag, path):
+    """Stop before the work if path (given as flag) cannot become a folder of files: it is a file, lies inside one,
+    or in a folder this process may not write. Checked at the start, a long run does not fail when it writes."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):  # the nearest folder that exists: the missing ones are made inside it
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        kind = "a file" if not os.path.isdir(folder) else "a folder you may not write"
+        tg.die(f"{flag}={path} cannot be written: {folder} is {kind}; pass a {flag} you can write")
+
+def check_out_dir(out_dir, what):
+    """Stop before the work if out_dir holds checkpoints already or cannot be written (check_writable)."""
+    if tg.list_checkpoints(out_dir):
+        tg.die(f"{out_dir} holds checkpoints already; pass a new --out_dir for the {what}")
+    check_writable("--out_dir", out_dir)
+
 def gpt2_folder(name):
     """GPT-2's folder: models/NAME for a name (prepare_data.py fetches it once), else name."""
     if name not in GPT2_NAMES:
@@ -319,11 +358,11 @@ def load_init(cfg, rank, world_size):
         print(f"--init_from={cfg.init_from}: GPT-2, {cfg.n_layer} layers, width {cfg.n_embd}, "
               f"context {cfg.seq_len}")
         return {k: getattr(cfg, k) for k in tg.ARCH_FIELDS}, init
-    ckpt, path = tg.load_checkpoint(cfg.init_from) if os.path.exists(cfg.init_from) else (None, None)
+    check_weights("--init_from", cfg.init_from)
+    ckpt, path = tg.load_checkpoint(cfg.init_from)
     if ckpt is None:
-        tg.die(f"--init_from={cfg.init_from}: no checkpoint there, nor a Hugging Face GPT-2 folder (config.json and "
-               f"model.safetensors); give a checkpoint of train_gpt.py, a GPT-2 folder, or one of "
-               f"{', '.join(GPT2_NAMES)}")
+        tg.die(f"--init_from={cfg.init_from}: no checkpoint there is readable (see the warnings above); give a "
+               f"checkpoint of train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
         tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume)")
     with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
@@ -340,7 +379,7 @@ def load_init(cfg, rank, world_size):
 
 def load_teacher(cfg, device, vocab_size, tokenizer):
     """--teacher: the model to distil from, frozen, in eval mode; it reads our tokens."""
-    teacher, tok, _, path = load_model(cfg.teacher, device)
+    teacher, tok, _, path = load_model(cfg.teacher, device, "--teacher")
     ours = tokenizer or tok
     if teacher.vocab_size != vocab_size or any(tok.get(k) != ours.get(k) for k in ("tokenizer", "ranks", "itos")):
         tg.die(f"--teacher={cfg.teacher} reads {tok['tokenizer']} tokens ({teacher.vocab_size}) but the student reads "
@@ -349,11 +388,13 @@ def load_teacher(cfg, device, vocab_size, tokenizer):
           f"(1 - {cfg.distill_weight:g}) CE + {cfg.distill_weight:g} x {cfg.distill_temp:g}^2 KL(teacher || student)")
     return teacher.requires_grad_(False)
 
-def load_model(where, device):
+def load_model(where, device, flag="--ckpt", fix=""):
     """(model in eval mode, tokenizer, step, path) of GPT-2 (a name or HF folder) or of a
-    checkpoint as plain_weights() reads it: what --teacher, sample_gpt.py and eval_gpt.py read."""
+    checkpoint as plain_weights() reads it: what --teacher, sample_gpt.py and eval_gpt.py read. flag:
+    the flag that gave where, which an error names (with fix: check_weights)."""
     if is_gpt2(where):
         return from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
+    check_weights(flag, where, fix)
     return tg.load_model(where, device, plain_weights)
 
 # -----------------------------------------------------------------------------
@@ -367,7 +408,8 @@ def export_main(cfg):
     if ckpt is None or not (cfg.export or ckpt["config"].get("lora_rank")):
         tg.die(f"{flag} needs --ckpt=PATH, a checkpoint of " + ("train_gpt.py" if cfg.export else
                "a LoRA run (--lora_rank)") + (f"; {cfg.ckpt} is not one" if cfg.ckpt else ""))
-    if tg.list_checkpoints(cfg.out_dir) or os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
+    check_out_dir(cfg.out_dir, f"{what} model")  # before the conversion, not when its result is written
+    if os.path.abspath(cfg.out_dir) == os.path.abspath(os.path.dirname(path)):
         tg.die(f"{cfg.out_dir} holds checkpoints already; pass a new --out_dir for the {what} model")
     if cfg.export == "pt":  # an FSDP run's folder of shards as one file: optimizer state and all, to resume anywhere
         tg.write_checkpoint(cfg.out_dir, ckpt)

@@ -841,8 +841,7 @@ def bench_columns():
 def bench():
     """Print throughput of each kernel, on Triton whatever use() says, against PyTorch's ops on the current GPU."""
     if not torch.cuda.is_available() or triton is None:
-        print("kernels.py --bench needs a CUDA GPU and triton; none found")
-        return 1
+        sys.exit("kernels.py: error: --bench needs a CUDA GPU and triton; none found here, so run it on a GPU machine")
     from triton.testing import do_bench
     dev, dt, name = "cuda", torch.bfloat16, torch.cuda.get_device_name()
     print(f"# {name}, bf16; each column is named for the path it times (ours: triton)")
@@ -891,10 +890,11 @@ def bench():
             print(f"{op:15}{N:6d}{d:6d}{V:8d} | " + " | ".join(f"{ms:8.2f} {gb:5.1f}" for ms, gb in r))
             z.grad = x.grad = W.grad = None
         del z
-    return 0
 
 
 if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        sys.exit(bench())
+    if sys.argv[1:] == ["--bench"]:
+        sys.exit(bench())  # exit 0, or a one-line error where there is no GPU
+    if sys.argv[1:] not in ([], ["-h"], ["--help"]):  # a typo such as --bnech must not pass for a bench that ran
+        sys.exit(f"kernels.py: error: unknown argument {sys.argv[1]!r}; its only flag is --bench (a GPU's timings)")
     print(__doc__)

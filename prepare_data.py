@@ -7,7 +7,7 @@ Text, for train_gpt.py:
     python prepare_data.py text PATH... --data_dir=data/mytext --tokenizer=gpt2
     python prepare_data.py shakespeare                     # downloads tinyshakespeare (1.1 MB)
     python prepare_data.py fineweb --shards=10             # downloads GPT-2 tokenized FineWeb-10B, 100M tokens a shard
-    python prepare_data.py hellaswag                       # downloads HellaSwag's 10,042 val items, for --eval_mc
+    python prepare_data.py hellaswag                       # downloads HellaSwag's 10,042 val items, for eval_gpt.py
 
 A text data dir holds llm.c shards (train_000000.bin, ..., val_000000.bin, ...; each document as [EOT] + tokens)
 and meta.json, written last: a dir without meta.json is not prepared. --tokenizer: byte (EOT 256), gpt2 (tiktoken,
@@ -25,6 +25,7 @@ written last: classes, image_size, channels, the train pixels' mean and std, and
 import argparse
 import base64
 import contextlib
+import difflib
 import gzip
 import heapq
 import io
@@ -70,6 +71,34 @@ PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p
 def fail(message):
     """Stop with a one-line error that names the problem and the fix: a non-zero exit, no traceback."""
     raise SystemExit(f"prepare_data.py: error: {message}")
+
+@contextlib.contextmanager
+def leaving_nothing_new(folder):
+    """Run the body; if it fails or is interrupted, remove the folders that it made on the way to `folder` and left
+    empty, so that a failed command leaves nothing new behind. A partial download stays: the next run resumes it."""
+    new = [p for p in [Path(folder), *Path(folder).parents] if not p.exists()]  # deepest first
+    try:
+        yield
+    except BaseException:
+        for p in new:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise
+
+@contextlib.contextmanager
+def staging(data_dir, die=fail):
+    """A hidden folder beside data_dir (made first) to build files in, which the caller moves into data_dir at the
+    end: a run killed halfway leaves the previous data (or none) in data_dir, never a mix that looks prepared.
+    die: the calling script's one-line error (chat_gpt.py --prepare stages here too)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
+    except OSError as e:  # a file where a folder goes, or a folder this process may not write
+        die(f"{e.filename}: {(e.strerror or type(e).__name__).lower()}; pass a --data_dir in a folder you can write")
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 # -----------------------------------------------------------------------------
 # Shards
@@ -227,8 +256,6 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
                               f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
             print(file=sys.stderr)
     except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
-        if not any(path.parent.iterdir()):  # nothing came: no empty folder is left (a partial download stays)
-            path.parent.rmdir()
         fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use {instead} instead")
     if total and n != total:
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
@@ -310,11 +337,7 @@ def prepare_text(args):
     if not any(train_docs) or not any(val_docs):
         utf8 = " (files must be UTF-8: iconv -f latin1 -t utf-8 converts)" if "binary or mis-encoded" in bad else ""
         fail(f"the train or the val split has no text{utf8}; give more text or change --val_percent")
-    # build everything in a hidden sibling dir and move it in at the end: a run killed halfway leaves
-    # the previous data (or none) in data_dir, never a mix that looks prepared
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
-    try:
+    with staging(data_dir) as stage:  # built beside data_dir, then moved in
         encode, info = make_tokenizer(args.tokenizer, train_docs, stage)
         splits, eot = {}, np.array([info["eot_id"]], np.uint16)
         for split, docs in (("train", train_docs), ("val", val_docs)):
@@ -335,8 +358,6 @@ def prepare_text(args):
             old.unlink(missing_ok=True)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
             os.replace(f, data_dir / f.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     for split, s in splits.items():
         print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | "
               f"{len(s['shards'])} shard(s)")
@@ -385,10 +406,11 @@ def prepare_gpt2(args):
     print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
 def prepare_hellaswag(args):
-    """HellaSwag's val set (Zellers et al. 2019) for train_gpt.py --eval_mc: a context and 4 endings a JSON line."""
+    """HellaSwag's val set (Zellers et al. 2019) for eval_gpt.py: a context and 4 endings a JSON line."""
     path = Path(args.data_dir) / "hellaswag_val.jsonl"
-    download(HELLASWAG_URL, path, instead="--eval_mc=FILE, items of your own (a JSON line each: ctx, endings, label)")
-    print(f"{sum(1 for line in path.open() if line.strip()):,} items in {path}: train_gpt.py --eval_mc={path}")
+    own = "eval_gpt.py --items=FILE, items of your own (a JSON line each: ctx, endings, label)"
+    download(HELLASWAG_URL, path, instead=own)
+    print(f"{sum(1 for line in path.open() if line.strip()):,} items in {path}: python eval_gpt.py --items={path}")
 
 def shape_mask(k, u, v):
     """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
@@ -614,9 +636,7 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
                 image_size=list(train.shape[1:3]), channels=int(train.shape[3]),
                 mean=pix.mean(0).round(4).tolist(), std=pix.std(0).round(4).tolist(),
                 splits={s: {"images": len(x)} for s, (x, _) in splits.items()}, flip_ok=bool(flip_ok))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
-    try:
+    with staging(data_dir) as stage:
         for split, (x, y) in splits.items():
             np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
             np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
@@ -624,8 +644,6 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
         (data_dir / "meta.json").unlink(missing_ok=True)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
             os.replace(f, data_dir / f.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return meta
 
 # Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is not
@@ -653,6 +671,14 @@ def prepare_images(args):
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own error prints the usage over several lines
         fail(f"{message} (see python {self.prog} -h)")
+
+def check_flags(unknown, command, parser):
+    """Stop at arguments that the subcommand's parser does not take, naming the flag nearest the first as the
+    trainers do: a typo such as --data-dir must say which flag it missed, not only that it was not taken."""
+    names = [s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    near = difflib.get_close_matches(unknown[0].split("=")[0].lstrip("-"), names, n=1)  # every flag has the "--"
+    fix = f"did you mean --{near[0]}?" if near else f"see python prepare_data.py {command} -h"
+    fail(f"unrecognized arguments: {' '.join(unknown)}; {fix}")
 
 def main(argv=None):
     """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
@@ -683,7 +709,7 @@ def main(argv=None):
     p = command("gpt2", "GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)", run=prepare_gpt2)
     p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
     p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")
-    p = command("hellaswag", "HellaSwag's val set, for train_gpt.py --eval_mc (downloads 11 MB)", run=prepare_hellaswag)
+    p = command("hellaswag", "HellaSwag's val set, for eval_gpt.py (downloads 11 MB)", run=prepare_hellaswag)
     p.add_argument("--data_dir", default="data/hellaswag")
     p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
     p.add_argument("--data_dir", default="data/shapes")
@@ -706,10 +732,13 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
     p.add_argument("--image_size", type=int, default=32, help="the shorter side resized to this, the centre cropped")
     p.add_argument("--flip_ok", action="store_true", help="a mirror image is still of its class: the trainers may flip")
-    args = parser.parse_args(argv)
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage is removed
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        check_flags(unknown, args.command, commands.choices[args.command])
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage and new folders go
     try:
-        args.run(args)
+        with leaving_nothing_new(args.data_dir or f"models/{args.model}"):  # gpt2's default folder
+            args.run(args)
     except KeyboardInterrupt:
         fail("interrupted: nothing half-written is left; run the command again (a download resumes)")
     except (PermissionError, FileExistsError, NotADirectoryError) as e:  # a file where a folder goes

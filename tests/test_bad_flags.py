@@ -73,7 +73,7 @@ def test_prepare_data_stopped_or_refused_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="interrupted: nothing half-written is left; run the command again"):
         prepare_data.main(["text", str(tmp_path / "src"), f"--data_dir={tmp_path / 'out' / 'd'}"])
     assert signal.getsignal(signal.SIGTERM) is not signal.default_int_handler  # put back
-    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+    assert not (tmp_path / "out").exists()  # neither the staging folder nor the folders made for data_dir (issue 61)
 
     def denied(*a, **kw):
         raise PermissionError(13, "Permission denied", str(tmp_path / "ro"))

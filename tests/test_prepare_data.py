@@ -385,7 +385,7 @@ def test_offline_download_is_a_one_line_error(tmp_path, monkeypatch):
         "offline? use --init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors) instead")
     assert not (tmp_path / "gpt2").exists()  # nothing fetched, nothing left behind
     monkeypatch.setattr(pd, "HELLASWAG_URL", (tmp_path / "nowhere" / "hellaswag_val.jsonl").as_uri())
-    assert error_of(["hellaswag", f"--data_dir={tmp_path / 'hs'}"]).endswith("offline? use --eval_mc=FILE, items of "
+    assert error_of(["hellaswag", f"--data_dir={tmp_path / 'hs'}"]).endswith("offline? use eval_gpt.py --items=FILE, items of "
                                                                              "your own (a JSON line each: ctx, endings, label) instead")
     assert not (tmp_path / "hs").exists()
 

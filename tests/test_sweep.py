@@ -1,9 +1,10 @@
 """Issue 51's sweep of bad input across the scripts: each case runs a script in this process as its
 `if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
-warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
-makes --data_dir before it stages). The cases' ids say what each breaks; what each did before issue 51 (its
-make_fixtures and run, given 26d9540's scripts) is in issue 51's closing note."""
+warning, then the error), never a traceback, and no file left behind (an empty folder is allowed, except from a
+preparation: prepare_data.py and chat_gpt.py --prepare leave no new folder either). The cases' ids say what each
+breaks; what each did before issue 51 (its make_fixtures and run, given 26d9540's scripts) is in issue 51's closing
+note. Issue 61 added the cases at the end of CASES, and SAYS: what the line of some must also say."""
 import contextlib
 import importlib
 import io
@@ -61,8 +62,9 @@ def run(script, argv, cwd):
     finally:
         os.chdir(old[0])
         sys.argv = old[1]
-    new = sorted(str(p.relative_to(cwd)) for p in set(cwd.rglob("*")) - before
-                 if p.is_file() or p.name.startswith(".") or ".tmp" in p.name)  # an empty folder may stay
+    preparing = script == "prepare_data.py" or any(a.startswith("--prepare=") for a in argv)
+    new = sorted(str(p.relative_to(cwd)) for p in set(cwd.rglob("*")) - before  # an empty folder may stay, but
+                 if p.is_file() or preparing or p.name.startswith(".") or ".tmp" in p.name)  # not a data dir's
     return code, out.getvalue(), err.getvalue(), new
 
 
@@ -220,6 +222,12 @@ def chat_data_cut(t, f):
     return chat(f, f"--data_dir={d}", f"--out_dir={t / 'o'}", "--max_steps=1")
 
 
+def chat_data_here(t, f):
+    """--chat with nothing trained, in a folder whose data/arith_chat (the default --data_dir) is prepared."""
+    shutil.copytree(f.chat, t / "data" / "arith_chat")
+    return ["--chat", "--prompt=hi", "--device=cpu"]
+
+
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
@@ -359,6 +367,42 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "scaling-lr_transfer-widths-not-numbers": ("scaling.py", lambda t, f: [
         "lr_transfer", "--widths=wide", f"--data_dir={f.corpus}", f"--out_dir={t / 'o'}"]),
     "scaling-sharpness-ckpt-cut": ("scaling.py", lambda t, f: ["sharpness", f"--ckpt={half(f.gpt, t / 'c.pt')}"]),
+    # issue 61: a failed preparation leaves no new folder, a typo gets the nearest flag, a message names the right
+    # flag and what the path holds, and nothing trained yet names the command that trains it
+    "prep-text-bpe-too-large-in-new-folders": ("prepare_data.py", lambda t, f: [
+        "text", str(put(t / "a.txt", "hello world\n" * 50)), f"--data_dir={t / 'new' / 'd'}", "--tokenizer=bpe:9000"]),
+    "prep-flag-misspelt": ("prepare_data.py", lambda t, f: ["stdlib", "--data-dir=d"]),
+    "prep-flag-of-another-command": ("prepare_data.py", lambda t, f: ["shapes", "--tokenizer=gpt2"]),
+    "sample-ckpt-empty-folder": ("sample_gpt.py", lambda t, f: [f"--ckpt={folder(t / 'empty')}", "--device=cpu"]),
+    "sample-ckpt-a-data-dir": ("sample_gpt.py", lambda t, f: [f"--ckpt={f.corpus}", "--device=cpu"]),
+    "eval-ckpt-empty-folder": ("eval_gpt.py", lambda t, f: [f"--ckpt={folder(t / 'empty')}", "--device=cpu"]),
+    "ft-init_from-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--init_from={folder(t / 'empty')}")),
+    "ft-teacher-empty-folder": ("finetune_gpt.py", lambda t, f: gpt(f, t, f"--teacher={folder(t / 'empty')}")),
+    "chat-nothing-trained": ("chat_gpt.py", lambda t, f: ["--chat", "--prompt=hi", "--device=cpu"]),
+    "chat-nothing-trained-data-ready": ("chat_gpt.py", chat_data_here),
+    "chat-ckpt-not-a-chat-model": ("chat_gpt.py", lambda t, f: [
+        "--chat", f"--ckpt={f.gpt}", f"--data_dir={f.chat}", "--prompt=hi", "--device=cpu"]),
+}
+SAYS = {  # what the line must say, beyond the one line that every case ends in
+    "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
+    "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
+                                    "shapes -h",
+    "sample-ckpt-empty-folder": "/empty: no checkpoint there, nor a Hugging Face GPT-2 folder (an empty folder); give "
+                                "a checkpoint of train_gpt.py, a GPT-2 folder, or one of gpt2,",
+    "eval-ckpt-empty-folder": "error: --ckpt=",
+    "sample-ckpt-a-data-dir": "/corpus: no checkpoint there, nor a Hugging Face GPT-2 folder (a data dir: "
+                              "--data_dir takes it); give a checkpoint",
+    "ft-init_from-empty-folder": "/empty: no checkpoint there, nor a Hugging Face GPT-2 folder (an empty folder); give",
+    "ft-teacher-empty-folder": "error: --teacher=",
+    "chat-nothing-trained": "error: --out_dir=out/chat: no checkpoint there (no such file or folder); train a chat "
+                            "model first: python chat_gpt.py --init_from=out/gpt --data_dir=data/arith_chat "
+                            "--prepare=arithmetic, then python chat_gpt.py --init_from=out/gpt "
+                            "--data_dir=data/arith_chat --out_dir=out/chat",
+    "chat-nothing-trained-data-ready": "error: --out_dir=out/chat: no checkpoint there (no such file or folder); "
+                                       "train a chat model first: python chat_gpt.py --init_from=out/gpt "
+                                       "--data_dir=data/arith_chat --out_dir=out/chat",
+    "chat-ckpt-not-a-chat-model": "is no chat model (its tokenizer has no template); train a chat model first: python "
+                                  "chat_gpt.py --init_from=out/gpt --data_dir=",
 }
 
 
@@ -368,6 +412,7 @@ def test_bad_input_ends_in_one_line(case, fx, tmp_path, capfd):
     argv = setup(tmp_path, fx)
     code, out, err, new = run(script, argv, tmp_path)
     assert not problems(script, code, out, err, new), err[-3000:]
+    assert SAYS.get(case, "") in err.strip().split("\n")[-1], err[-3000:]
     assert "Traceback" not in capfd.readouterr().err  # nothing reached the real stderr either
 
 
@@ -379,3 +424,56 @@ def test_a_real_process_ends_as_the_sweep_models_it(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *argv], capture_output=True, text=True,
                        cwd=tmp_path, timeout=120)
     assert (p.returncode, p.stderr) == (code, err) == (1, err), p.stderr
+
+
+BEFORE_THE_WORK = {  # id: (script, setup, the module and name of the work that the output path is checked before)
+    "ft-export-int8-out_dir-in-a-file": ("finetune_gpt.py", lambda t, f: [
+        "--export=int8", f"--ckpt={f.gpt}", f"--out_dir={put(t / 'f', 'x') / 'o'}"], ("finetune_gpt", "plain_weights")),
+    "ft-export-hf-out_dir-is-a-file": ("finetune_gpt.py", lambda t, f: [
+        "--export=hf", f"--ckpt={f.gpt}", f"--out_dir={put(t / 'o', 'x')}"], ("finetune_gpt", "plain_weights")),
+    "chat-sft-out_dir-is-a-file": ("chat_gpt.py", lambda t, f: chat(
+        f, f"--data_dir={f.chat}", f"--out_dir={put(t / 'o', 'x')}", "--max_steps=1"), ("chat_gpt", "build")),
+    "chat-prepare-data_dir-in-a-file": ("chat_gpt.py", lambda t, f: chat(
+        f, "--prepare=arithmetic", f"--data_dir={put(t / 'f', 'x') / 'd'}"), ("chat_gpt", "source_tokenizer")),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_THE_WORK))
+def test_an_output_path_is_checked_before_the_work(case, fx, tmp_path, monkeypatch):
+    """An output path that cannot be written stops the command before the work that would fill it (an export's
+    conversion, SFT's training, --prepare's tokenizing): here that work raises if it starts at all."""
+    script, setup, (module, name) = BEFORE_THE_WORK[case]
+    argv = setup(tmp_path, fx)
+
+    def work(*args, **kwargs):
+        raise AssertionError(f"{name} ran before the output path was checked")
+    monkeypatch.setattr(importlib.import_module(module), name, work)
+    code, out, err, new = run(script, argv, tmp_path)
+    assert not problems(script, code, out, err, new), err[-3000:]
+    assert "cannot be written: " in err.strip().split("\n")[-1], err[-3000:]
+
+
+def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, monkeypatch):
+    """A preparation stopped by Ctrl-C (or SIGTERM, which prepare_data.py turns into one) after it made its data dir,
+    and a download that fails, each in folders that did not exist: neither leaves a folder behind."""
+    import prepare_data
+
+    def interrupted(path, tokens):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_data, "write_shard", interrupted)
+    argv = ["text", str(put(tmp_path / "a.txt", "hello world\n" * 50)), f"--data_dir={tmp_path / 'new' / 'd'}"]
+    code, out, err, new = run("prepare_data.py", argv, tmp_path)
+    assert not problems("prepare_data.py", code, out, err, new) and "error: interrupted: " in err, err
+    monkeypatch.setattr(prepare_data, "HELLASWAG_URL", (tmp_path / "nowhere" / "hellaswag_val.jsonl").as_uri())
+    code, out, err, new = run("prepare_data.py", ["hellaswag", f"--data_dir={tmp_path / 'new' / 'hs'}"], tmp_path)
+    assert not problems("prepare_data.py", code, out, err, new) and "error: cannot download " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_kernels_py_refuses_an_unknown_argument(tmp_path):
+    """python kernels.py takes --bench (a GPU's timings), or nothing or -h (its docstring): a typo is refused in one
+    line with exit status 1, not answered with the docstring and exit 0 as if a bench had run."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py"), "--bnech"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    line = "kernels.py: error: unknown argument '--bnech'; its only flag is --bench (a GPU's timings)\n"
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", line), p.stderr
