@@ -436,6 +436,9 @@ def load_meta(data_dir):
     if os.path.exists(path):
         with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
             meta = json.load(f)
+            if "vocab_size" not in meta and "image_size" in meta:  # prepare_data.py's images
+                die(f"data dir {data_dir!r} holds images, which train_vit.py and train_diffusion.py read; give "
+                    f"--data_dir token shards: python prepare_data.py text FILES... --data_dir=data/mine")
             val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
             nums = [val.get("tokens", 0), val.get("bytes", 0)]
             nums += [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
@@ -683,6 +686,8 @@ def setup_dist(device_arg="auto"):
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if device_arg == "mps" and not torch.backends.mps.is_available():
+        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
     if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # fragments less
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
@@ -749,6 +754,8 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     """(model, compiled): in DDP or FSDP2; raw's keys stay plain."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compile traces it
+    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
+        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
@@ -1055,7 +1062,9 @@ def check_config(cfg):
         if getattr(cfg, k) < (low := int(k in ones)):
             die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE)")
+        fit = [h for h in range(1, cfg.n_embd + 1) if cfg.n_embd % h == 0 and (cfg.n_embd // h) % 2 == 0]
+        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size (RoPE); "
+            f"--n_head={'|'.join(map(str, fit))} would")
     if cfg.n_head % (cfg.n_kv_head or cfg.n_head):
         die(f"--n_head={cfg.n_head} must be a multiple of --n_kv_head={cfg.n_kv_head}")
     if cfg.mup and (cfg.tie_embeddings or cfg.base_width < 1):

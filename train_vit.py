@@ -394,6 +394,8 @@ def setup_dist(device_arg="auto"):
         device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if device_arg == "mps" and not torch.backends.mps.is_available():
+        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
     if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # fragments less
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
@@ -460,6 +462,8 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     """(model, compiled): in DDP or FSDP2; raw's keys stay plain."""
     compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
     kernels.use(cfg.kernels)  # before compile traces it
+    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
+        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
     if world_size > 1 and cfg.parallel == "fsdp":
         if dtype == torch.float16:
             die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
@@ -788,7 +792,9 @@ def check_config(cfg):
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
-        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; change --n_embd or --n_head")
+        fit = [h for h in range(1, width + 1) if width % h == 0 and (width // h) % 2 == 0]
+        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; --n_head={'|'.join(map(str, fit))} "
+            f"would, or change --n_embd")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
     if not (0 <= cfg.ema < 1 and 0 <= cfg.drop_path < 1 and 0 <= cfg.label_smoothing < 1
@@ -823,6 +829,9 @@ def load_image_data(data_dir, splits=("train", "val")):
             f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
     with reading(path, fix), open(path) as f:
         meta = json.load(f)
+        if "vocab_size" in meta:  # prepare_data.py's text: token shards
+            die(f"{data_dir} holds token shards (text), which train_gpt.py reads; give --data_dir an image data "
+                f"dir, e.g. python prepare_data.py shapes --data_dir=data/shapes")
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
         (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]

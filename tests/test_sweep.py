@@ -382,8 +382,20 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "chat-nothing-trained-data-ready": ("chat_gpt.py", chat_data_here),
     "chat-ckpt-not-a-chat-model": ("chat_gpt.py", lambda t, f: [
         "--chat", f"--ckpt={f.gpt}", f"--data_dir={f.chat}", "--prompt=hi", "--device=cpu"]),
+    # issue 61 in the trainers: a device that is not there, a head count with the ones that work, the other kind of data
+    "gpt-device-mps-missing": ("train_gpt.py", lambda t, f: gpt(f, t, "--device=mps")),
+    "gpt-n_head-3-of-64": ("train_gpt.py", lambda t, f: gpt(f, t, "--n_embd=64", "--n_head=3")),
+    "vit-n_head-3-of-64": ("train_vit.py", lambda t, f: img(f, t, IMG, "--n_embd=64", "--n_head=3")),
+    "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
+    "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
+    "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
+    "gpt-device-mps-missing": "--device=mps but MPS is not available",
+    "gpt-n_head-3-of-64": "--n_head=1|2|4|8|16|32 would", "vit-n_head-3-of-64": "--n_head=1|2|4|8|16|32 would",
+    "gpt-data_dir-of-images": "holds images, which train_vit.py and train_diffusion.py read",
+    "vit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
+    "dit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
     "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
                                     "shapes -h",

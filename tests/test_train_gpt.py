@@ -700,3 +700,9 @@ def test_auto_precision_is_bf16_on_a_cpu_with_bf16_hardware(monkeypatch):
         monkeypatch.setattr(tg, "cpu_has_bf16", lambda: has)
         dtype, ctx, scaler = tg.setup_precision(torch.device("cpu"))
         assert dtype == want and not scaler.is_enabled()
+
+
+def test_fsdp_without_torchrun_says_it_is_one_process(corpus, tmp_path, capsys):
+    """Issue 61: --parallel=fsdp in one process trained unsharded without a word; now one line says so."""
+    tg.main(tiny(corpus, tmp_path / "o", max_steps=1, parallel="fsdp"))
+    assert "--parallel=fsdp shards a model across the ranks of torchrun; this run is one process" in capsys.readouterr().out
