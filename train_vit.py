@@ -7,7 +7,7 @@ LayerScale, stochastic depth, registers); augmentation on the device; Muon or Ad
   python train_vit.py                  # CPU demo: generates the shapes dataset, ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
   torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
-  python train_vit.py --predict=IMAGE_OR_DIR --ckpt=out/vit
+  python predict_vit.py --ckpt=out/vit --images=IMAGE_OR_DIR   # a checkpoint classifies your images
   python train_vit.py --benchmark --preset=cifar10
   python train_vit.py -h               # every flag, with its default
 """
@@ -119,10 +119,6 @@ class Config:
     bench_steps: int = 20  # timed steps, after 5 warm-up steps
     profile: bool = False  # --benchmark: trace.json, top ops
     kernels: Literal["auto", "triton", "torch"] = "auto"
-    # prediction
-    predict: str = ""  # an image or folder: print probabilities
-    ckpt: str = ""  # checkpoint for --predict; empty = out_dir
-    top_k: int = 5  # classes shown per image by --predict
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
@@ -134,6 +130,11 @@ PRESETS = {
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
                "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
+# A trainer trains (STYLE.md: one job per file). Classifying images with a finished checkpoint
+# is predict_vit.py's job; its old flags here stop in one line that names the new command.
+MOVED = {"predict": "python predict_vit.py --ckpt=out/vit --images=PATH",
+         "ckpt": "python predict_vit.py --ckpt=PATH --images=PATH",
+         "top_k": "python predict_vit.py --ckpt=out/vit --images=PATH --show=K"}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -578,10 +579,8 @@ def plot_results(out_dir, history, confusion, classes):
         plt.close(fig)
 
 def main(cfg):
-    """Train (or --benchmark, or --predict) per cfg; returns a dict of final metrics."""
+    """Train (or --benchmark) per cfg; returns a dict of final metrics."""
     check_config(cfg)
-    if cfg.predict:
-        return predict_main(cfg)
     with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
 
@@ -734,52 +733,10 @@ def train(cfg, stop):
     result |= {**rec, "train_loss": loss, "images": step * images_per_step}
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
-def load_image(path, size, channels):
-    """An image file as (size, size, channels) uint8: its centre square, resized as prepare_data.py does."""
-    from PIL import Image, ImageOps
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if channels == 3 else "L")
-            a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # or a pixel bomb
-        die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
-    return a.reshape(size, size, channels)
-
-def predict_main(cfg):
-    """--predict: class probabilities of each image, from a checkpoint's EMA weights (if any)."""
-    where = cfg.ckpt or cfg.out_dir
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
-    found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)  # of a folder
-    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(f for f in found if f.lower().endswith(exts))
-    if not files:
-        die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
-    _, _, device = setup_dist(cfg.device)
-    with reading(path, "pass a checkpoint written by train_vit.py"):
-        meta, fields = ckpt["data_meta"], Config.__dataclass_fields__
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-        model = build_model(trained, meta, device).eval()
-        model.load_state_dict(ckpt.get("ema") or ckpt["model"])
-        size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
-    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
-    out = {}
-    for i in range(0, len(files), 256):
-        batch = files[i:i + 256]
-        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch]))
-        with torch.no_grad():
-            probs = model(x.to(device).float() / 255).float().softmax(-1).cpu()
-        for f, p in zip(batch, probs):
-            top = p.topk(min(cfg.top_k, len(classes)))
-            out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
-            print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
-    return out
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every "
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every "
                           "bench_steps"),  # before the check that divides by n_head
                       (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
                           "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
@@ -794,7 +751,7 @@ def check_config(cfg):
     if not (0 <= cfg.ema < 1 and 0 <= cfg.drop_path < 1 and 0 <= cfg.label_smoothing < 1
             and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
-    if not (cfg.benchmark or cfg.predict or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
 # -----------------------------------------------------------------------------

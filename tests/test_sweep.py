@@ -1,4 +1,4 @@
-"""Issue 51's sweep of bad input across the seven scripts: each case runs a script in this process as its
+"""Issue 51's sweep of bad input across the suite's scripts: each case runs a script in this process as its
 `if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
 warning, then the error), never a traceback, and no file left behind (an empty folder is allowed: prepare_data.py
@@ -34,8 +34,8 @@ def entry(script, argv):
         sys.exit(mod.main(argv))
     elif script == "scaling.py":
         mod.main(argv)
-    else:  # the trainers parse flags with their own shim, the companions with train_gpt.py's
-        shim = mod if script.startswith("train_") else mod.tg
+    else:  # the trainers parse flags with their own shim, the companions with their trainer's (tg, tv or td)
+        shim = mod if script.startswith("train_") else next(vars(mod)[n] for n in ("tg", "tv", "td") if n in vars(mod))
         mod.main(shim.parse_args(mod.Config, argv))
 
 
@@ -251,10 +251,11 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "vit-beta2-1": ("train_vit.py", lambda t, f: img(f, t, IMG, "--beta2=1")),
     "vit-mlp_ratio-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--mlp_ratio=-1")),
     "vit-eval_images-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--eval_images=-1")),
-    "vit-predict-png-cut": ("train_vit.py", lambda t, f: [
-        f"--predict={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
-    "vit-predict-ckpt-cut": ("train_vit.py", lambda t, f: [
-        f"--predict={f.pngs}", f"--ckpt={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "vit-predict-png-cut": ("predict_vit.py", lambda t, f: [
+        f"--images={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
+    "vit-predict-ckpt-cut": ("predict_vit.py", lambda t, f: [
+        f"--images={f.pngs}", f"--ckpt={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "vit-predict-moved": ("train_vit.py", lambda t, f: [f"--predict={f.pngs}", f"--ckpt={f.vit}"]),
     "vit-resume-ckpt-cut": ("train_vit.py", lambda t, f: resume_from_cut(
         f, t, next(f.vit.glob("ckpt_*.pt")), img(f, t, IMG))),
     "vit-meta-json-not-json": ("train_vit.py", lambda t, f: img_data(f, t, IMG, "meta.json", "\x00\x01")),

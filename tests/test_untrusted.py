@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import predict_vit as pv
 import prepare_data
 import train_diffusion as td
 import train_gpt as tg
@@ -196,8 +197,8 @@ def bomb_png(path, side=40000):
 
 
 def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
-    """Damaged PNGs and a pixel bomb, for prepare_data.py imagefolder and train_vit.py --predict; image meta.json with
-    wrong types; damaged or crafted ViT and DiT checkpoints for --predict, --sample and --eval_classifier."""
+    """Damaged PNGs and a pixel bomb, for prepare_data.py imagefolder and predict_vit.py; image meta.json with wrong
+    types; damaged or crafted ViT and DiT checkpoints for predict_vit.py, --sample and --eval_classifier."""
     rng, marker = random.Random(3), tmp_path / "PWNED"
     root = png_files(tmp_path)
     shapes = tmp_path / "shapes"
@@ -214,11 +215,11 @@ def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
         p.write_bytes(blob[:rng.randrange(8, len(blob))] if i % 2 else flips(blob, rng, rng.randint(1, 8)))
         r1 = outcome(lambda: prepare_data.main(["imagefolder", str(root), f"--data_dir={tmp_path / f'pd{i}'}",
                                                 "--image_size=16"]), capfd)
-        r2 = outcome(lambda: tv.main(tv.Config(predict=str(root), ckpt=str(tmp_path / "vit"), device="cpu")), capfd)
+        r2 = outcome(lambda: pv.main(pv.Config(images=str(root), ckpt=str(tmp_path / "vit"), device="cpu")), capfd)
         assert (r1 == "ok" or str(p) in r1) and (r2 == "ok" or str(p) in r2), (r1, r2)
         p.write_bytes(blob)
     bomb_png(pngs[0])
-    assert "cannot read the image" in outcome(lambda: tv.main(tv.Config(predict=str(pngs[0]), ckpt=str(tmp_path / "vit"),
+    assert "cannot read the image" in outcome(lambda: pv.main(pv.Config(images=str(pngs[0]), ckpt=str(tmp_path / "vit"),
                                                                         device="cpu")), capfd)
     meta = json.loads((shapes / "meta.json").read_text())
     for i, key in enumerate(meta):
@@ -228,7 +229,7 @@ def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
             (d / "meta.json").write_text(json.dumps({**meta, key: value}))
             r = outcome(lambda: tv.main(tv.Config(**{**small, "data_dir": str(d), "out_dir": str(d / "o")})), capfd)
             assert r == "ok" or "meta.json" in r or str(d) in r, r
-    for script, out, call in ((tv, "vit", lambda c: tv.main(tv.Config(predict=str(pngs[1]), ckpt=c, device="cpu"))),
+    for script, out, call in ((tv, "vit", lambda c: pv.main(pv.Config(images=str(pngs[1]), ckpt=c, device="cpu"))),
                               (td, "dit", lambda c: td.main(td.Config(sample=True, ckpt=c, device="cpu", sample_steps=2,
                                                                       per_class=1))),
                               (td, "clf", lambda c: td.main(td.Config(sample=True, ckpt=str(tmp_path / "dit"), device="cpu",
