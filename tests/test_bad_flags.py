@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import predict_vit as pv
+import sample_diffusion as sd
 import train_diffusion as td
 import train_gpt as tg
 import train_vit as tv
@@ -28,7 +29,9 @@ CASES = [  # (module, flags, what the line must name)
     (pv, dict(images="x.png", show=0), "--show must be at least 1"),  # train_vit.py's --top_k, before issue 59
     (pv, dict(), "name the images to classify: --images=FILE_OR_FOLDER"),
     (td, dict(sample_steps=0), "--sample_steps must be at least 1"),
-    (td, dict(sample=True, sample_out="missing_dir/x.png"), "its folder does not exist"),
+    (sd, dict(sample_steps=0), "--sample_steps must be at least 1"),
+    (sd, dict(cfg_scale=-1.0), "--cfg_scale must be at least 0"),
+    (sd, dict(out="missing_dir/x.png"), "its folder does not exist"),
 ]
 
 

@@ -36,12 +36,12 @@ KNOWN_FAILURES = {
         "the run before it here is complete (6 steps of 6); a run cut short resumes, as tests/test_train_gpt.py's "
         "resume tests show, and a complete one stops in this one line"),
 }
-# the modes of each trainer that read a run instead of starting one (predict_vit.py only reads
-# one: its commands are not here, and never remove an out_dir)
+# the modes of each trainer that read a run instead of starting one (predict_vit.py and sample_diffusion.py only
+# read one: their commands are not here, and never remove an out_dir)
 NOT_TRAINING = {"train_gpt": ("resume", "sample", "eval_only", "consolidate", "benchmark"),
                 "finetune_gpt": ("resume", "sample", "eval_only", "export", "merge_lora", "consolidate", "benchmark"),
                 "chat_gpt": ("prepare", "chat"),
-                "train_vit": ("resume", "benchmark"), "train_diffusion": ("resume", "sample", "benchmark")}
+                "train_vit": ("resume", "benchmark"), "train_diffusion": ("resume", "benchmark")}
 
 
 def why_parse_only(argv):

@@ -31,7 +31,8 @@ def test_each_fence_is_in_every_script_that_shares_it():
 
 def test_importing_scripts_has_no_side_effects(tmp_path):
     """Import every script from an empty working dir: nothing is printed, no file is written."""
-    names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "chat_gpt", "predict_vit", "prepare_data", "scaling"]
+    names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "chat_gpt", "predict_vit", "sample_diffusion", "prepare_data",
+                                         "scaling"]
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + "; ".join(f"import {n}" for n in names)
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -43,18 +44,18 @@ def test_importing_scripts_has_no_side_effects(tmp_path):
 # shared reference is ../shared/tools/readability.py; this file counts alike (a test below checks it against that
 # script where it is present). Each entry is (goal, ceiling): where a file is not at its goal yet, the ceiling is its
 # size today, so it cannot grow; lower a ceiling as the file shrinks, down to its goal.
-# (train_vit.py's --predict moved to predict_vit.py)
+# (train_vit.py's --predict and train_diffusion.py's --sample moved to predict_vit.py and sample_diffusion.py)
 TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 11990), "train_vit.py": (7500, 9260),
-                            "train_diffusion.py": (7500, 10350)}
+                            "train_diffusion.py": (7500, 9790)}
 TOKENS_MACHINERY = (3500, 4930)  # the shared machinery fence of each trainer
 # at 35a90f9, every .py outside tests/ held 83,948 code tokens: moving code between files must not copy it
 TOKENS_SUITE = int(83948 * 1.05)
-COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "predict_vit.py")
+COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "predict_vit.py", "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
 DENSITY_GOAL = (10.0, 0.20)
 DENSITY = {"train_gpt.py": (12.3, 0.11), "train_vit.py": (12.7, 0.12), "train_diffusion.py": (12.8, 0.12),
            "finetune_gpt.py": (13.2, 0.155), "chat_gpt.py": (12.5, 0.14),
-           "predict_vit.py": DENSITY_GOAL}  # a new companion: at the goal
+           "predict_vit.py": DENSITY_GOAL, "sample_diffusion.py": DENSITY_GOAL}  # new companions: at the goal
 
 
 def figures(src):

@@ -268,15 +268,15 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "dit-n_head-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--n_head=0")),
     "dit-beta1-negative": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--beta1=-0.5")),
     "dit-mlp_ratio-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--mlp_ratio=0")),
-    "dit-sample-ckpt-cut": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={half(next(f.dit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
-    "dit-sample-cfg_scale-negative": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", "--cfg_scale=-1", "--device=cpu"]),
-    "dit-sample_out-is-a-folder": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", f"--sample_out={folder(t / 'grid.png')}", "--device=cpu", "--sample_steps=1",
-        "--per_class=1"]),
-    "dit-sample_out-in-a-file": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", f"--sample_out={put(t / 'f', 'x') / 'grid.png'}", "--device=cpu"]),
+    "dit-sample-ckpt-cut": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={half(next(f.dit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "dit-sample-cfg_scale-negative": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", "--cfg_scale=-1", "--device=cpu"]),
+    "dit-sample_out-is-a-folder": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", f"--out={folder(t / 'grid.png')}", "--device=cpu", "--sample_steps=1", "--per_class=1"]),
+    "dit-sample_out-in-a-file": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", f"--out={put(t / 'f', 'x') / 'grid.png'}", "--device=cpu"]),
+    "dit-sample-moved": ("train_diffusion.py", lambda t, f: ["--sample", f"--ckpt={f.dit}", "--cfg_scale=3"]),
     "dit-eval_classifier-ckpt-cut": ("train_diffusion.py", lambda t, f: img(
         f, t, DIT, f"--eval_classifier={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}")),
     "dit-fid_weights-not-torchscript": ("train_diffusion.py", lambda t, f: img(

@@ -13,6 +13,7 @@ import torch
 
 import predict_vit as pv
 import prepare_data
+import sample_diffusion as sd
 import train_diffusion as td
 import train_gpt as tg
 import train_vit as tv
@@ -198,7 +199,7 @@ def bomb_png(path, side=40000):
 
 def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
     """Damaged PNGs and a pixel bomb, for prepare_data.py imagefolder and predict_vit.py; image meta.json with wrong
-    types; damaged or crafted ViT and DiT checkpoints for predict_vit.py, --sample and --eval_classifier."""
+    types; damaged or crafted ViT and DiT checkpoints for predict_vit.py, sample_diffusion.py and --eval_classifier."""
     rng, marker = random.Random(3), tmp_path / "PWNED"
     root = png_files(tmp_path)
     shapes = tmp_path / "shapes"
@@ -230,11 +231,11 @@ def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
             r = outcome(lambda: tv.main(tv.Config(**{**small, "data_dir": str(d), "out_dir": str(d / "o")})), capfd)
             assert r == "ok" or "meta.json" in r or str(d) in r, r
     for script, out, call in ((tv, "vit", lambda c: pv.main(pv.Config(images=str(pngs[1]), ckpt=c, device="cpu"))),
-                              (td, "dit", lambda c: td.main(td.Config(sample=True, ckpt=c, device="cpu", sample_steps=2,
+                              (td, "dit", lambda c: sd.main(sd.Config(ckpt=c, device="cpu", sample_steps=2,
                                                                       per_class=1))),
-                              (td, "clf", lambda c: td.main(td.Config(sample=True, ckpt=str(tmp_path / "dit"), device="cpu",
+                              (td, "clf", lambda c: sd.main(sd.Config(ckpt=str(tmp_path / "dit"), device="cpu",
                                                                       sample_steps=2, per_class=1, eval_classifier=c,
-                                                                      final_samples=10)))):
+                                                                      samples=10)))):
         good = script.list_checkpoints(str(tmp_path / ("vit" if out == "clf" else out)))[-1][1]
         ckpt = torch.load(good, weights_only=True)
         for i, c in enumerate(list(mutated_checkpoints(ckpt, rng, marker))[::3]):
