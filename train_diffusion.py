@@ -57,9 +57,9 @@ class Config:
     # model
     image_size: int = 0  # 0 = the data's; else must equal it
     patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads, each of even width
+    n_embd: int = 128  # width of the tokens
     mlp_ratio: float = 4.0  # MLP width / n_embd
     qk_norm: bool = True  # RMSNorm on queries and keys
     init_std: float = 0.02  # hidden weights; adaLN, output start at 0
@@ -71,7 +71,7 @@ class Config:
     predict: Literal["x", "v"] = "x"  # flow: the clean image, or v
     min_snr: float = 5.0  # ddpm: min-SNR-gamma weight; 0 = plain MSE
     # sampling
-    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
     sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
     cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = uncond.
     sample_seed: int = 0  # noise of the samples, fixed across evals
@@ -88,7 +88,7 @@ class Config:
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Literal["constant", "cosine"] = "constant"  # the LR's decay after the warmup
     warmup_steps: int = 100  # linear warmup
     final_lr_frac: float = 0.0  # the last LR, over the peak
     ema: float = 0.999  # decay of the weights' EMA; 0 = off
@@ -99,7 +99,7 @@ class Config:
     final_samples: int = 500  # samples of the final eval
     eval_classifier: str = ""  # a train_vit.py checkpoint: scores
     fid_weights: str = ""  # clean-fid's Inception TorchScript, FID
-    log_every: int = 50
+    log_every: int = 50  # steps between log lines
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2  # newest checkpoints kept
     milestone_every: int = 0  # also keep steps multiple of this
@@ -114,16 +114,16 @@ class Config:
     guard_window: int = 100  # steps of the running statistics
     rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    compile: Literal["auto", "true", "false"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     offload: Literal["none", "params"] = "none"  # fsdp: to CPU
     seed: int = 1337  # init, data order, noise and timesteps
     benchmark: bool = False  # time steps on random images, exit
     bench_steps: int = 20  # timed steps, after 5 warm-up steps
     profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
 
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)

@@ -53,14 +53,14 @@ class Config:
     # model
     image_size: int = 0  # 0 = the data's; else must equal it
     patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4
-    n_head: int = 4
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads, each of even width
     n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP's activation; swiglu is gated
     mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # before each attention, MLP, and the head
     qk_norm: bool = True  # RMSNorm on queries and keys
-    pos_emb: Literal["sincos", "learned"] = "sincos"
+    pos_emb: Literal["sincos", "learned"] = "sincos"  # fixed 2-D sin-cos, or learned positions
     pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
     registers: int = 0  # scratch tokens (Darcet et al. 2024)
     layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
@@ -79,7 +79,7 @@ class Config:
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR's decay after the warmup
     warmup_steps: int = 100  # linear warmup
     cooldown_frac: float = 0.2  # wsd: the final decay's share
     final_lr_frac: float = 0.0  # the last LR, over the peak
@@ -89,12 +89,12 @@ class Config:
     flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
     mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
     cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # target mass spread over all classes
     # eval, logging, checkpoints
     eval_every: int = 400  # steps; 0 = only at the end
     eval_images: int = 1000  # per periodic eval; the final: all
     tta_flip: bool = False  # average predictions with the mirror's
-    log_every: int = 25
+    log_every: int = 25  # steps between log lines
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2  # newest checkpoints kept
     milestone_every: int = 0  # also keep steps multiple of this
@@ -109,16 +109,16 @@ class Config:
     guard_window: int = 100  # steps of the running statistics
     rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    compile: Literal["auto", "true", "false"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     offload: Literal["none", "params"] = "none"  # fsdp: to CPU
     seed: int = 1337  # init, data order, augmentation
     benchmark: bool = False  # time steps on random images, exit
     bench_steps: int = 20  # timed steps, after 5 warm-up steps
     profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s

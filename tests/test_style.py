@@ -39,6 +39,19 @@ def test_importing_scripts_has_no_side_effects(tmp_path):
     assert p.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+def test_every_flag_of_the_image_scripts_has_help():
+    """-h gives every flag of the image trainers and their companions a help text: a trailing comment on its Config
+    field (issue 59; train_gpt.py's four are its own issue's)."""
+    import dataclasses
+    import importlib
+    import train_vit
+    for name in ("train_vit", "train_diffusion", "predict_vit", "sample_diffusion"):
+        config = importlib.import_module(name).Config
+        helped = train_vit.field_comments(config)
+        missing = [f.name for f in dataclasses.fields(config) if not helped.get(f.name)]
+        assert not missing, f"{name}.py: no help for --{', --'.join(missing)}"
+
+
 # Issue 59's measures replace the line and character budgets, since packing cannot game them: code tokens (comments,
 # docstrings and layout excluded), code tokens per code line, and the share of non-blank lines that are prose. The
 # shared reference is ../shared/tools/readability.py; this file counts alike (a test below checks it against that
