@@ -8,7 +8,7 @@ samples and the Frechet distance of its features.
 
   python train_diffusion.py            # CPU demo: upright shapes, 7 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
-  python train_diffusion.py --sample --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
+  python sample_diffusion.py --ckpt=out/diffusion --cfg_scale=3 --sampler=heun   # a grid from a checkpoint
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
   python train_diffusion.py --benchmark --preset=cifar10
   python train_diffusion.py -h         # every flag, with its default
@@ -57,9 +57,9 @@ class Config:
     # model
     image_size: int = 0  # 0 = the data's; else must equal it
     patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads, each of even width
+    n_embd: int = 128  # width of the tokens
     mlp_ratio: float = 4.0  # MLP width / n_embd
     qk_norm: bool = True  # RMSNorm on queries and keys
     init_std: float = 0.02  # hidden weights; adaLN, output start at 0
@@ -71,7 +71,7 @@ class Config:
     predict: Literal["x", "v"] = "x"  # flow: the clean image, or v
     min_snr: float = 5.0  # ddpm: min-SNR-gamma weight; 0 = plain MSE
     # sampling
-    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
     sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
     cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = uncond.
     sample_seed: int = 0  # noise of the samples, fixed across evals
@@ -88,7 +88,7 @@ class Config:
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Literal["constant", "cosine"] = "constant"  # the LR's decay after the warmup
     warmup_steps: int = 100  # linear warmup
     final_lr_frac: float = 0.0  # the last LR, over the peak
     ema: float = 0.999  # decay of the weights' EMA; 0 = off
@@ -96,10 +96,10 @@ class Config:
     eval_every: int = 1000  # steps; 0 = only at the end
     eval_images: int = 500  # in the denoising loss; 0 = all
     eval_samples: int = 200  # samples per periodic eval
-    final_samples: int = 500  # at the end, and by --sample
+    final_samples: int = 500  # samples of the final eval
     eval_classifier: str = ""  # a train_vit.py checkpoint: scores
     fid_weights: str = ""  # clean-fid's Inception TorchScript, FID
-    log_every: int = 50
+    log_every: int = 50  # steps between log lines
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2  # newest checkpoints kept
     milestone_every: int = 0  # also keep steps multiple of this
@@ -114,20 +114,16 @@ class Config:
     guard_window: int = 100  # steps of the running statistics
     rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    compile: Literal["auto", "true", "false"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     offload: Literal["none", "params"] = "none"  # fsdp: to CPU
     seed: int = 1337  # init, data order, noise and timesteps
     benchmark: bool = False  # time steps on random images, exit
     bench_steps: int = 20  # timed steps, after 5 warm-up steps
     profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    # sampling from a checkpoint
-    sample: bool = False  # write --ckpt's sample grid, score it, exit
-    ckpt: str = ""  # checkpoint for --sample; empty = out_dir
-    sample_out: str = ""  # --sample's PNG; empty: beside --ckpt
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
 
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
@@ -140,6 +136,11 @@ PRESETS = {
                     eval_samples=1000, final_samples=10000, sample_steps=50),
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
+# A trainer trains (STYLE.md: one job per file). Sampling from a finished checkpoint is
+# sample_diffusion.py's job; its old flags here stop in one line that names the new command.
+MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
+         "ckpt": "python sample_diffusion.py --ckpt=PATH",
+         "sample_out": "python sample_diffusion.py --ckpt=out/diffusion --out=PATH.png"}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -630,9 +631,7 @@ def conditioning(cfg, meta):
     return 0 if cfg.num_classes == 0 or K == 1 else K
 
 def main(cfg):
-    """Train (or --benchmark, or --sample) per cfg; returns a dict of final metrics."""
-    if cfg.sample:  # checked there, against the checkpoint's objective
-        return sample_main(cfg)
+    """Train (or --benchmark) per cfg; returns a dict of final metrics."""
     check_config(cfg)
     with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
@@ -788,44 +787,6 @@ def train(cfg, stop):
     result |= {**rec, "train_loss": loss, "images": step * images_per_step}
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
-def sample_main(cfg):
-    """--sample: a grid from a checkpoint's EMA weights; --eval_classifier scores it."""
-    check_choices(cfg)
-    where = cfg.ckpt or cfg.out_dir
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    _, _, device = setup_dist(cfg.device)
-    _, ctx, _ = setup_precision(device, cfg.dtype)
-    with reading(path, "pass a checkpoint written by train_diffusion.py"):
-        if ckpt is None or "objective" not in ckpt["config"]:
-            die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
-        fields = Config.__dataclass_fields__
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-        meta, K = ckpt["data_meta"], ckpt["num_classes"]
-        (H, W), C = meta["image_size"], meta["channels"]
-        model = build_model(trained, H, C, K, device)
-        model.load_state_dict(ckpt["ema"] or ckpt["model"])
-    cfg = dataclasses.replace(cfg, objective=trained.objective)
-    check_config(cfg)
-    rows = K or cfg.per_class
-    n = max(rows * cfg.per_class, cfg.final_samples if cfg.eval_classifier else 0)
-    sampler = {"auto": "euler" if cfg.objective == "flow" else "ddim"}.get(cfg.sampler, cfg.sampler)
-    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt['ema'] else 'raw'} weights) | {n} samples | "
-          f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
-    t0 = time.perf_counter()
-    samples = draw_samples(model, n, (H, W, C), K, cfg, cosine_alpha_bar(), 256, 0, 1, ctx)
-    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
-    out = cfg.sample_out or os.path.join(os.path.dirname(path), name)
-    write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, meta["classes"] if K else None)
-    res = {"grid": out, "sample_s": time.perf_counter() - t0}
-    if cfg.eval_classifier:
-        if not os.path.exists(trained.data_dir):
-            die(f"the checkpoint's data_dir {trained.data_dir!r} is gone; the Frechet distance needs its images")
-        val_x = torch.from_numpy(np.array(load_image_data(trained.data_dir, ("val",))[1]["val"][0]))
-        res |= Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x.to(device)).score(samples, K)
-    scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
-    print(f"wrote {out} in {res['sample_s']:.1f} s{scores}")
-    return res
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
@@ -849,14 +810,11 @@ def check_config(cfg):
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
-    if not (cfg.benchmark or cfg.sample or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             die(f"--{k}={getattr(cfg, k)}: no such file or directory")
-    folder = os.path.dirname(os.path.abspath(cfg.sample_out))
-    if cfg.sample_out and (os.path.isdir(cfg.sample_out) or not os.path.isdir(folder)):
-        die(f"--sample_out={cfg.sample_out} is a folder, or its folder does not exist; name a .png in one that does")
 
 # -----------------------------------------------------------------------------
 # Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run

@@ -7,7 +7,7 @@ LayerScale, stochastic depth, registers); augmentation on the device; Muon or Ad
   python train_vit.py                  # CPU demo: generates the shapes dataset, ~4 min
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
   torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
-  python train_vit.py --predict=IMAGE_OR_DIR --ckpt=out/vit
+  python predict_vit.py --ckpt=out/vit --images=IMAGE_OR_DIR   # a checkpoint classifies your images
   python train_vit.py --benchmark --preset=cifar10
   python train_vit.py -h               # every flag, with its default
 """
@@ -53,14 +53,14 @@ class Config:
     # model
     image_size: int = 0  # 0 = the data's; else must equal it
     patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4
-    n_head: int = 4
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads, each of even width
     n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP's activation; swiglu is gated
     mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # before each attention, MLP, and the head
     qk_norm: bool = True  # RMSNorm on queries and keys
-    pos_emb: Literal["sincos", "learned"] = "sincos"
+    pos_emb: Literal["sincos", "learned"] = "sincos"  # fixed 2-D sin-cos, or learned positions
     pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
     registers: int = 0  # scratch tokens (Darcet et al. 2024)
     layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
@@ -79,7 +79,7 @@ class Config:
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR's decay after the warmup
     warmup_steps: int = 100  # linear warmup
     cooldown_frac: float = 0.2  # wsd: the final decay's share
     final_lr_frac: float = 0.0  # the last LR, over the peak
@@ -89,12 +89,12 @@ class Config:
     flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
     mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
     cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # target mass spread over all classes
     # eval, logging, checkpoints
     eval_every: int = 400  # steps; 0 = only at the end
     eval_images: int = 1000  # per periodic eval; the final: all
     tta_flip: bool = False  # average predictions with the mirror's
-    log_every: int = 25
+    log_every: int = 25  # steps between log lines
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2  # newest checkpoints kept
     milestone_every: int = 0  # also keep steps multiple of this
@@ -109,20 +109,16 @@ class Config:
     guard_window: int = 100  # steps of the running statistics
     rollback_after: int = 5  # bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    compile: Literal["auto", "true", "false"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     offload: Literal["none", "params"] = "none"  # fsdp: to CPU
     seed: int = 1337  # init, data order, augmentation
     benchmark: bool = False  # time steps on random images, exit
     bench_steps: int = 20  # timed steps, after 5 warm-up steps
     profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    # prediction
-    predict: str = ""  # an image or folder: print probabilities
-    ckpt: str = ""  # checkpoint for --predict; empty = out_dir
-    top_k: int = 5  # classes shown per image by --predict
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
@@ -134,6 +130,11 @@ PRESETS = {
 }
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
                "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
+# A trainer trains (STYLE.md: one job per file). Classifying images with a finished checkpoint
+# is predict_vit.py's job; its old flags here stop in one line that names the new command.
+MOVED = {"predict": "python predict_vit.py --ckpt=out/vit --images=PATH",
+         "ckpt": "python predict_vit.py --ckpt=PATH --images=PATH",
+         "top_k": "python predict_vit.py --ckpt=out/vit --images=PATH --show=K"}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -582,10 +583,8 @@ def plot_results(out_dir, history, confusion, classes):
         plt.close(fig)
 
 def main(cfg):
-    """Train (or --benchmark, or --predict) per cfg; returns a dict of final metrics."""
+    """Train (or --benchmark) per cfg; returns a dict of final metrics."""
     check_config(cfg)
-    if cfg.predict:
-        return predict_main(cfg)
     with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
         return train(cfg, stop)
 
@@ -738,52 +737,10 @@ def train(cfg, stop):
     result |= {**rec, "train_loss": loss, "images": step * images_per_step}
     return finish(line, result, key, master and cfg.out_dir, cfg.description)
 
-def load_image(path, size, channels):
-    """An image file as (size, size, channels) uint8: its centre square, resized as prepare_data.py does."""
-    from PIL import Image, ImageOps
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if channels == 3 else "L")
-            a = np.asarray(ImageOps.fit(im, (size, size), Image.Resampling.BILINEAR))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # or a pixel bomb
-        die(f"cannot read the image {path} ({type(e).__name__}: {e}); give PNG/JPEG files")
-    return a.reshape(size, size, channels)
-
-def predict_main(cfg):
-    """--predict: class probabilities of each image, from a checkpoint's EMA weights (if any)."""
-    where = cfg.ckpt or cfg.out_dir
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first or pass --ckpt=PATH")
-    exts = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif")
-    found = glob.glob(os.path.join(cfg.predict, "**", "*"), recursive=True)  # of a folder
-    files = [cfg.predict] if os.path.isfile(cfg.predict) else sorted(f for f in found if f.lower().endswith(exts))
-    if not files:
-        die(f"--predict={cfg.predict}: no such image file, or no PNG/JPEG images in that folder")
-    _, _, device = setup_dist(cfg.device)
-    with reading(path, "pass a checkpoint written by train_vit.py"):
-        meta, fields = ckpt["data_meta"], Config.__dataclass_fields__
-        trained = Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
-        model = build_model(trained, meta, device).eval()
-        model.load_state_dict(ckpt.get("ema") or ckpt["model"])
-        size, classes = int(meta["image_size"][0]), [str(c) for c in meta["classes"]]
-    print(f"# {path} (step {ckpt['step']}, {'EMA' if ckpt.get('ema') else 'raw'} weights)")
-    out = {}
-    for i in range(0, len(files), 256):
-        batch = files[i:i + 256]
-        x = torch.from_numpy(np.stack([load_image(f, size, meta["channels"]) for f in batch]))
-        with torch.no_grad():
-            probs = model(x.to(device).float() / 255).float().softmax(-1).cpu()
-        for f, p in zip(batch, probs):
-            top = p.topk(min(cfg.top_k, len(classes)))
-            out[f] = {classes[j]: float(v) for v, j in zip(top.values, top.indices)}
-            print(f"{f}: " + " | ".join(f"{c} {100 * v:.1f}%" for c, v in out[f].items()))
-    return out
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window top_k log_every "
+    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every "
                           "bench_steps"),  # before the check that divides by n_head
                       (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
                           "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
@@ -800,7 +757,7 @@ def check_config(cfg):
     if not (0 <= cfg.ema < 1 and 0 <= cfg.drop_path < 1 and 0 <= cfg.label_smoothing < 1
             and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
-    if not (cfg.benchmark or cfg.predict or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
 
 # -----------------------------------------------------------------------------

@@ -16,7 +16,9 @@ import chat_gpt
 import eval_gpt
 import finetune_gpt
 import kernels
+import predict_vit
 import prepare_data
+import sample_diffusion
 import sample_gpt
 import scaling
 import train_diffusion
@@ -28,8 +30,10 @@ from faults import inject, parse
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = {"train_gpt.py": train_gpt, "finetune_gpt.py": finetune_gpt, "chat_gpt.py": chat_gpt,
             "sample_gpt.py": sample_gpt, "eval_gpt.py": eval_gpt, "train_vit.py": train_vit,
-            "train_diffusion.py": train_diffusion}
-RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt, sample_gpt: train_gpt, eval_gpt: train_gpt}  # a companion: the trainer whose CLI shim and loop (where faults go) it uses
+            "train_diffusion.py": train_diffusion, "predict_vit.py": predict_vit, "sample_diffusion.py": sample_diffusion}
+# a companion: the trainer whose CLI shim and loop (where faults go) it uses
+RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt, sample_gpt: train_gpt, eval_gpt: train_gpt,
+           predict_vit: train_vit, sample_diffusion: train_diffusion}
 # appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
 # (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
 TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=32 --eval_tokens=1024 --device=cpu",
@@ -41,7 +45,10 @@ TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=
                    "--device=cpu",
         train_diffusion: "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=4 --batch_size=16 --max_steps=4 "
                          "--sample_steps=3 --per_class=1 --eval_samples=10 --final_samples=20 --eval_images=32 "
-                         "--device=cpu"}
+                         "--device=cpu",
+        # the companions that read a finished run: its model is already small; fewer, shorter samples
+        predict_vit: "--device=cpu",
+        sample_diffusion: "--sample_steps=3 --per_class=1 --samples=20 --device=cpu"}
 # a sweep of 6-7 runs of about 10-25 steps on the test corpus, and a plan within twice its largest budget
 TINY_SCALING = {"sweep": ["--flops=1e9,3e9", "--ratio=1", "--min_steps=5"], "plan": ["--flops=6e9"]}
 FENCES = ("```bash", "```sh", "```shell")  # the blocks that hold commands; other blocks (output, Python) do not

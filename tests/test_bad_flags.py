@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+import predict_vit as pv
+import sample_diffusion as sd
 import train_diffusion as td
 import train_gpt as tg
 import train_vit as tv
@@ -24,9 +26,12 @@ CASES = [  # (module, flags, what the line must name)
     (tg, dict(save_every=-2), "--save_every must be at least 0"),
     (tg, dict(n_layer=0), "--n_layer must be at least 1"),
     (tg, dict(lr=0.0), "need --lr > 0"),
-    (tv, dict(top_k=0), "--top_k must be at least 1"),
+    (pv, dict(images="x.png", show=0), "--show must be at least 1"),  # train_vit.py's --top_k, before issue 59
+    (pv, dict(), "name the images to classify: --images=FILE_OR_FOLDER"),
     (td, dict(sample_steps=0), "--sample_steps must be at least 1"),
-    (td, dict(sample=True, sample_out="missing_dir/x.png"), "its folder does not exist"),
+    (sd, dict(sample_steps=0), "--sample_steps must be at least 1"),
+    (sd, dict(cfg_scale=-1.0), "--cfg_scale must be at least 0"),
+    (sd, dict(out="missing_dir/x.png"), "its folder does not exist"),
 ]
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import faults
 import kernels
+import predict_vit as pv
 import prepare_data
 import scaling as sc
 import train_diffusion as td
@@ -617,7 +618,7 @@ def test_expandable_segments_are_asked_for_before_cuda_starts(monkeypatch):
 
 
 def test_predict_sees_an_image_as_training_did(tmp_path):
-    """--predict reads a PNG as prepare_data.py stored it and the model normalises it as in training (the data's mean
+    """predict_vit.py reads a PNG as prepare_data.py stored it and the model normalises it as in training (the data's mean
     and std live in the model): its probabilities are the model's on the stored image."""
     from PIL import Image
     splits = {"train": prepare_data.make_shapes(64, 16, 0), "val": prepare_data.make_shapes(8, 16, 1)}
@@ -628,7 +629,7 @@ def test_predict_sees_an_image_as_training_did(tmp_path):
                       dtype="float32", warmup_steps=1))
     image = splits["val"][0][0]
     Image.fromarray(image).save(tmp_path / "x.png")
-    probs = tv.main(tv.Config(predict=str(tmp_path / "x.png"), ckpt=str(out), device="cpu", top_k=10))
+    probs = pv.main(pv.Config(images=str(tmp_path / "x.png"), ckpt=str(out), device="cpu", show=10))
     probs = probs[str(tmp_path / "x.png")]
     ckpt, _ = tv.load_checkpoint(str(out))
     known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}

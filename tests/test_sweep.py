@@ -1,4 +1,4 @@
-"""Issue 51's sweep of bad input across the scripts: each case runs a script in this process as its
+"""Issue 51's sweep of bad input across the suite's scripts: each case runs a script in this process as its
 `if __name__ == "__main__":` block does, on one bad input made in tmp_path, and must end as the suite promises: a
 non-zero exit, one line on stderr naming the problem and the fix (or one line per problem: a skipped checkpoint's
 warning, then the error), never a traceback, and no file left behind (an empty folder is allowed, except from a
@@ -35,8 +35,8 @@ def entry(script, argv):
         sys.exit(mod.main(argv))
     elif script == "scaling.py":
         mod.main(argv)
-    else:  # the trainers parse flags with their own shim, the companions with train_gpt.py's
-        shim = mod if script.startswith("train_") else mod.tg
+    else:  # the trainers parse flags with their own shim, the companions with their trainer's (tg, tv or td)
+        shim = mod if script.startswith("train_") else next(vars(mod)[n] for n in ("tg", "tv", "td") if n in vars(mod))
         mod.main(shim.parse_args(mod.Config, argv))
 
 
@@ -261,10 +261,11 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "vit-beta2-1": ("train_vit.py", lambda t, f: img(f, t, IMG, "--beta2=1")),
     "vit-mlp_ratio-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--mlp_ratio=-1")),
     "vit-eval_images-negative": ("train_vit.py", lambda t, f: img(f, t, IMG, "--eval_images=-1")),
-    "vit-predict-png-cut": ("train_vit.py", lambda t, f: [
-        f"--predict={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
-    "vit-predict-ckpt-cut": ("train_vit.py", lambda t, f: [
-        f"--predict={f.pngs}", f"--ckpt={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "vit-predict-png-cut": ("predict_vit.py", lambda t, f: [
+        f"--images={half(f.pngs / 'c0' / 'im0.png', t / 'a.png')}", f"--ckpt={f.vit}", "--device=cpu"]),
+    "vit-predict-ckpt-cut": ("predict_vit.py", lambda t, f: [
+        f"--images={f.pngs}", f"--ckpt={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "vit-predict-moved": ("train_vit.py", lambda t, f: [f"--predict={f.pngs}", f"--ckpt={f.vit}"]),
     "vit-resume-ckpt-cut": ("train_vit.py", lambda t, f: resume_from_cut(
         f, t, next(f.vit.glob("ckpt_*.pt")), img(f, t, IMG))),
     "vit-meta-json-not-json": ("train_vit.py", lambda t, f: img_data(f, t, IMG, "meta.json", "\x00\x01")),
@@ -277,15 +278,15 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "dit-n_head-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--n_head=0")),
     "dit-beta1-negative": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--beta1=-0.5")),
     "dit-mlp_ratio-0": ("train_diffusion.py", lambda t, f: img(f, t, DIT, "--mlp_ratio=0")),
-    "dit-sample-ckpt-cut": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={half(next(f.dit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
-    "dit-sample-cfg_scale-negative": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", "--cfg_scale=-1", "--device=cpu"]),
-    "dit-sample_out-is-a-folder": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", f"--sample_out={folder(t / 'grid.png')}", "--device=cpu", "--sample_steps=1",
-        "--per_class=1"]),
-    "dit-sample_out-in-a-file": ("train_diffusion.py", lambda t, f: [
-        "--sample", f"--ckpt={f.dit}", f"--sample_out={put(t / 'f', 'x') / 'grid.png'}", "--device=cpu"]),
+    "dit-sample-ckpt-cut": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={half(next(f.dit.glob('ckpt_*.pt')), t / 'c.pt')}", "--device=cpu"]),
+    "dit-sample-cfg_scale-negative": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", "--cfg_scale=-1", "--device=cpu"]),
+    "dit-sample_out-is-a-folder": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", f"--out={folder(t / 'grid.png')}", "--device=cpu", "--sample_steps=1", "--per_class=1"]),
+    "dit-sample_out-in-a-file": ("sample_diffusion.py", lambda t, f: [
+        f"--ckpt={f.dit}", f"--out={put(t / 'f', 'x') / 'grid.png'}", "--device=cpu"]),
+    "dit-sample-moved": ("train_diffusion.py", lambda t, f: ["--sample", f"--ckpt={f.dit}", "--cfg_scale=3"]),
     "dit-eval_classifier-ckpt-cut": ("train_diffusion.py", lambda t, f: img(
         f, t, DIT, f"--eval_classifier={half(next(f.vit.glob('ckpt_*.pt')), t / 'c.pt')}")),
     "dit-fid_weights-not-torchscript": ("train_diffusion.py", lambda t, f: img(

@@ -12,6 +12,7 @@ import torch
 
 import faults
 import prepare_data
+import sample_diffusion as sd
 import train_diffusion as td
 from test_train_vit import records  # {step: value} of a key in a run's metrics.jsonl
 
@@ -211,8 +212,9 @@ def test_overfit_one_batch():
 
 @pytest.mark.slow
 def test_learns_shapes_samples_and_scores(shapes, tmp_path):
-    """Loss falls; the files are written; --sample from the checkpoint writes a grid; a train_vit.py classifier on
-    the same data scores the samples (accuracy and Frechet distance), in the run and in --sample."""
+    """Loss falls; the files are written; sample_diffusion.py writes a grid from the checkpoint; a train_vit.py
+    classifier on the same data scores the samples (accuracy and Frechet distance), in the run and in
+    sample_diffusion.py."""
     import train_vit
     clf = train_vit.Config(data_dir=str(shapes), out_dir=str(tmp_path / "clf"), n_layer=2, n_head=2, n_embd=32,
                            patch_size=4, batch_size=64, max_steps=60, time_budget=0.0, log_every=20, eval_every=0,
@@ -229,13 +231,13 @@ def test_learns_shapes_samples_and_scores(shapes, tmp_path):
     for f in ("config.json", "metrics.jsonl", "samples.png", "samples_00075.png", "ckpt_0000150.pt"):
         assert (tmp_path / "run" / f).exists(), f
     assert (tmp_path / "results.tsv").read_text().count("train_diffusion.py") == 1
-    out = td.main(td.Config(sample=True, ckpt=cfg.out_dir, device="cpu", sampler="heun", sample_steps=4, per_class=3,
-                            cfg_scale=2, eval_classifier=clf.out_dir, final_samples=30))
+    out = sd.main(sd.Config(ckpt=cfg.out_dir, device="cpu", sampler="heun", sample_steps=4, per_class=3,
+                            cfg_scale=2, eval_classifier=clf.out_dir, samples=30))
     from PIL import Image
     assert Image.open(out["grid"]).size[1] == 10 * (16 * 2 + 2) + 2  # 10 rows of classes
     assert os.path.basename(out["grid"]) == "sample_heun4_cfg2_seed0.png" and 0 <= out["clf_acc"] <= 1
     with pytest.raises(SystemExit, match="does not fit --objective=flow"):
-        td.main(td.Config(sample=True, ckpt=cfg.out_dir, sampler="ddim"))
+        sd.main(sd.Config(ckpt=cfg.out_dir, sampler="ddim"))
 
 
 @pytest.mark.slow
@@ -303,12 +305,21 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
     (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
     (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
-    (["--sample", "--ckpt=nowhere"], "no complete train_diffusion.py checkpoint"),
+    # jobs that moved to sample_diffusion.py: the old flag names the new command (issue 59)
+    (["--sample", "--ckpt=nowhere"], "--sample moved: python sample_diffusion.py --ckpt=out/diffusion"),
+    (["--sample_out=grid.png"], "--sample_out moved: python sample_diffusion.py --ckpt=out/diffusion --out=PATH.png"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     p = run_script(*args, f"--out_dir={tmp_path}/o", cwd=tmp_path)
     assert p.returncode != 0 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_sampling_a_missing_checkpoint_gives_one_line(tmp_path):
+    """sample_diffusion.py, as a user runs it, on a checkpoint that is not there: one line, nothing written."""
+    p = run_script("--ckpt=nowhere", "--device=cpu", cwd=tmp_path, script="sample_diffusion.py")
+    assert p.returncode != 0 and "no complete train_diffusion.py checkpoint" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == [], p.stderr
 
 
 def test_bad_data_gives_one_line_errors(shapes, one_image, tmp_path):

@@ -1,4 +1,5 @@
-"""train_vit.py: units, in-process CPU training runs, exact resume, prediction, bad input, two-rank torchrun parity."""
+"""train_vit.py: units, in-process CPU training runs, exact resume, prediction (predict_vit.py), bad input, two-rank
+torchrun parity."""
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import faults
+import predict_vit as pv
 import prepare_data
 import train_diffusion as td
 import train_vit as tv
@@ -176,13 +178,13 @@ def test_learns_shapes_and_writes_its_files(shapes, tmp_path):
     for f in ("config.json", "metrics.jsonl", "accuracy.png", "confusion.png", "ckpt_0000400.pt"):
         assert (tmp_path / "run" / f).exists(), f
     assert (tmp_path / "results.tsv").read_text().count("train_vit.py") == 1
-    # --predict on images written as PNG, with the checkpoint of this run
+    # predict_vit.py on images written as PNG, with the checkpoint of this run
     from PIL import Image
     x, y = prepare_data.make_shapes(4, 16, 7)
     (tmp_path / "images").mkdir()
     for i, im in enumerate(x):
         Image.fromarray(im).save(tmp_path / "images" / f"im{i}.png")
-    out = tv.main(tv.Config(predict=str(tmp_path / "images"), ckpt=cfg.out_dir, device="cpu", top_k=3))
+    out = pv.main(pv.Config(images=str(tmp_path / "images"), ckpt=cfg.out_dir, device="cpu", show=3))
     assert len(out) == 4 and all(len(p) == 3 and sum(p.values()) <= 1 + 1e-5 for p in out.values())
 
 
@@ -232,6 +234,9 @@ def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
     (["--max_steps=0", "--time_budget=0"], "no training budget"),
     (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
     (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
+    # jobs that moved to predict_vit.py: the old flag names the new command (issue 59)
+    (["--predict=x.png", "--ckpt=out/vit"], "--predict moved: python predict_vit.py --ckpt=out/vit --images=PATH"),
+    (["--top_k=3"], "--top_k moved: python predict_vit.py --ckpt=out/vit --images=PATH --show=K"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path):
     p = run_script(*args, f"--out_dir={tmp_path}/o", cwd=tmp_path)

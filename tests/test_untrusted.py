@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+import predict_vit as pv
 import prepare_data
+import sample_diffusion as sd
 import train_diffusion as td
 import sample_gpt
 import train_gpt as tg
@@ -197,8 +199,8 @@ def bomb_png(path, side=40000):
 
 
 def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
-    """Damaged PNGs and a pixel bomb, for prepare_data.py imagefolder and train_vit.py --predict; image meta.json with
-    wrong types; damaged or crafted ViT and DiT checkpoints for --predict, --sample and --eval_classifier."""
+    """Damaged PNGs and a pixel bomb, for prepare_data.py imagefolder and predict_vit.py; image meta.json with wrong
+    types; damaged or crafted ViT and DiT checkpoints for predict_vit.py, sample_diffusion.py and --eval_classifier."""
     rng, marker = random.Random(3), tmp_path / "PWNED"
     root = png_files(tmp_path)
     shapes = tmp_path / "shapes"
@@ -215,11 +217,11 @@ def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
         p.write_bytes(blob[:rng.randrange(8, len(blob))] if i % 2 else flips(blob, rng, rng.randint(1, 8)))
         r1 = outcome(lambda: prepare_data.main(["imagefolder", str(root), f"--data_dir={tmp_path / f'pd{i}'}",
                                                 "--image_size=16"]), capfd)
-        r2 = outcome(lambda: tv.main(tv.Config(predict=str(root), ckpt=str(tmp_path / "vit"), device="cpu")), capfd)
+        r2 = outcome(lambda: pv.main(pv.Config(images=str(root), ckpt=str(tmp_path / "vit"), device="cpu")), capfd)
         assert (r1 == "ok" or str(p) in r1) and (r2 == "ok" or str(p) in r2), (r1, r2)
         p.write_bytes(blob)
     bomb_png(pngs[0])
-    assert "cannot read the image" in outcome(lambda: tv.main(tv.Config(predict=str(pngs[0]), ckpt=str(tmp_path / "vit"),
+    assert "cannot read the image" in outcome(lambda: pv.main(pv.Config(images=str(pngs[0]), ckpt=str(tmp_path / "vit"),
                                                                         device="cpu")), capfd)
     meta = json.loads((shapes / "meta.json").read_text())
     for i, key in enumerate(meta):
@@ -229,12 +231,12 @@ def test_images_and_image_checkpoints_from_others(tmp_path, capfd):
             (d / "meta.json").write_text(json.dumps({**meta, key: value}))
             r = outcome(lambda: tv.main(tv.Config(**{**small, "data_dir": str(d), "out_dir": str(d / "o")})), capfd)
             assert r == "ok" or "meta.json" in r or str(d) in r, r
-    for script, out, call in ((tv, "vit", lambda c: tv.main(tv.Config(predict=str(pngs[1]), ckpt=c, device="cpu"))),
-                              (td, "dit", lambda c: td.main(td.Config(sample=True, ckpt=c, device="cpu", sample_steps=2,
+    for script, out, call in ((tv, "vit", lambda c: pv.main(pv.Config(images=str(pngs[1]), ckpt=c, device="cpu"))),
+                              (td, "dit", lambda c: sd.main(sd.Config(ckpt=c, device="cpu", sample_steps=2,
                                                                       per_class=1))),
-                              (td, "clf", lambda c: td.main(td.Config(sample=True, ckpt=str(tmp_path / "dit"), device="cpu",
+                              (td, "clf", lambda c: sd.main(sd.Config(ckpt=str(tmp_path / "dit"), device="cpu",
                                                                       sample_steps=2, per_class=1, eval_classifier=c,
-                                                                      final_samples=10)))):
+                                                                      samples=10)))):
         good = script.list_checkpoints(str(tmp_path / ("vit" if out == "clf" else out)))[-1][1]
         ckpt = torch.load(good, weights_only=True)
         for i, c in enumerate(list(mutated_checkpoints(ckpt, rng, marker))[::3]):

@@ -1,0 +1,158 @@
+"""
+sample_diffusion.py: a grid of samples from a checkpoint of train_diffusion.py, scored if you ask.
+
+It draws the samples with the run's own model (the EMA weights where the run kept an EMA) and the
+sampler settings you give: the sampler, its steps, the guidance scale, the seed of the noise. With
+--eval_classifier, a train_vit.py classifier of the same data scores them as the run's evals do:
+how often it recognises the class a sample was asked for, and the Frechet distance of its features.
+
+  python train_diffusion.py                                  # a run to sample from, in out/diffusion
+  python sample_diffusion.py --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
+  python sample_diffusion.py --ckpt=out/diffusion --samples=500 --eval_classifier=out/vit
+  python sample_diffusion.py -h                              # every flag, with its default
+
+The grid goes beside the checkpoint, named by its settings (sample_heun32_cfg3_seed0.png), unless
+--out names it. It imports train_diffusion.py for the model, the sampler, the checkpoint reader
+and the flag parser, so a sample here is drawn by the very code that draws a run's eval samples.
+"""
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+import train_diffusion as td
+
+# -----------------------------------------------------------------------------
+# Config
+
+@dataclass
+class Config:
+    ckpt: str = "out/diffusion"  # a checkpoint file, or a run's out_dir (its newest)
+    out: str = ""  # the grid's PNG; empty: beside the checkpoint, named by the settings
+    # sampling: the flags of train_diffusion.py's evals, with the same defaults
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
+    sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
+    cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = unconditional
+    sample_seed: int = 0  # the noise's seed: one seed, one grid
+    per_class: int = 8  # columns of the grid (rows: classes)
+    # scoring
+    samples: int = 500  # drawn for --eval_classifier (the grid shows the first)
+    eval_classifier: str = ""  # a train_vit.py checkpoint of the same data: scores
+    fid_weights: str = ""  # clean-fid's Inception TorchScript: FID as well
+    # system
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where the model runs
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # of the matmuls
+
+# train_diffusion.py's flag parser reads a script's presets; sampling has no sizes to name
+PRESETS = {}
+
+# samples per forward: the model runs on the guided pairs, so a forward holds twice as many
+BATCH = 256
+
+def check_config(cfg):
+    """Reject impossible flags in one line that names the fix, before any work."""
+    # the flag parser checks a Literal's choices; a Config built in Python is checked here
+    for field in dataclasses.fields(cfg):
+        td.choose(field, getattr(cfg, field.name))
+    for low, keys in ((1, "sample_steps per_class"), (0, "cfg_scale samples")):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                td.die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    for k in ("eval_classifier", "fid_weights"):
+        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
+            td.die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+    # found now, not after minutes of sampling: a grid that has nowhere to go
+    folder = os.path.dirname(os.path.abspath(cfg.out))
+    if cfg.out and (os.path.isdir(cfg.out) or not os.path.isdir(folder)):
+        td.die(f"--out={cfg.out} is a folder, or its folder does not exist; name a .png in one that does")
+
+# -----------------------------------------------------------------------------
+# The model of a run
+
+def load_model(path, ckpt, where, device):
+    """(model, the run's Config, data meta, classes K; 0: unconditional) of the checkpoint ckpt read from path."""
+    # Rebuilt from the run's own config: build_model then makes the very model that was trained.
+    # Keys this train_diffusion.py no longer has (an older checkpoint's --sample, say) are left out.
+    # Everything read from the file is inside reading(): a crafted value stops in one line.
+    with td.reading(path, "pass a checkpoint written by train_diffusion.py"):
+        if ckpt is None or "objective" not in ckpt["config"]:  # a ViT's checkpoint has no objective
+            td.die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
+        fields = td.Config.__dataclass_fields__
+        trained = td.Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
+        meta, K = ckpt["data_meta"], ckpt["num_classes"]
+        (H, W), C = meta["image_size"], meta["channels"]
+        model = td.build_model(trained, H, C, K, device)
+        # the EMA's weights sample better than the last step's, where the run kept them
+        model.load_state_dict(ckpt["ema"] or ckpt["model"])
+    return model, trained, meta, K
+
+def real_images(data_dir, device):
+    """The val images (n, H, W, C) uint8 of the run's data: what a Frechet distance compares with."""
+    if not os.path.exists(data_dir):
+        td.die(f"the checkpoint's data_dir {data_dir!r} is gone; the Frechet distance needs its images")
+    _, arrays = td.load_image_data(data_dir, ("val",))
+    images, _ = arrays["val"]
+    return torch.from_numpy(np.array(images)).to(device)
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+def main(cfg):
+    """Write the grid of --ckpt's samples, score them with --eval_classifier; returns {grid, sample_s, scores}."""
+    check_config(cfg)
+    ckpt, path = None, None
+    if os.path.exists(cfg.ckpt):  # a damaged file stops in load_checkpoint, saying what is wrong with it
+        ckpt, path = td.load_checkpoint(cfg.ckpt)
+    _, _, device = td.setup_dist(cfg.device)
+    # autocast for the model's matmuls only: the sampler's steps stay fp32 (draw_samples)
+    _, ctx, _ = td.setup_precision(device, cfg.dtype)
+    model, trained, meta, K = load_model(path, ckpt, cfg.ckpt, device)
+    # a sampler integrates the objective the run learned: Euler or Heun a flow, DDIM a DDPM
+    if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (trained.objective == "ddpm"):
+        td.die(f"--sampler={cfg.sampler} does not fit --objective={trained.objective} (the checkpoint's): "
+               "euler|heun sample flow, ddim samples ddpm")
+    sampler = cfg.sampler
+    if sampler == "auto":  # what td.sample runs for this objective
+        sampler = "euler" if trained.objective == "flow" else "ddim"
+    # td.sample and td.draw_samples read the sampler's settings from a train_diffusion.py Config:
+    # the run's, with this command's settings in place of its own
+    settings = dict(sampler=cfg.sampler, sample_steps=cfg.sample_steps, cfg_scale=cfg.cfg_scale,
+                    sample_seed=cfg.sample_seed)
+    run = dataclasses.replace(trained, **settings)
+    rows = K or cfg.per_class  # a row per class; unconditional: a square grid
+    n = rows * cfg.per_class
+    if cfg.eval_classifier:  # a score needs more samples than a grid shows
+        n = max(n, cfg.samples)
+    weights = "EMA" if ckpt["ema"] else "raw"
+    print(f"# {path} (step {ckpt['step']}, {weights} weights) | {n} samples | "
+          f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
+
+    t0 = time.perf_counter()
+    shape = (*meta["image_size"], meta["channels"])  # (H, W, C)
+    alpha_bar = td.cosine_alpha_bar()  # DDPM's noise levels; a flow ignores them
+    # one process: rank 0 of 1 draws them all
+    samples = td.draw_samples(model, n, shape, K, run, alpha_bar, BATCH, 0, 1, ctx)  # (n, H, W, C) uint8
+    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
+    out = cfg.out or os.path.join(os.path.dirname(path), name)
+    labels = meta["classes"] if K else None
+    td.write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, labels)
+    res = {"grid": out, "sample_s": time.perf_counter() - t0}
+
+    if cfg.eval_classifier:  # the run's evals score alike (td.evaluate_both): the numbers compare
+        real = real_images(trained.data_dir, device)
+        judge = td.Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, real)
+        res |= judge.score(samples, K)
+    scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
+    print(f"wrote {out} in {res['sample_s']:.1f} s{scores}")
+    return res
+
+# -----------------------------------------------------------------------------
+# Entry point
+
+if __name__ == "__main__":
+    main(td.parse_args(Config, sys.argv[1:]))
