@@ -53,90 +53,96 @@ import kernels  # Triton kernels on CUDA; PyTorch's ops elsewhere
 
 @dataclass
 class Config:
+    """Every knob of a run, one field per flag: --n_layer=12 sets n_layer, and -h shows each field with its
+    trailing comment as help and its default. A --preset (PRESETS, below) replaces some defaults first; the flags
+    given on the command line win over it. What follows from these fields (the micro-steps a step, the step count
+    of a token budget) is derived in train(), where it is used, and printed there; it is not stored here."""
     # data and output
-    data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards, or nanoGPT's .bin
-    out_dir: str = "out/gpt"  # checkpoints, metrics.jsonl, config.json
-    preset: str = ""  # cpu_demo|cpu_128|gpt2_124m|gpt2_350m; flags win
+    data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards and meta.json, or nanoGPT's train.bin and val.bin
+    out_dir: str = "out/gpt"  # where checkpoints, metrics.jsonl and config.json go
+    preset: str = ""  # cpu_demo|cpu_128|gpt2_124m|gpt2_350m: a named set of flags; the flags you give win
     # model
     n_layer: int = 4  # transformer blocks
-    n_head: int = 2  # query heads; 2 x 32 wide beat 4 x 16 on a CPU
-    n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
-    n_embd: int = 64  # 64 beats 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
-    seq_len: int = 128  # context length
-    vocab_size: int = 0  # 0 = the data's
-    mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # pre-norm
-    qk_norm: bool = True  # norm queries and keys
-    tie_embeddings: bool = False  # the head is the input embedding
-    logit_softcap: float = 0.0  # cap * tanh(logits / cap); 0 = off
-    rope_base: float = 10000.0  # RoPE theta
-    window: int = 0  # sliding-window attention; 0 = all positions
-    window_pattern: int = 0  # every k-th layer global (Gemma 2)
-    pos_emb: Literal["rope", "learned"] = "rope"  # learned: GPT-2
-    bias: bool = False  # biases in linears and norms, as GPT-2
-    norm_eps: float = 1e-6  # GPT-2: 1e-5
-    init_std: float = 0.02  # std of the hidden weights at init
-    mup: bool = False  # muP: the best LR transfers across width
-    base_width: int = 128  # muP: the n_embd where muP = SP
+    n_head: int = 2  # query heads, which split n_embd; 2 x 32 wide beat 4 x 16 on a CPU
+    n_kv_head: int = 0  # key/value heads, shared by groups of query heads (GQA); 0 = n_head, 1 = multi-query
+    n_embd: int = 64  # width of the residual stream; 64 beat 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
+    seq_len: int = 128  # context length, in tokens
+    vocab_size: int = 0  # the vocabulary the model is built for, at least the data's; 0 = the data's
+    mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"  # the MLP: gated SiLU, ReLU squared, or GPT-2's GELU
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # before each attention and MLP (pre-norm), and the head
+    qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
+    tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
+    logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
+    rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
+    window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
+    window_pattern: int = 0  # every k-th layer sees all positions, the others the window (Gemma 2); 0 = none
+    pos_emb: Literal["rope", "learned"] = "rope"  # rotate queries and keys, or add a learned embedding (GPT-2)
+    bias: bool = False  # biases in the linears and LayerNorms, as GPT-2 has
+    norm_eps: float = 1e-6  # the norms' epsilon; GPT-2 uses 1e-5
+    init_std: float = 0.02  # std of the hidden weights at init (muP divides it by sqrt(n_embd / base_width))
+    mup: bool = False  # muP (Yang et al. 2022): the LR tuned at base_width holds at any width
+    base_width: int = 128  # muP: the n_embd at which muP and the standard parametrisation agree
     # budget: max_steps, else tokens, else time_budget
-    max_steps: int = 0  # optimizer steps
-    tokens: str = ""  # e.g. 2.5e9; auto = 20 x params (Chinchilla)
-    time_budget: float = 240.0  # seconds of training, eval excluded
+    max_steps: int = 0  # optimizer steps; 0 = set by --tokens or --time_budget
+    tokens: str = ""  # tokens to train on, e.g. 2.5e9; auto = 20 x the parameters (Chinchilla); empty = off
+    time_budget: float = 240.0  # seconds of training, evals and saves excluded; 0 = no limit
     batch_size: int = 32  # micro-batch per rank, in sequences
     grad_accum: int = 1  # micro-steps per optimizer step
-    total_batch: int = 0  # tokens a step, all ranks; sets grad_accum
+    total_batch: int = 0  # tokens per optimizer step over all ranks, which sets grad_accum; 0 = off
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # muon: + AdamW
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: Muon on hidden matrices and AdamW on the rest
     lr: float = 8e-3  # peak LR, of Muon and AdamW alike (4e-3 at 128 wide)
-    embed_lr: float = 0.0  # of the input embedding; 0 = auto
-    weight_decay: float = 0.1  # on hidden matrices only
-    beta1: float = 0.9  # AdamW
-    beta2: float = 0.95  # AdamW
+    embed_lr: float = 0.0  # LR of the input embedding; 0 = auto: 10 x lr for a BPE under Muon, else lr
+    weight_decay: float = 0.1  # decoupled weight decay, on the hidden matrices only
+    beta1: float = 0.9  # AdamW's momentum
+    beta2: float = 0.95  # AdamW's decay of the squared gradients
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    z_loss: float = 0.0  # weight of logsumexp^2 (PaLM: 1e-4)
-    seq_len_warmup: int = 0  # steps to grow the length; 0 = off
-    seq_len_start: int = 64  # the first length of seq_len_warmup
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20  # linear LR warmup
-    cooldown_frac: float = 0.2  # wsd: the final decay's share
-    final_lr_frac: float = 0.1  # the last LR, of the peak
+    z_loss: float = 0.0  # weight of logsumexp^2 in the loss, which keeps logits from drifting (PaLM: 1e-4)
+    seq_len_warmup: int = 0  # steps over which the sequence length grows to seq_len; 0 = off
+    seq_len_start: int = 64  # the first length of seq_len_warmup, in tokens
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR after warmup: its decay to final_lr_frac
+    warmup_steps: int = 20  # steps of linear LR warmup
+    cooldown_frac: float = 0.2  # wsd: the share of the steps spent in the final decay
+    final_lr_frac: float = 0.1  # the last LR, as a fraction of the peak
     # eval, logging, checkpoints
-    eval_every: int = 250  # steps; 0 = only at the end
-    eval_tokens: int = 65536  # a periodic eval's; the final's <= 4M
+    eval_every: int = 250  # steps between evals; 0 = only at the end
+    eval_tokens: int = 65536  # val tokens a periodic eval reads; the final eval reads up to 4M
     log_every: int = 25  # steps between log lines
-    sample_tokens: int = 200  # sampled at each eval; 0 = off
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2  # newest checkpoints kept, and milestones
-    milestone_every: int = 0  # steps of checkpoints kept for good
-    async_save: bool = False  # write checkpoints in a thread
-    resume: bool = False  # from out_dir's newest checkpoint
-    wandb: str = ""  # wandb project; empty = off
-    description: str = ""  # for the results.tsv log
+    sample_tokens: int = 200  # tokens sampled at each eval; 0 = off
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept, besides the milestones
+    milestone_every: int = 0  # steps between checkpoints kept for good; 0 = none
+    async_save: bool = False  # write checkpoints in a thread while training goes on
+    resume: bool = False  # continue from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project to log to; empty = off
+    description: str = ""  # a note on this run, for its row in results.tsv
     # guards: a bad step is skipped; repeated ones roll back
-    loss_spike: float = 6.0  # running stds over the mean; 0 = off
-    gnorm_spike: float = 0.0  # the same for the grad norm
-    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    loss_spike: float = 6.0  # skip a step whose loss is this many running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm; 0 = off
+    clip_mult: float = 0.0  # clip the grad norm at this many times its running mean; 0 = off
     guard_window: int = 100  # steps in the running statistics
-    rollback_after: int = 5  # bad steps in the window; 0 = never
+    rollback_after: int = 5  # bad steps within the window that roll back to a checkpoint; 0 = never
     # system
-    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # in backward
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 if fast
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: CUDA
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
-    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
-    seed: int = 1337  # init and sampling
-    benchmark: bool = False  # time steps on random tokens, exit
-    bench_steps: int = 20  # timed, after 5 warm-up steps
-    profile: bool = False  # benchmark: trace.json of 3 more steps
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
+    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # recompute in backward: less memory
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # autocast's; auto: bf16 if fast, else fp32
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (DDP) or shard it (FSDP2)
+    offload: Literal["none", "params"] = "none"  # fsdp: keep the parameters in CPU memory
+    seed: int = 1337  # of the init and the sampling
+    benchmark: bool = False  # time steps on random tokens, print the speed, and exit
+    bench_steps: int = 20  # steps that --benchmark times, after 5 warm-up steps
+    profile: bool = False  # with --benchmark: write trace.json of 3 more steps
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # Triton's or PyTorch's ops; auto: the faster per op
     # the text sampled at evals (sample_gpt.py samples a finished checkpoint)
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 50  # 0 = all tokens
+    temperature: float = 0.8  # of the sampled text; 0 = greedy
+    top_k: int = 50  # sample from the k likeliest tokens; 0 = all tokens
 
-# prepare_data.py's command for the default data_dir, what it makes, its flags
+# prepare_data.py's command for the default data_dir, what it makes, and its flags: a first run with no
+# --data_dir prepares this itself, offline
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
-# GPT-2's sizes on FineWeb (BENCHMARKS.md: Muon won at 124M)
+# GPT-2's sizes on FineWeb, for GPUs: 2^19 tokens a step (0.5M, GPT-3's batch at this size), 20 tokens a
+# parameter (Chinchilla), and Muon at lr 4e-3, which beat AdamW at 124M (BENCHMARKS.md)
 GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, lr=4e-3, tokens="auto",
             batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, norm="rmsnorm")
 PRESETS = {
@@ -156,9 +162,13 @@ MOVED = {
     "consolidate": "python finetune_gpt.py --export=pt --ckpt=SHARDED_CKPT --out_dir=NEW_DIR",
     "eval_mc": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag (--every_checkpoint for a run's milestones)",
 }
+# The fields that define the weights: a checkpoint carries them, and finetune_gpt.py takes them from the weights
+# it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
+# what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
+# would not replay the run it continues.
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
-ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # resumes share
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
 # -----------------------------------------------------------------------------
 # Model
