@@ -178,7 +178,8 @@ class Norm(nn.Module):
 
     def __init__(self, dim, cfg):
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind = cfg.norm
+        self.eps = cfg.norm_eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias and cfg.norm == "layernorm" else None
 
@@ -187,79 +188,120 @@ class Norm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
+# RoPE (Su et al. 2021) turns each pair of a head's dimensions by an angle proportional to the position, so q.k
+# depends only on the distance between two tokens. Pair j, of frequency base^(-2j/D), is (x[j], x[j + D/2]): the
+# halves of the head, as in GPT-NeoX and Llama, rather than neighbours (x[2j], x[2j + 1]). Both are the same rotation
+# up to a fixed shuffle of the head's dimensions, which the qkv projection learns around; halves let one roll of the
+# last axis line every pair up, where neighbours need a strided split and a re-interleave.
+
 def rope_tables(seq_len, head_dim, base, device):
     """RoPE's cos and signed sin (Su et al. 2021), (T, D) fp32."""
     f32 = dict(device=device, dtype=torch.float32)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)
-    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)  # (i, i + D/2)
-    return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), -1)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)  # (D/2,)
+    # (T, D/2): the angle of pair j at position t, in fp32: bf16 would round position 1,000 to a multiple of 4
+    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)
+    # both halves of a pair turn by the same angle; the sign of sin differs: -sin for the first half, +sin for the
+    # second, so that apply_rope's one multiply-add makes both rows of the 2 x 2 rotation
+    cos = freqs.cos().repeat(1, 2)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    return cos, sin
 
 def apply_rope(x, cos, sin):
     """Rotate the pairs (x[i], x[i + D/2]) of x (B, H, T, D)."""
-    xf = x.float()  # a roll, not a split and a cat: 2x faster on a CPU
-    return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
+    # rolled by D/2, x lines up each half with its partner: the first half gets x[j] cos - x[j + D/2] sin and the
+    # second x[j + D/2] cos + x[j] sin. A roll, not a split and a cat of the halves: 2x faster on a CPU. In fp32,
+    # as the tables are; the result goes back to x's dtype
+    xf = x.float()
+    rolled = xf.roll(x.size(-1) // 2, dims=-1)
+    return (xf * cos + rolled * sin).type_as(x)
 
 def width_mult(cfg):
     """muP's width multiplier m = n_embd / base_width, else 1."""
+    # muP (Yang et al. 2022, Tensor Programs V, Table 3) keeps every layer's update the same size as the model
+    # widens, so that the best LR found at base_width is the best at any n_embd. Relative to base_width it changes
+    # five things, each where it happens: the output is multiplied by 1/m (GPT.hidden), attention scores q.k by
+    # 1/d rather than 1/sqrt(d) (Attention), hidden weights start at std / sqrt(m) (GPT.init_weights), and the
+    # hidden matrices' LR is Muon's / sqrt(m) or AdamW's / m (build_optimizers). At n_embd = base_width nothing
+    # changes: muP and the standard parametrisation agree there.
     return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
 
 class KVCache:
     """Past keys and values for sampling: (B, Hkv, max_len, D)."""
 
     def __init__(self, n_layer, max_len):
-        self.k, self.v = [None] * n_layer, [None] * n_layer
-        self.pos, self.max_len = 0, max_len
+        self.k = [None] * n_layer
+        self.v = [None] * n_layer
+        self.pos = 0  # positions filled; the next token's position
+        self.max_len = max_len
 
     def update(self, layer, k, v):
         """Store k, v (B, Hkv, t, D) at pos; return all so far."""
-        if self.k[layer] is None:
+        if self.k[layer] is None:  # allocated once, at the first call: its batch and heads are the input's
             B, H, _, D = k.shape
             self.k[layer] = k.new_empty(B, H, self.max_len, D)
             self.v[layer] = v.new_empty(B, H, self.max_len, D)
         end = self.pos + k.size(2)
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, end, D) each
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        d, self.layer, self.n_head = cfg.n_embd, layer, cfg.n_head
+        d = cfg.n_embd
+        self.layer = layer
+        self.n_head = cfg.n_head
         self.hd = hd = d // cfg.n_head
-        self.n_kv = cfg.n_kv_head or cfg.n_head  # GQA
-        # muP: q.k / d, as trained q and k correlate (q.k ~ d)
+        # GQA (Ainslie et al. 2023): n_kv key/value heads, each shared by n_head / n_kv query heads, shrink the KV
+        # cache and the projection; 1 is multi-query attention (Shazeer 2019)
+        self.n_kv = cfg.n_kv_head or cfg.n_head
+        # softmax(q.k * scale): 1/sqrt(hd) keeps the scores' variance at 1 while q and k are independent. muP scales
+        # by 1/d instead, since trained q and k correlate and q.k then grows like d, not sqrt(d); written as
+        # 1/sqrt(hd * m), it is the usual 1/sqrt(hd) at base_width
         self.scale = 1 / math.sqrt(hd * width_mult(cfg))
+        # one matmul makes the queries, keys and values: n_head + 2 * n_kv heads of hd
         self.qkv = nn.Linear(d, (self.n_head + 2 * self.n_kv) * hd, bias=cfg.bias)
         self.proj = nn.Linear(self.n_head * hd, d, bias=cfg.bias)
-        # --window_pattern=3: layers 0, 1 local, 2 global, 3, 4 ...
+        # --window: local layers see the last `window` positions only (Beltagy et al. 2020), which is cheaper on
+        # long contexts; with --window_pattern=3, layers 0 and 1 are local, 2 global, 3 and 4 local, ...: the
+        # global ones carry what lies further back (Gemma 2 alternates the two: --window_pattern=2)
         is_global = cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0
         self.window = cfg.window if cfg.window and not is_global else None
+        # QK-norm (Dehghani et al. 2023): queries and keys whose norms grow in training would push the softmax
+        # toward one-hot weights, whose gradients vanish; normalised, they cannot grow unchecked
         self.q_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
-        B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, H, T, hd)
-        q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)
-        q, k = self.q_norm(q), self.k_norm(k)
+        B, T, _ = x.shape  # x (B, T, n_embd)
+        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, n_head + 2 n_kv, T, hd)
+        q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)  # (B, n_head | n_kv | n_kv, T, hd)
+        q = self.q_norm(q)
+        k = self.k_norm(k)
         if cos is not None:  # RoPE, unless learned positions
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # the causal mask is bottom-right
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if cache is not None:
+            # sampling: k and v grow to every position so far; the T new queries are the last T positions, so the
+            # causal mask is aligned bottom-right
             k, v = cache.update(self.layer, k, v)
-        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)  # (B, n_head, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # heads side by side: (B, T, n_embd)
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.kind, d = cfg.mlp, cfg.n_embd
-        glu = cfg.mlp == "swiglu"  # 2/3 of 4d keeps the size (Shazeer 2020)
+        self.kind = cfg.mlp
+        d = cfg.n_embd
+        glu = cfg.mlp == "swiglu"
+        # a gated MLP has three matrices where GPT-2's has two: 2/3 of the 4d hidden width keeps the parameters
+        # (Shazeer 2020), rounded up to a multiple of 64 for fast matmuls. fc makes the gate and the value at once
         hidden = 64 * math.ceil(8 * d / 3 / 64) if glu else 4 * d
         self.fc = nn.Linear(d, hidden * (2 if glu else 1), bias=cfg.bias)
         self.proj = nn.Linear(hidden, d, bias=cfg.bias)
 
     def forward(self, x):
-        h = self.fc(x)
+        h = self.fc(x)  # (B, T, hidden), or (B, T, 2 hidden) gated
         if self.kind == "swiglu":
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b
@@ -267,14 +309,21 @@ class MLP(nn.Module):
             h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.proj(h)
+        return self.proj(h)  # (B, T, n_embd)
 
 class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
-        self.norm1, self.attn = Norm(cfg.n_embd, cfg), Attention(cfg, layer)
-        self.norm2, self.mlp = Norm(cfg.n_embd, cfg), MLP(cfg)
+        self.norm1 = Norm(cfg.n_embd, cfg)
+        self.attn = Attention(cfg, layer)
+        self.norm2 = Norm(cfg.n_embd, cfg)
+        self.mlp = MLP(cfg)
         self.checkpointing = cfg.activation_checkpointing
+
+    # Activation checkpointing trades compute for memory: backward recomputes what forward did not keep. "blocks"
+    # keeps only each block's input (forward runs twice: about a third more compute); "selective" recomputes only
+    # the norm and the MLP, whose hidden activations (4 n_embd wide, or 2 x 8/3 gated) are the largest a block
+    # keeps. Sampling and evals (no grad) keep nothing anyway.
 
     def forward(self, x, cos, sin, cache=None):
         if self.checkpointing == "blocks" and torch.is_grad_enabled():
@@ -282,6 +331,8 @@ class Block(nn.Module):
         return self.sublayers(x, cos, sin, cache)
 
     def sublayers(self, x, cos, sin, cache=None):
+        # pre-norm (GPT-2; Xiong et al. 2020): each sublayer reads a normalised copy and adds its output to the
+        # residual stream x, which nothing normalises, so gradients reach early layers undamped
         x = x + self.attn(self.norm1(x), cos, sin, cache)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
             return x + recompute(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
@@ -293,13 +344,19 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
-        self.cfg, self.vocab_size, d = cfg, vocab_size, cfg.n_embd
-        rows = 64 * math.ceil(vocab_size / 64)  # padded: fast matmuls
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        d = cfg.n_embd
+        # the embedding and the head get rows up to a multiple of 64, as nanoGPT pads GPT-2's 50,257 to 50,304:
+        # matmuls on such shapes run faster. The extra rows are never a target; the loss and logits leave them out
+        rows = 64 * math.ceil(vocab_size / 64)
         self.wte = nn.Embedding(rows, d)
         self.wpe = nn.Embedding(cfg.seq_len, d) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
+        # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
+        # and a checkpoint need not carry them
         cos, sin = rope_tables(cfg.seq_len, d // cfg.n_head, cfg.rope_base, None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -312,10 +369,16 @@ class GPT(nn.Module):
             if p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
-                nn.init.zeros_(p)  # blocks start as the identity
-            elif name.startswith("blocks."):  # muP: fan_in ~ width
+                # the layers that write to the residual stream, and an untied head, start at zero (as in
+                # modded-nanogpt): each block starts as the identity, and the first logits are all 0, so step 0's
+                # loss is ln(vocab_size) exactly. The first step then trains the head alone (a zero head passes
+                # no gradient back), and the blocks from the second on
+                nn.init.zeros_(p)
+            elif name.startswith("blocks."):
+                # muP: a hidden weight's fan_in grows with the width, so its std falls by sqrt(m) to keep each
+                # output's variance
                 nn.init.normal_(p, std=c.init_std / math.sqrt(width_mult(c)))
-            else:  # embeddings: their fan_in is not the width
+            else:  # embeddings: their fan_in is a one-hot row choice, not the width
                 nn.init.normal_(p, std=c.init_std)
         cos, sin = rope_tables(c.seq_len, c.n_embd // c.n_head, c.rope_base, self.cos.device)
         self.cos.copy_(cos)
@@ -323,7 +386,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, z_loss=0.0, cache=None, reduction="mean"):
         """idx (B, T) -> logits (B, T, V), or the loss of targets (-100: none)."""
-        x, w = self.hidden(idx, cache)
+        x, w = self.hidden(idx, cache)  # (B, T, n_embd), the head's weight (rows, n_embd)
         if targets is not None:
             return self.loss(x, w, targets, z_loss, reduction)
         if cache is not None:
@@ -332,20 +395,28 @@ class GPT(nn.Module):
 
     def loss(self, x, w, targets, z_loss=0.0, reduction="mean"):
         """Cross-entropy (+ z-loss) of hidden states x, head w."""
-        if torch.is_autocast_enabled(x.device.type):  # as F.linear
+        if torch.is_autocast_enabled(x.device.type):  # the precision F.linear would get under autocast
             dt = torch.get_autocast_dtype(x.device.type)
-            x, w = x.to(dt), w.to(dt)
-        # head and loss in chunks: never all (B*T, V) logits at once;
-        # z_loss keeps the softmax's normaliser near 1 (PaLM)
-        x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
-        keep = y != -100 if reduction == "none" else slice(None)  # --eval_mc: where a target is
+            x = x.to(dt)
+            w = w.to(dt)
+        # The head and the loss run together, in chunks of rows (kernels.linear_cross_entropy): all (B*T, V) logits
+        # are never in memory at once. At gpt2_124m a micro-step's would be 32 x 1024 rows x 50,304 in fp32, 6.6 GB,
+        # and their gradient as much again. z_loss adds z_loss * logsumexp(logits)^2, which keeps the softmax's
+        # normaliser near 1 and the logits from drifting (PaLM, Chowdhery et al. 2022)
+        x = x.flatten(0, 1)  # (B*T, n_embd)
+        y = targets.reshape(-1)  # (B*T,)
+        cap = self.cfg.logit_softcap or None
+        # reduction="none" (eval_gpt.py's per-token losses): only the rows that have a target go to the kernel
+        keep = y != -100 if reduction == "none" else slice(None)
         out = kernels.linear_cross_entropy(x[keep], w, y[keep], softcap=cap, z_loss=z_loss,
                                            reduction=reduction, classes=self.vocab_size)
-        return out if reduction != "none" else out.new_zeros(y.shape).masked_scatter(keep, out)
+        if reduction != "none":
+            return out
+        return out.new_zeros(y.shape).masked_scatter(keep, out)  # (B*T,), 0 where no target
 
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x."""
-        # the matmul keeps the padding rows (fast), the result not
+        # the matmul keeps the padding rows (a fast shape); the result drops them, so they are never sampled
         logits = F.linear(x, w)[..., :self.vocab_size].float()
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
@@ -353,51 +424,71 @@ class GPT(nn.Module):
     def hidden(self, idx, cache=None):
         """(hidden states (B, T, d), head weight) of idx (B, T)."""
         B, T = idx.shape
-        pos = cache.pos if cache is not None else 0
-        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
+        pos = 0
+        if cache is not None:  # sampling: idx continues at the cache's position
+            pos = cache.pos
+        cos = self.cos[pos:pos + T]  # (T, hd)
+        sin = self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
         for block in self.blocks:
             x = block(x, cos, sin, cache)
-        x = self.norm(x) / width_mult(self.cfg)  # muP: 1 / m
-        return x, self.wte.weight if self.head is None else self.head.weight
+        # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
+        # further at m times the width
+        x = self.norm(x) / width_mult(self.cfg)
+        if self.head is None:  # tied: the input embedding is the head
+            return x, self.wte.weight
+        return x, self.head.weight
 
     def flops_per_token(self):
         """Training FLOPs a token: 6 a weight, + attention (PaLM)."""
-        # FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py): the scores
-        # a flash backward recomputes, which MFU leaves out
+        # 2 a weight forward (a multiply and an add) and 4 backward (the grads of the input and of the weight), for
+        # every weight in a matmul; plus attention's scores and weighted sum, 12 * n_layer * n_embd * seq_len (PaLM,
+        # Chowdhery et al. 2022, appendix B). FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py):
+        # the scores a flash backward recomputes, which MFU leaves out
         n = sum(p.numel() for p in self.parameters())
-        for lookup in (self.wte if self.head is not None else None, self.wpe):
-            n -= lookup.weight.numel() if lookup is not None else 0  # no matmul
+        # a lookup is no matmul: the input embedding (unless tied: then it is also the head) and GPT-2's positions
+        if self.head is not None:
+            n -= self.wte.weight.numel()
+        if self.wpe is not None:
+            n -= self.wpe.weight.numel()
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
         """idx (B, T0) and max_new_tokens sampled, with a KV cache."""
-        out, T, cache = idx, self.cfg.seq_len, None
-        with torch.compiler.set_stance("force_eager"):  # any length
+        out = idx
+        T = self.cfg.seq_len
+        cache = None
+        with torch.compiler.set_stance("force_eager"):  # a compiled model would recompile for every length
             for i in range(max_new_tokens):
-                if cache is None or cache.pos >= T:  # full: keep T/2
+                if cache is None or cache.pos >= T:
+                    # (re)fill a cache from the text so far: the prompt's last T tokens, then, each time the cache
+                    # is full, the last T/2, so that a refill comes once every T/2 new tokens
+                    keep = T if i == 0 else T // 2
                     cache = KVCache(len(self.blocks), T)
-                    logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
-                logits = logits[:, -1, :]
+                    logits = self(out[:, -keep:], cache=cache)
+                logits = logits[:, -1, :]  # (B, V): the next token's
                 if temperature == 0:
                     nxt = logits.argmax(-1, keepdim=True)
                 else:
                     logits = logits / temperature
-                    if top_k:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    if top_k:  # only the k likeliest stay; the rest get probability 0
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                         logits = logits.masked_fill(logits < kth, -math.inf)
-                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)  # (B, 1)
                 out = torch.cat((out, nxt), dim=1)
-                if i + 1 < max_new_tokens and cache.pos < T:
+                if i + 1 < max_new_tokens and cache.pos < T:  # one new position through the cache
                     logits = self(nxt, cache=cache)
             return out
 
 def build_model(cfg, vocab_size, device, cls=GPT):
     """Build on meta, materialise on device, init under cfg.seed."""
+    # on the meta device, building allocates nothing and draws no random numbers (a 1B model would otherwise be
+    # built and initialised once on the CPU); to_empty allocates it on the device, and init_weights sets it there,
+    # under the seed: the same weights on every rank, and in every run with that seed
     with torch.device("meta"):
         model = cls(cfg, vocab_size)
     model.to_empty(device=device)
