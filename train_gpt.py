@@ -499,11 +499,17 @@ def build_model(cfg, vocab_size, device, cls=GPT):
 # -----------------------------------------------------------------------------
 # Data
 
-MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's shard header
+# llm.c's shard format, which prepare_data.py writes: a header of 256 int32 (1,024 bytes) that starts with the magic
+# number, the version and the token count, then the tokens as uint16
+MAGIC = 20240520
+VERSION = 1
+HEADER_BYTES = 1024
 
 def open_shard(path):
     """Memory-map llm.c's shard (int32 header, uint16 tokens) or nanoGPT's .bin."""
-    size, header = os.path.getsize(path), [0] * 3
+    # a memory map reads nothing up front: the OS pages in the rows a step touches, so a corpus may outgrow memory
+    size = os.path.getsize(path)
+    header = [0] * 3
     if size >= HEADER_BYTES:
         header = np.fromfile(path, dtype="<i4", count=3).tolist()
     magic, version, n = header
@@ -533,14 +539,18 @@ def load_meta(data_dir):
     """A data dir's tokenizer and sizes: meta.json, or nanoGPT's meta.pkl or defaults."""
     if not os.path.isdir(data_dir):
         die(f"data dir {data_dir!r} does not exist; make it with prepare_data.py")
-    path, pkl = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
+    path = os.path.join(data_dir, "meta.json")
+    pkl = os.path.join(data_dir, "meta.pkl")
+    # a data dir may come from anyone, so what it holds is checked before use; reading(path, fix) turns any error
+    # of the block into one line that names the file and the fix, and exits
     if os.path.exists(path):
         with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
             meta = json.load(f)
             if "vocab_size" not in meta and "image_size" in meta:  # prepare_data.py's images
                 die(f"data dir {data_dir!r} holds images, which train_vit.py and train_diffusion.py read; give "
                     f"--data_dir token shards: python prepare_data.py text FILES... --data_dir=data/mine")
-            val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
+            val = meta.get("splits", {}).get("val", {})
+            file = meta.get("tokenizer_file") or "x"  # a file name inside data_dir, not a path out of it
             nums = [val.get("tokens", 0), val.get("bytes", 0)]
             nums += [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
             if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
@@ -549,14 +559,16 @@ def load_meta(data_dir):
                 raise ValueError("vocab_size, eot_id, val sizes, gzip/xz or tokenizer_file amiss")
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}
-        if os.path.exists(pkl):
+        if os.path.exists(pkl):  # nanoGPT's character-level data: its vocabulary
             with reading(pkl, "give nanoGPT's meta.pkl, or none"), open(pkl, "rb") as f:
                 m = PlainUnpickler(f).load()
-                itos, n = m.get("itos") or None, m["vocab_size"]
+                itos = m.get("itos") or None
+                n = m["vocab_size"]
                 if not (isinstance(n, int) and n > 0 and all(
                         isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
                     raise ValueError("need vocab_size > 0 and itos of integers to strings")
-                kind = "chars" if itos else "byte" if n == 256 else "ids"  # ids: unknown
+                # with no itos and not bytes, the ids' text is unknown: samples show the numbers
+                kind = "chars" if itos else "byte" if n == 256 else "ids"
                 meta.update(tokenizer=kind, vocab_size=n, eot_id=None, itos=itos)
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; use prepare_data.py")
@@ -567,15 +579,30 @@ def load_meta(data_dir):
 
 class TokenLoader:
     """(B, T) batches a rank, in a fixed order from memory-mapped shards; a resumed
-    run reads what an uninterrupted one would."""
+    run reads what an uninterrupted one would.
+
+    The lanes: a shard is cut into `lanes` equal stretches, one for each row of an optimizer step (train() makes
+    B x world_size x accum of them), and row i of every step reads the next T + 1 tokens of lane i. So a batch mixes
+    documents from far-apart places of the corpus rather than neighbouring pages of one, no token is a target
+    twice in an epoch, and the whole position is a few integers (the shard, each lane's offset, the next lane): a
+    resumed run reads exactly the rows that an uninterrupted one would. Each rank walks all the rows of a step and
+    keeps its own B, so every rank's loader is in the same state, and one state in a checkpoint serves them all."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
-        self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
-        self.device, self.eot, self.lanes, self.vocab_size = device, eot, lanes, vocab_size
+        self.files = files
+        self.B = B
+        self.T = T
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.eot = eot  # the end-of-text id, which stands between documents; None: unknown
+        self.lanes = lanes
+        self.vocab_size = vocab_size
         self.shards = [open_shard(f) for f in files]
-        if (most := max(len(s) for s in self.shards)) < T + 1:
+        most = max(len(s) for s in self.shards)
+        if most < T + 1:
             die(f"{files[0]}: shards of {most} tokens are shorter than --seq_len+1; lower it")
-        self.bos = [None] * len(files)  # each shard's EOT positions, when first used
+        self.bos = [None] * len(files)  # each shard's EOT positions, found when the shard is first read
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -583,51 +610,67 @@ class TokenLoader:
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
-        # row i reads lane i % lanes of the shard: a batch mixes far-apart documents
-        self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
+        self.epoch = int(s["epoch"])
+        self.shard = int(s["shard"])
         n = len(self.shards[self.shard])
+        # k lanes of n // k tokens each: fewer than asked where the shard is too short to give each lane a row
         k = max(1, min(self.lanes, n // (self.T + 1)))
-        self.ends = [(i + 1) * (n // k) for i in range(k)]
-        self.pos = [int(p) for p in s.get("pos") or [i * (n // k) for i in range(k)]]
-        self.lane = int(s.get("lane", 0))
+        width = n // k
+        self.ends = [(i + 1) * width for i in range(k)]
+        starts = [i * width for i in range(k)]
+        self.pos = [int(p) for p in s.get("pos") or starts]  # each lane's next token
+        self.lane = int(s.get("lane", 0))  # the lane the next row reads
         if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
                                       and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
     def _next_row(self, T):
+        """(shard, start) of the next row's T + 1 tokens, from the next lane in turn."""
         lane = self.lane
-        while self.pos[lane] + T + 1 > self.ends[lane]:  # all lanes to the next shard
+        while self.pos[lane] + T + 1 > self.ends[lane]:
+            # the lanes advance together, so when one runs out, all move on to the next shard (a new epoch after
+            # the last); the few tokens left at the lanes' ends go unread
             shard = (self.shard + 1) % len(self.shards)
             self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
             lane = 0
-        start, end = self.pos[lane], self.ends[lane]
-        if self.eot is not None:  # start at a document that starts within T/8
+        start = self.pos[lane]
+        end = self.ends[lane]
+        # Start at a document's beginning where one comes within T/8: an EOT stands between documents
+        # (prepare_data.py puts one before each), so a row that starts at one opens with a whole document, not the
+        # tail of a text whose start it cannot see. Fewer than T/8 tokens, an eighth of a row, are skipped for it.
+        # The EOT positions of a shard are found in one pass, the first time it is read
+        if self.eot is not None:
             if self.bos[self.shard] is None:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
-            j = np.searchsorted(bos, start)
+            j = np.searchsorted(bos, start)  # the first EOT at or after start
             if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
                 start = int(bos[j])
-        self.pos[lane] = start + T  # overlap by one: each token a target once
+        # the next row of this lane starts where this one's targets end, at its last token: inputs are tokens
+        # start..start+T-1, targets start+1..start+T, so each token is a target once
+        self.pos[lane] = start + T
         self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
 
     def next(self, T=None):
         """This rank's next (x, y), (B, T) int64; a shorter T gives more rows."""
+        # --seq_len_warmup: at a shorter T, more rows, so that a step keeps its tokens
         T = T or self.T
         B = self.B * self.T // T
-        rows = [self._next_row(T) for _ in range(B * self.world_size)]
+        rows = [self._next_row(T) for _ in range(B * self.world_size)]  # every rank's, so all stay in step
         mine = rows[self.rank * B:(self.rank + 1) * B]
-        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
-        if buf.max() >= self.vocab_size:  # past the embedding: a crash on CPU
+        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])  # (B, T + 1) uint16
+        # an id past the embedding would index out of range: a crash on a CPU, a device-side assert on CUDA
+        if buf.max() >= self.vocab_size:
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; "
                 f"re-run prepare_data.py, or raise --vocab_size")
         buf = torch.from_numpy(buf.astype(np.int64))
-        if self.device.type == "cuda":  # pinned: the copy overlaps compute
+        if self.device.type == "cuda":
+            # pinned (page-locked) memory lets the copy to the GPU run while it computes (non_blocking)
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
             buf = buf.to(self.device)
-        return buf[:, :-1], buf[:, 1:]
+        return buf[:, :-1], buf[:, 1:]  # inputs and targets, (B, T) each: the same tokens shifted by one
 
 class SyntheticLoader:
     """Random tokens for --benchmark: no data needed."""
@@ -642,13 +685,18 @@ class SyntheticLoader:
     def next(self, T=None):
         return self.x[:, :-1], self.x[:, 1:]
 
+# A tokenizer is a pair of functions: encode (text -> ids) and decode (ids -> text), for the samples at evals and
+# for the companions. Which pair depends on what prepared the data: bytes, nanoGPT's characters, GPT-2's BPE
+# (tiktoken), or prepare_data.py's own BPE, whose ranks travel in every checkpoint
+
 def encode_ids(s):
     """Token ids written as numbers, '17 42': the text of a tokenizer we lack."""
     return [int(t) for t in s.split() if t.isdigit()]
 
 def load_tokenizer(tok):
     """(encode, decode) of the tokenizer that meta.json and checkpoints describe."""
-    name, itos = tok.get("tokenizer"), tok.get("itos")
+    name = tok.get("tokenizer")
+    itos = tok.get("itos")
     if name == "byte":
         return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
     if itos:  # nanoGPT's characters
@@ -662,6 +710,7 @@ def load_tokenizer(tok):
             print(f"warning: no gpt2 tokenizer ({type(e).__name__}); samples show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
+        # tiktoken's file format: one "base64(bytes) rank" a line, ranks 0, 1, 2, ... in merge order
         lines = map(str.split, tok["ranks"].splitlines())
         ranks = {base64.b64decode(t, validate=True): int(r) for t, r in lines}
         if (sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks)
