@@ -780,49 +780,94 @@ def orthogonalise(x):
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """Muon on hidden matrices, AdamW on the rest (or all); decay on hidden ones only."""
+    # Who gets Muon: Muon (Keller Jordan 2024) orthogonalises a matrix's update, setting all its singular values to
+    # 1, so that no direction of the map from inputs to outputs takes the whole step. That means something for the
+    # 2-D matrices inside the blocks, which map one activation to another. It means nothing for a vector (norm
+    # gains, biases), and it is wrong for a lookup table: an embedding's rows are separate tokens, each moved only
+    # when it occurs, and orthogonalising would mix them. The head stays with AdamW too, as Muon's README advises. So
+    # Muon takes the hidden matrices and AdamW the embeddings, the head, the gains and the biases; the Muon class
+    # above scales its update to AdamW's RMS (Moonlight, Liu et al. 2025), so that one --lr serves both.
     named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: adapters
-    # an embedding row moves only when its token occurs: 10x the LR helps a BPE's rare rows,
-    # not 257 bytes' (BENCHMARKS.md, "CPU recipe"); tied, it is the head and keeps lr
+    # The embedding's own LR: a row moves only in steps where its token occurs. A BPE's vocabulary is mostly rare
+    # tokens, whose rows see few updates, and 10x the LR made up for it: -0.047 bits per byte on the 4,353-token
+    # BPE, while on 257 bytes, each row seen every step, it cost +0.056 (BENCHMARKS.md, "CPU recipe"). So auto
+    # means 10x under Muon with 1,024 rows or more. Tied, the embedding is also the head, which every step
+    # trains, and it keeps lr.
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024
-    embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
+    embed_lr = cfg.embed_lr
+    if not embed_lr and bpe:
+        embed_lr = 10 * cfg.lr
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
-    embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
-    is_hidden = {n: p.ndim == 2 and n.startswith("blocks.") for n, p in named.items()}
-    hidden = [p for n, p in named.items() if is_hidden[n]]
-    rest = [p for n, p in named.items() if not is_hidden[n]]
+    embed = []
+    if own:
+        embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)]
+    # weight decay pulls the hidden matrices only: decayed, a norm's gain or an embedding's rare row would shrink
+    # toward 0 between the steps that train it
+    hidden = []
+    rest = []
+    for n, p in named.items():
+        if p.ndim == 2 and n.startswith("blocks."):  # a matrix inside a block
+            hidden.append(p)
+        else:
+            rest.append(p)
     if cfg.optimizer == "muon":
-        # muP: an orthogonal update's spectral norm is 0.2 sqrt(width) lr; / sqrt(m) fixes it
+        # muP: Muon's update has a spectral norm of about 0.2 sqrt(max(rows, cols)) lr, which grows as sqrt(m)
+        # with the width; lr / sqrt(m) holds it where base_width had it. Newton-Schulz runs in bf16 only if the
+        # run does
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         lr = cfg.lr / math.sqrt(width_mult(cfg))
         opts = [Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)]
         groups = [dict(params=rest), *embed]
     else:
-        # muP: Adam moves each weight ~lr, a hidden output ~fan_in lr; / m cancels it (mup)
-        opts, lr = [], cfg.lr / width_mult(cfg)
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest), *embed]
+        # muP (Tensor Programs V, Table 3): Adam moves each weight by about lr, so a hidden unit, summing fan_in
+        # of them in step with its input, moves by about fan_in x lr; lr / m holds that as the width grows. The
+        # embeddings and the head keep lr: the head's 1/m is in the forward pass (GPT.hidden)
+        lr = cfg.lr / width_mult(cfg)
+        opts = []
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr),  # the hidden matrices
+                  dict(params=rest),  # the head, the gains and the biases (and the embedding unless *embed)
+                  *embed]
     groups = [g for g in groups if g["params"]]  # none: LoRA under Muon
     if groups:
+        # fused: one kernel for every parameter; and it can skip a step on the device, through the found_inf
+        # tensor that the guard sets (as GradScaler does for fp16's overflows), with no sync to the host
         opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                      weight_decay=0.0, fused=True))  # found_inf: the guard's skip
-    for g in (g for opt in opts for g in opt.param_groups):
-        g["peak_lr"] = g["lr"]
+                                      weight_decay=0.0, fused=True))
+    # the schedule multiplies each group's own peak: the embedding's 10x and muP's scaled LRs stay in proportion
+    for opt in opts:
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
     return opts
 
 def seq_len_at(cfg, step):
     """--seq_len_warmup's length at step (Li et al. 2022): linear, in multiples of 64
     that divide batch_size x seq_len, so every step keeps its tokens."""
+    # Short sequences first: early in training, long ones make the gradient noisy and the run unstable, where
+    # short ones give steadier, cheaper steps (Li et al. 2022, "The Stability-Efficiency Dilemma"). The loader
+    # reads more rows of the shorter length, so the tokens a step, and with them the LR schedule and the token
+    # budget, stay put. Multiples of 64 keep the shapes fast and few: each new one costs torch.compile a recompile
     if step >= cfg.seq_len_warmup:
         return cfg.seq_len
     t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
-    return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
+    tokens = cfg.batch_size * cfg.seq_len  # a rank's tokens a micro-step, at every length
+    return max(T for T in range(64, int(t) + 1, 64) if tokens % T == 0)
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
-    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
-    if cfg.schedule == "cosine":
+    # progress is the share of the run done: of its steps, or of its seconds under --time_budget, so the decay
+    # ends when the run does. The warmup ramps the LR up over the first steps, while Adam's second moments are
+    # still poor estimates and the first updates would be too large
+    warm = 1.0
+    if cfg.warmup_steps:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac
+    if cfg.schedule == "cosine":  # half a cosine, from the peak down to f of it (Loshchilov & Hutter 2017)
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # Hu et al. 2024
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
+        # WSD, warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak LR holds until the last cooldown_frac of the
+        # run, then falls linearly to f. A checkpoint of the stable phase can be cooled down to a finished model
+        # at any point, so one run serves several budgets
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
