@@ -14,6 +14,13 @@ DDP or FSDP2, exact resume, a KV-cache sampler.
 Jobs on a finished checkpoint live beside it: sample_gpt.py samples text,
 eval_gpt.py scores multiple choice (HellaSwag), finetune_gpt.py fine-tunes
 (LoRA, distillation, INT8) and exports.
+
+Read it top to bottom: the Config (every flag), the Model, the Data, the
+Optimizer and schedule, the System (devices, precision, compile, DDP/FSDP2),
+then the Training loop. Each choice is explained where it is made, with the
+paper or the measurement (BENCHMARKS.md) behind it. The Machinery after the
+loop (flags, checkpoint files, guards, logging) is the same in every trainer,
+and a first reading may skip it.
 """
 import base64
 import contextlib
@@ -141,10 +148,21 @@ class Config:
 # prepare_data.py's command for the default data_dir, what it makes, and its flags: a first run with no
 # --data_dir prepares this itself, offline
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
-# GPT-2's sizes on FineWeb, for GPUs: 2^19 tokens a step (0.5M, GPT-3's batch at this size), 20 tokens a
-# parameter (Chinchilla), and Muon at lr 4e-3, which beat AdamW at 124M (BENCHMARKS.md)
-GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, lr=4e-3, tokens="auto",
-            batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, norm="rmsnorm")
+# GPT-2's sizes on FineWeb, for GPUs
+GPT2 = dict(
+    seq_len=1024,
+    total_batch=1 << 19,  # 0.5M tokens a step, GPT-3's batch at this size
+    data_dir="data/fineweb10B",
+    time_budget=0,
+    lr=4e-3,  # Muon's, which beat AdamW at 124M (BENCHMARKS.md)
+    tokens="auto",  # 20 a parameter (Chinchilla)
+    batch_size=32,
+    warmup_steps=700,
+    eval_every=250,
+    eval_tokens=1 << 20,
+    save_every=2000,
+    norm="rmsnorm",
+)
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.78M parameters, 240 s on a 2-core CPU
     "cpu_128": dict(n_embd=128, n_head=4, lr=4e-3),  # the defaults until 2026-11-27 (WORKSHOP.md)
@@ -219,7 +237,7 @@ def width_mult(cfg):
     """muP's width multiplier m = n_embd / base_width, else 1."""
     # muP (Yang et al. 2022, Tensor Programs V, Table 3) keeps every layer's update the same size as the model
     # widens, so that the best LR found at base_width is the best at any n_embd. Relative to base_width it changes
-    # five things, each where it happens: the output is multiplied by 1/m (GPT.hidden), attention scores q.k by
+    # four things, each where it happens: the output is multiplied by 1/m (GPT.hidden), attention scores q.k by
     # 1/d rather than 1/sqrt(d) (Attention), hidden weights start at std / sqrt(m) (GPT.init_weights), and the
     # hidden matrices' LR is Muon's / sqrt(m) or AdamW's / m (build_optimizers). At n_embd = base_width nothing
     # changes: muP and the standard parametrisation agree there.
@@ -246,12 +264,16 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, end, D) each
 
 class Attention(nn.Module):
+    """Causal self-attention, (B, T, n_embd) -> (B, T, n_embd): every position mixes in the values of the positions
+    before it, weighted by how well its query matches their keys, in n_head heads at once."""
+
     def __init__(self, cfg, layer):
         super().__init__()
         d = cfg.n_embd
         self.layer = layer
         self.n_head = cfg.n_head
-        self.hd = hd = d // cfg.n_head
+        hd = d // cfg.n_head  # a head's width
+        self.hd = hd
         # GQA (Ainslie et al. 2023): n_kv key/value heads, each shared by n_head / n_kv query heads, shrink the KV
         # cache and the projection; 1 is multi-query attention (Shazeer 2019)
         self.n_kv = cfg.n_kv_head or cfg.n_head
@@ -289,15 +311,22 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # heads side by side: (B, T, n_embd)
 
 class MLP(nn.Module):
+    """The per-position feed-forward layer, (B, T, n_embd) -> (B, T, n_embd): up to a wider hidden layer, a
+    nonlinearity, and back down; it holds about two thirds of a block's weights."""
+
     def __init__(self, cfg):
         super().__init__()
         self.kind = cfg.mlp
         d = cfg.n_embd
-        glu = cfg.mlp == "swiglu"
-        # a gated MLP has three matrices where GPT-2's has two: 2/3 of the 4d hidden width keeps the parameters
-        # (Shazeer 2020), rounded up to a multiple of 64 for fast matmuls. fc makes the gate and the value at once
-        hidden = 64 * math.ceil(8 * d / 3 / 64) if glu else 4 * d
-        self.fc = nn.Linear(d, hidden * (2 if glu else 1), bias=cfg.bias)
+        if cfg.mlp == "swiglu":
+            # a gated MLP has three matrices where GPT-2's has two: 2/3 of the 4d hidden width keeps the
+            # parameters (Shazeer 2020), rounded up to a multiple of 64 for fast matmuls
+            hidden = 64 * math.ceil(8 * d / 3 / 64)
+            outputs = 2 * hidden  # fc makes the gate and the value at once
+        else:
+            hidden = 4 * d
+            outputs = hidden
+        self.fc = nn.Linear(d, outputs, bias=cfg.bias)
         self.proj = nn.Linear(hidden, d, bias=cfg.bias)
 
     def forward(self, x):
@@ -312,6 +341,8 @@ class MLP(nn.Module):
         return self.proj(h)  # (B, T, n_embd)
 
 class Block(nn.Module):
+    """One transformer layer: attention, then the MLP, each a pre-norm residual branch."""
+
     def __init__(self, cfg, layer):
         super().__init__()
         self.norm1 = Norm(cfg.n_embd, cfg)
@@ -406,8 +437,9 @@ class GPT(nn.Module):
         x = x.flatten(0, 1)  # (B*T, n_embd)
         y = targets.reshape(-1)  # (B*T,)
         cap = self.cfg.logit_softcap or None
-        # reduction="none" (eval_gpt.py's per-token losses): only the rows that have a target go to the kernel
-        keep = y != -100 if reduction == "none" else slice(None)
+        keep = slice(None)  # all rows
+        if reduction == "none":  # eval_gpt.py's per-token losses: only the rows that have a target go to the kernel
+            keep = y != -100
         out = kernels.linear_cross_entropy(x[keep], w, y[keep], softcap=cap, z_loss=z_loss,
                                            reduction=reduction, classes=self.vocab_size)
         if reduction != "none":
@@ -454,7 +486,9 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         if self.wpe is not None:
             n -= self.wpe.weight.numel()
-        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
+        c = self.cfg
+        attention = 12 * c.n_layer * c.n_embd * c.seq_len
+        return 6 * n + attention
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
@@ -553,8 +587,10 @@ def load_meta(data_dir):
             file = meta.get("tokenizer_file") or "x"  # a file name inside data_dir, not a path out of it
             nums = [val.get("tokens", 0), val.get("bytes", 0)]
             nums += [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
-            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
-                    and os.path.basename(file) == file and isinstance(meta["eot_id"], (int, type(None)))
+            if not (isinstance(meta["vocab_size"], int)
+                    and meta["vocab_size"] > 0
+                    and os.path.basename(file) == file
+                    and isinstance(meta["eot_id"], (int, type(None)))
                     and all(isinstance(v, (int, float)) for v in nums)):
                 raise ValueError("vocab_size, eot_id, val sizes, gzip/xz or tokenizer_file amiss")
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
@@ -564,8 +600,9 @@ def load_meta(data_dir):
                 m = PlainUnpickler(f).load()
                 itos = m.get("itos") or None
                 n = m["vocab_size"]
-                if not (isinstance(n, int) and n > 0 and all(
-                        isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
+                if not (isinstance(n, int)
+                        and n > 0
+                        and all(isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
                     raise ValueError("need vocab_size > 0 and itos of integers to strings")
                 # with no itos and not bytes, the ids' text is unknown: samples show the numbers
                 kind = "chars" if itos else "byte" if n == 256 else "ids"
@@ -620,7 +657,8 @@ class TokenLoader:
         starts = [i * width for i in range(k)]
         self.pos = [int(p) for p in s.get("pos") or starts]  # each lane's next token
         self.lane = int(s.get("lane", 0))  # the lane the next row reads
-        if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
+        if len(self.pos) != k or not (0 <= self.lane < k
+                                      and 0 <= self.shard < len(self.shards)
                                       and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
@@ -644,7 +682,8 @@ class TokenLoader:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
             j = np.searchsorted(bos, start)  # the first EOT at or after start
-            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
+            if (j < len(bos) and bos[j] - start < T // 8  # an EOT within T/8
+                    and bos[j] + T + 1 <= end):  # and the row from it still fits in the lane
                 start = int(bos[j])
         # the next row of this lane starts where this one's targets end, at its last token: inputs are tokens
         # start..start+T-1, targets start+1..start+T, so each token is a target once
@@ -698,10 +737,14 @@ def load_tokenizer(tok):
     name = tok.get("tokenizer")
     itos = tok.get("itos")
     if name == "byte":
-        return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
+        encode = lambda s: list(s.encode())
+        decode = lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace")  # EOT, 256, is no byte
+        return encode, decode
     if itos:  # nanoGPT's characters
         stoi = {c: i for i, c in itos.items()}
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(itos.get(i, "") for i in ids))
+        encode = lambda s: [stoi[c] for c in s if c in stoi]  # characters it lacks are left out
+        decode = lambda ids: "".join(itos.get(i, "") for i in ids)
+        return encode, decode
     import tiktoken
     if name == "gpt2":
         try:
@@ -713,7 +756,8 @@ def load_tokenizer(tok):
         # tiktoken's file format: one "base64(bytes) rank" a line, ranks 0, 1, 2, ... in merge order
         lines = map(str.split, tok["ranks"].splitlines())
         ranks = {base64.b64decode(t, validate=True): int(r) for t, r in lines}
-        if (sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks)
+        if (sorted(ranks.values()) != list(range(len(ranks)))
+                or tok["eot_id"] != len(ranks)
                 or not isinstance(tok["pat_str"], str)):  # tiktoken would panic
             raise ValueError("its ranks are not 0, 1, 2, ..., then the end-of-text id")
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
