@@ -604,8 +604,11 @@ def load_meta(data_dir):
                         and n > 0
                         and all(isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
                     raise ValueError("need vocab_size > 0 and itos of integers to strings")
-                # with no itos and not bytes, the ids' text is unknown: samples show the numbers
-                kind = "chars" if itos else "byte" if n == 256 else "ids"
+                kind = "ids"  # neither characters nor bytes: the ids' text is unknown, and samples show numbers
+                if itos:
+                    kind = "chars"
+                elif n == 256:
+                    kind = "byte"
                 meta.update(tokenizer=kind, vocab_size=n, eot_id=None, itos=itos)
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; use prepare_data.py")
@@ -620,10 +623,10 @@ class TokenLoader:
 
     The lanes: a shard is cut into `lanes` equal stretches, one for each row of an optimizer step (train() makes
     B x world_size x accum of them), and row i of every step reads the next T + 1 tokens of lane i. So a batch mixes
-    documents from far-apart places of the corpus rather than neighbouring pages of one, no token is a target
-    twice in an epoch, and the whole position is a few integers (the shard, each lane's offset, the next lane): a
-    resumed run reads exactly the rows that an uninterrupted one would. Each rank walks all the rows of a step and
-    keeps its own B, so every rank's loader is in the same state, and one state in a checkpoint serves them all."""
+    documents from far-apart places of the corpus rather than neighbouring pages of one, and no token is a target
+    twice in an epoch. The whole position is a few integers (the epoch, the shard, each lane's offset, the next
+    lane), which a checkpoint stores: that is how a resume replays exactly. Each rank walks all the rows of a step
+    and keeps its own B, so every rank's loader is in the same state, and one state serves them all."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
         self.files = files
