@@ -135,7 +135,8 @@ def main(cfg):
     # where the grid goes, checked before the sampling that fills it (issue 61)
     name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
     out = cfg.out or os.path.join(os.path.dirname(path), name)
-    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.access(folder, os.W_OK):
         td.die(f"cannot write {out}: its folder is not writable; pass --out=PATH.png in one that is")
 
     t0 = time.perf_counter()

@@ -69,7 +69,7 @@ TOKENS_SUITE = int(83948 * 1.05)
 COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py", "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
 DENSITY_GOAL = (10.0, 0.20)
-DENSITY = {"train_gpt.py": (12.3, 0.11), "train_vit.py": (12.7, 0.12), "train_diffusion.py": (12.8, 0.12),
+DENSITY = {"train_gpt.py": (11.2, 0.19), "train_vit.py": (12.7, 0.12), "train_diffusion.py": (12.8, 0.12),
            "finetune_gpt.py": (13.2, 0.155), "chat_gpt.py": (12.5, 0.14),
            "sample_gpt.py": DENSITY_GOAL, "eval_gpt.py": DENSITY_GOAL,  # issue 59's companions meet the goals
            "predict_vit.py": DENSITY_GOAL, "sample_diffusion.py": DENSITY_GOAL}
