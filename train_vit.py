@@ -501,10 +501,11 @@ def agree(rows, t0, world_size):
     the device to finish them, then the seconds since t0, averaged over the ranks so that every
     rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
     rows = rows.tolist()  # the one host read of device values, at a sync only
-    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    seconds = time.perf_counter() - t0
     if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
-        seconds = all_mean(seconds.to(dist.get_backend() == "nccl" and "cuda" or "cpu"), world_size).cpu()
-    return rows, seconds.item()
+        t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        seconds = all_mean(t, world_size).item()
+    return rows, seconds
 # === end shared ===
 
 # -----------------------------------------------------------------------------

@@ -112,9 +112,9 @@ def test_nanogpt_layouts_train_past_evals_with_samples(layout, tokenizer, vocab,
                      eval_tokens=1024))
     assert r["steps"] == 6 and math.isfinite(r["val_loss"])
     with open(tmp_path / "out" / "metrics.jsonl") as f:
-        assert [m["step"] for m in map(json.loads, f) if "val_loss" in m] == [3, 6]
+        assert [m["step"] for m in map(json.loads, f) if "val_loss" in m] == [0, 3, 6]  # step 0's eval: issue 59
     samples = capsys.readouterr().out.split("-" * 40 + "\n")[1::2]
-    assert len(samples) == 2 and all(s.strip() for s in samples)
+    assert len(samples) == 3 and all(s.strip() for s in samples)
     if layout == "chars":
         assert set(samples[0]) <= set(text) | {"\n"}
     out = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "out"), max_new_tokens=10, device="cpu"))
