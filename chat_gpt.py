@@ -131,7 +131,7 @@ def arithmetic(n, seed):
 def read_conversations(path, tpl, encode, seq_len):
     """[(ids, mask)] of a JSONL of {"messages": [{"role", "content"}, ...]} lines (most SFT sets' format)."""
     out = []
-    with tg.reading(path, "pass a JSONL file of conversations"), open(path, encoding="utf-8") as f:
+    with tg.exit_if_unreadable(path, "pass a JSONL file of conversations"), open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -63,7 +63,7 @@ def read_choices(path, encode, eot=None):
             tg.die(f"--items={path}: {len(files)} .jsonl files there; name one")
         path = os.path.join(path, files[0])
     items = []
-    with tg.reading(path, "pass a JSONL file"), open(path, encoding="utf-8") as f:
+    with tg.exit_if_unreadable(path, "pass a JSONL file"), open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             try:
                 d = json.loads(line)

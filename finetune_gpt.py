@@ -149,7 +149,8 @@ def gpt2_folder(name):
 def gpt2_config(cfg, folder):
     """(cfg with the HF GPT-2 in folder's architecture, its vocab size); seq_len 0: all of it."""
     path = os.path.join(folder, "config.json")
-    with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"), open(path) as f:
+    fix = "pass a Hugging Face GPT-2 folder (config.json and model.safetensors)"
+    with tg.exit_if_unreadable(path, fix), open(path) as f:
         hf = json.load(f)
         if hf.get("model_type") != "gpt2":
             raise ValueError(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
@@ -184,7 +185,8 @@ def gpt2_state_dict(folder, cfg, vocab_size):
     to a multiple of 64, the positions cut to seq_len."""
     path = os.path.join(folder, "model.safetensors")
     path = path if os.path.exists(path) else os.path.join(folder, "pytorch_model.bin")
-    with tg.reading(path, "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"):
+    fix = "pass a Hugging Face GPT-2 folder (config.json and model.safetensors or pytorch_model.bin)"
+    with tg.exit_if_unreadable(path, fix):
         try:
             hf = load_file(path) if path.endswith(".safetensors") else torch.load(path, "cpu", weights_only=True)
         except SafetensorError as e:  # truncated or damaged: one line, as for any file we read
@@ -201,7 +203,7 @@ def from_pretrained(name_or_path, device="cpu"):
     folder = gpt2_folder(name_or_path)
     cfg, vocab_size = gpt2_config(tg.Config(seq_len=0), folder)  # 0: every position GPT-2 has
     model = tg.build_model(cfg, vocab_size, torch.device(device))
-    with tg.reading(folder, "pass a Hugging Face GPT-2 folder"):
+    with tg.exit_if_unreadable(folder, "pass a Hugging Face GPT-2 folder"):
         model.load_state_dict(gpt2_state_dict(folder, cfg, vocab_size))
     return model.eval()
 
@@ -365,7 +367,7 @@ def load_init(cfg, rank, world_size):
                f"checkpoint of train_gpt.py, a GPT-2 folder, or one of {', '.join(GPT2_NAMES)}")
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
         tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume)")
-    with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
+    with tg.exit_if_unreadable(path, "pass a checkpoint written by train_gpt.py"):
         c = ckpt["config"]  # its architecture, this run's --seq_len: RoPE takes any
         cfg = dataclasses.replace(cfg, **{k: c[k] for k in tg.ARCH_FIELDS if k in c and k != "seq_len"})
         init = dict(model=plain_weights(ckpt), vocab_size=ckpt["data_info"]["vocab_size"],
@@ -416,7 +418,7 @@ def export_main(cfg):
         out = tg.list_checkpoints(cfg.out_dir)[-1][1]
         print(f"wrote {path} as one file: {out}")
         return {"path": out}
-    with tg.reading(path, "pass a checkpoint written by train_gpt.py"):
+    with tg.exit_if_unreadable(path, "pass a checkpoint written by train_gpt.py"):
         sd = out = plain_weights(ckpt)
         if cfg.export == "hf":
             return export_hf(cfg, ckpt, path, sd)
@@ -454,7 +456,7 @@ def export_hf(cfg, ckpt, path, sd):
         conf, hf = rope_hf(c, sd, vocab, path)
     eot, tok = ckpt["tokenizer"].get("eot_id"), hf_tokenizer(ckpt["tokenizer"], path)  # before any file is written
     conf.update(vocab_size=vocab, bos_token_id=eot, eos_token_id=eot, torch_dtype="float32")
-    with tg.reading(cfg.out_dir, "pass an --out_dir that is a folder you can write"):
+    with tg.exit_if_unreadable(cfg.out_dir, "pass an --out_dir that is a folder you can write"):
         os.makedirs(cfg.out_dir, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".hf-", dir=os.path.dirname(os.path.abspath(cfg.out_dir)))  # then moved in
     hf = {k: v.float().contiguous().clone() for k, v in hf.items()}  # safetensors wants no views or shared storage

@@ -85,8 +85,8 @@ def load_model(path, ckpt, device):
     """(model in eval mode, image size, channels, class names) of the checkpoint ckpt read from path."""
     # Rebuilt from the run's own config: build_model then makes the very model that was trained.
     # Keys this train_vit.py no longer has (an older checkpoint's --predict, say) are left out.
-    # Everything read from the file is inside reading(): a crafted value stops in one line.
-    with tv.reading(path, "pass a checkpoint written by train_vit.py"):
+    # Everything read from the file is inside exit_if_unreadable(): a crafted value stops in one line.
+    with tv.exit_if_unreadable(path, "pass a checkpoint written by train_vit.py"):
         fields = tv.Config.__dataclass_fields__
         trained = tv.Config(**{k: v for k, v in ckpt["config"].items() if k in fields})
         meta = ckpt["data_meta"]

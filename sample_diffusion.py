@@ -78,8 +78,8 @@ def load_model(path, ckpt, where, device):
     """(model, the run's Config, data meta, classes K; 0: unconditional) of the checkpoint ckpt read from path."""
     # Rebuilt from the run's own config: build_model then makes the very model that was trained.
     # Keys this train_diffusion.py no longer has (an older checkpoint's --sample, say) are left out.
-    # Everything read from the file is inside reading(): a crafted value stops in one line.
-    with td.reading(path, "pass a checkpoint written by train_diffusion.py"):
+    # Everything read from the file is inside exit_if_unreadable(): a crafted value stops in one line.
+    with td.exit_if_unreadable(path, "pass a checkpoint written by train_diffusion.py"):
         if ckpt is None or "objective" not in ckpt["config"]:  # a ViT's checkpoint has no objective
             td.die(f"no complete train_diffusion.py checkpoint at {where!r}; train first or pass --ckpt=PATH")
         fields = td.Config.__dataclass_fields__

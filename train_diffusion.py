@@ -13,6 +13,7 @@ samples and the Frechet distance of its features.
   python train_diffusion.py --benchmark --preset=cifar10
   python train_diffusion.py -h         # every flag, with its default
 """
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -410,7 +411,7 @@ class Judge:
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
         ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
-        with reading(where, "pass a checkpoint written by train_vit.py"):
+        with exit_if_unreadable(where, "pass a checkpoint written by train_vit.py"):
             if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
                 die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
             m = ckpt["data_meta"]
@@ -420,7 +421,7 @@ class Judge:
             known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
             self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
-        with reading(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
+        with exit_if_unreadable(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
             self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
         self.real = self.features(val_x[:10000])  # once
 
@@ -685,7 +686,7 @@ def train(cfg, stop):
     # the loop's state is these locals; a resume sets them, and the loader's place
     step, train_time, history = 0, 0.0, []
     if ckpt:
-        with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+        with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
         print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
@@ -888,7 +889,7 @@ def load_image_data(data_dir, splits=("train", "val")):
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
             f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with reading(path, fix), open(path) as f:
+    with exit_if_unreadable(path, fix), open(path) as f:
         meta = json.load(f)
         if "vocab_size" in meta:  # prepare_data.py's text: token shards
             die(f"{data_dir} holds token shards (text), which train_gpt.py reads; give --data_dir an image data "
@@ -901,7 +902,7 @@ def load_image_data(data_dir, splits=("train", "val")):
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
-    with reading(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
+    with exit_if_unreadable(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
         arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
                       np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
     for s, (x, y) in arrays.items():
@@ -1002,24 +1003,33 @@ class EMA:
 # the guards, signals, reporting. The recipe above reads without it.
 
 # === shared: machinery ===
+# What every trainer needs and none of them teaches: flags, logs, checkpoints, the guard
+# against bad steps, signals. This block is the same, byte for byte, in the three trainers (a
+# test compares them), so a fix lands in all three at once. A reader may skip it: train() calls
+# each part by a name that says what it does, and the names that stop a run say so.
+
 def die(msg):
-    """A one-line error, a SystemExit (tests catch it)."""
+    """Stop with a one-line error that names the problem and its fix. A SystemExit, not an
+    exception: a user sees one line and a non-zero exit, not a traceback, and tests catch it."""
     raise SystemExit(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {msg}")
 
 def side_path(what, fn, *args):
-    """fn(*args); on error None and a warning."""
+    """fn(*args), or None and a warning: a sample or a plot that fails must not end a run."""
     try:
         return fn(*args)
     except (Exception, SystemExit) as e:  # noqa: BLE001
         why = " ".join(str(e).split())[:200] or type(e).__name__
         print(f"warning: {what} failed, training goes on: {why}", file=sys.stderr)
 
+# ---- flags: each Config field is a --key=value flag; the comments in its source are the help
+
 def config_lines(cls):
     """[(field, section, help)] from a Config's source, base classes first: the first line of the
     comment block above a group of fields is their section, the comment ending a field's line its help."""
     rows = []
     for c in reversed(cls.__mro__[:-1]):  # object has no source
-        section, after_comment = "", False
+        section = ""
+        after_comment = False
         for line in inspect.getsource(c).splitlines():
             comment = re.match(r"^\s+#\s*(.*)$", line)
             if comment and not after_comment:
@@ -1030,83 +1040,117 @@ def config_lines(cls):
                 rows.append((field[1], section, field[2] or ""))
     return rows
 
-def field_comments(cls):
-    """{field: its help}, as -h shows it."""
-    return {name: text for name, _, text in config_lines(cls)}
-
 def choose(field, value):
-    """value if its Literal allows it, else stop."""
+    """value, if the field's Literal type allows it; else stop naming the choices."""
     options = get_args(field.type)
     if options and value not in options:
         die(f"--{field.name}={value} is not one of {'|'.join(options)}")
     return value
 
 def check_choices(cfg):
-    """Valid choices; --profile, --offload need their modes."""
+    """Stop on a value that no flag could have given: a test or a companion may build a Config
+    directly. --profile and --offload mean something only in their modes."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # else it traces every step
+    if cfg.profile and not cfg.benchmark:  # else it would trace every step of a long run
         die("--profile profiles --benchmark's steps; add --benchmark")
-    if cfg.offload != "none" and (cfg.parallel != "fsdp" or int(os.environ.get("WORLD_SIZE", "1")) < 2):
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.offload != "none" and (cfg.parallel != "fsdp" or ranks < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+def to_bool(text):
+    """A flag's true or false; a bare --flag is true."""
+    if text.lower() not in TRUE + FALSE:
+        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    return text.lower() in TRUE
+
+def finite(text):
+    """A float flag. nan would pass every range check after this one, so it stops here."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
 def parse_args(cls, argv):
-    """A Config from --key=value flags over a --preset."""
-    import argparse
-    module, yes = sys.modules[cls.__module__], ("1", "true", "yes", "on")
-
-    def to_bool(s):  # a bare --flag is true
-        if s.lower() not in (*yes, "0", "false", "no", "off"):
-            raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-        return s.lower() in yes
-
-    def finite(s):  # nan passes every range check after this
-        if not math.isfinite(x := float(s)):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-        return x
-
-    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
-                                usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
+    """A Config from --key=value flags over a --preset. Unlike nanoGPT's configurator, which
+    exec()s its arguments, a typo stops in one line that names the nearest flag."""
+    module = sys.modules[cls.__module__]
+    p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0],
+                                usage="%(prog)s [--key=value ...]",
+                                allow_abbrev=False,
+                                argument_default=argparse.SUPPRESS)  # unset flags keep the preset's value
     p.error = lambda msg: die(f"{msg} (see -h)")
-    comments, groups = field_comments(cls), {}
-    sections = {name: section for name, section, _ in config_lines(cls)}
+    helps = {name: (section, text) for name, section, text in config_lines(cls)}
+    groups = {}
     for f in dataclasses.fields(cls):  # -h lists the flags under the Config's section comments
-        title = sections.get(f.name) or "options"
+        section, text = helps.get(f.name, ("", ""))
+        title = section or "options"
         if title not in groups:
             groups[title] = p.add_argument_group(title)
-        options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
-        kind = to_bool if bare else functools.partial(choose, f) if options else f.type
-        kind = finite if kind is float else kind
-        groups[title].add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
-                                   help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
+        options = get_args(f.type)
+        bare = {}
+        if f.type is bool:
+            kind = to_bool
+            bare = dict(nargs="?", const=True)
+        elif options:
+            kind = functools.partial(choose, f)
+        elif f.type is float:
+            kind = finite
+        else:
+            kind = f.type
+        groups[title].add_argument(f"--{f.name}", type=kind,
+                                   metavar="|".join(options) or f.name.upper(),
+                                   help=f"{text} (default: {f.default!r})", **bare)
+    # parse_known_args, so that an unknown flag gets our message (did you mean, or where its job
+    # moved) rather than argparse's list of every flag
     args, unknown = p.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
-        # a job that moved to a companion script: name its new command
-        if flag.lstrip("-") in getattr(module, "MOVED", {}):
-            die(f"{flag} moved: {module.MOVED[flag.lstrip('-')]}")
-        near = difflib.get_close_matches(flag.lstrip("-"), [f.name for f in dataclasses.fields(cls)], n=1)
+        moved = getattr(module, "MOVED", {})  # jobs that moved to a companion: name its command
+        if flag.lstrip("-") in moved:
+            die(f"{flag} moved: {moved[flag.lstrip('-')]}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        near = difflib.get_close_matches(flag.lstrip("-"), names, n=1)
         die(f"unknown flag {flag!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))
     preset = vars(args).get("preset", "")
     if preset and preset not in module.PRESETS:
         die(f"unknown --preset={preset}; choose one of {', '.join(module.PRESETS)}")
+    # a preset is a dict of defaults: the flags given on the command line win over it
     return cls(**{**module.PRESETS.get(preset, {}), **vars(args)})
 
+# ---- logs: the config and the code at the start, a line a log step, a result at the end
+
+# Dense bf16 peaks in FLOP/s, from the vendors' sheets: MFU is a step's FLOPs at this peak over
+# its measured time (PaLM, Chowdhery et al. 2022, appendix B)
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
-              "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}  # dense bf16
+              "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
 def peak_seconds(flops, device, dtype):
-    """flops' seconds at GPU peak (tf32: half), or 0."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak = next((v / (2 if dtype == torch.float32 else 1) for k, v in PEAK_FLOPS.items() if k in gpu), None)
-    return flops / peak if peak else 0.0
+    """flops' seconds at the GPU's peak (tf32, in fp32: half of it), or 0 where the peak is unknown."""
+    gpu = ""
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    for name, peak in PEAK_FLOPS.items():
+        if name in gpu:
+            return flops / (peak / 2 if dtype == torch.float32 else peak)
+    return 0.0
 
 def speed(rate, dt):
-    """{unit_s, mfu} and texts at dt s a step."""
-    per_step, unit, ideal = rate  # ideal: a step's s at peak
-    x, mfu = per_step / dt, ideal / dt or None
-    text = f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
+    """({unit_s, mfu}, throughput text, MFU text) at dt seconds a step. rate: (units a step, the
+    unit's name, a step's seconds at peak)."""
+    per_step, unit, ideal = rate
+    x = per_step / dt
+    mfu = ideal / dt or None
+    if x >= 1e6:
+        text = f"{x / 1e6:.2f}M"
+    elif x >= 1e3:
+        text = f"{x / 1e3:.1f}k"
+    else:
+        text = f"{x:.0f}"
+    mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
+    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", mfu_text
 
 def start_log(cfg, master):
     """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
@@ -1133,39 +1177,54 @@ def start_log(cfg, master):
     return os.path.join(cfg.out_dir, "metrics.jsonl")
 
 def record(metrics, **kv):
-    """Append kv to metrics (JSONL) and wandb."""
-    if metrics:
-        with open(metrics, "a") as f:
-            f.write(json.dumps(kv) + "\n")
-        if "wandb" in sys.modules and sys.modules["wandb"].run:
-            sys.modules["wandb"].log(kv, step=kv.get("step"))
+    """Append kv to metrics.jsonl (a JSON object a line, read with pandas.read_json(lines=True)),
+    and to wandb if a run is open."""
+    if not metrics:
+        return
+    with open(metrics, "a") as f:
+        f.write(json.dumps(kv) + "\n")
+    wandb = sys.modules.get("wandb")
+    if wandb and wandb.run:
+        wandb.log(kv, step=kv.get("step"))
 
 def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print, record a step; budget: (max_steps, seconds)."""
-    (max_steps, time_budget), (rates, tput, mfu) = budget, speed(rate, dt)
+    """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
+    max_steps, time_budget = budget
+    rates, tput, mfu = speed(rate, dt)
     record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time, **extra)
-    of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+    if time_budget:
+        of = f"{train_time:.0f}/{time_budget:.0f}s"
+    else:
+        of = f"{max_steps:05d}"
+    extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
     print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-          f"{tput} | {mfu}" + "".join(f" | {k} {v:.2f}" for k, v in extra.items()))
+          f"{tput} | {mfu}{extras}")
 
-BENCH_WARMUP, PROFILE_STEPS = 5, 3  # untimed: compile, autotune
+# --benchmark's first steps compile and autotune, so they are not timed; then it times
+# --bench_steps steps between two syncs, and --profile traces a few more
+BENCH_WARMUP = 5
+PROFILE_STEPS = 3
 
 class Benchmark:
-    """--benchmark: time steps after warm-up, then profile."""
+    """--benchmark: time steps after warm-up, then profile. The host syncs only where the timed
+    stretch starts and ends, so the figure is the device's pace with the host queueing ahead,
+    as in a real run, and not the pace of a loop that waits on every step."""
 
     def __init__(self, steps, profile):
-        self.steps, self.times = steps, {}
+        self.steps = steps
+        self.times = {}  # {step: train_time after it}
         self.profiler = torch.profiler.profile() if profile else None
         self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
 
-    def due(self, step):  # a step it times: the host syncs there
+    def due(self, step):
+        """Whether the host must sync after this step: the timed stretch starts or ends."""
         return step in (BENCH_WARMUP, BENCH_WARMUP + self.steps)
 
     def mark(self, step, train_time):
-        """After a step: start timing, then profiler."""
+        """After a synced step: note the time; start the profiler after the timed steps."""
         self.times[step] = train_time
         if step == BENCH_WARMUP and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats()  # peak memory of the timed steps, not of compiling
         if self.profiler and step == BENCH_WARMUP + self.steps:
             self.profiler.start()
 
@@ -1182,34 +1241,45 @@ class Benchmark:
         if not self.profiler:
             return
         self.profiler.stop()
-        if master:
-            os.makedirs(out_dir, exist_ok=True)
-            self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
-            key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-            print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-            print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
+        if not master:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
 
 def peak_memory_gb(device):
-    """Peak GPU memory or CPU RSS (0 on Windows)."""
+    """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     if sys.platform == "win32":
         return 0.0
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
 
 def append_result(out_dir, metric, result, description):
     """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
     its value, memory, wall time, --description), to compare experiments at a glance."""
-    git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                 text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-    row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
-           f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = ""
+    if shutil.which("git"):
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
+    row = [time.strftime("%Y%m%d-%H%M%S"),
+           os.path.basename(__file__),
+           commit or "unknown",
+           metric,
+           f"{result[metric]:.4f}",
+           f"{result['peak_mem_gb']:.2f}",
+           f"{result['wall_time']:.0f}",
            description.replace("\t", " ")]
     try:
         with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-            f.write(header + "\t".join(row) + "\n")
+            if f.tell() == 0:
+                f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
+            f.write("\t".join(row) + "\n")
     except OSError as e:  # a side output: the run is done, its checkpoint saved
         print(f"warning: results.tsv not written: {e}")
 
@@ -1218,23 +1288,41 @@ def preempted_line(signal, step, out_dir):
     return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
             f"run the same command with --resume to continue")
 
+# ---- checkpoints
+# A checkpoint is a dict that train() builds: the weights and the optimizers' state, the step,
+# the loader's place, the guard's statistics, the config. One process writes ckpt_STEP.pt with
+# torch.save, atomically (a temporary file, fsync, rename), so a crash mid-write leaves the
+# earlier checkpoints as they were. Under FSDP2 no rank holds the whole model, so each rank
+# writes its own shards with torch.distributed.checkpoint (DCP) into a folder ckpt_STEP/, and
+# rank 0 writes the rest as state.pt last, with the shards' sizes: a folder without state.pt,
+# or with a shard of the wrong size, is torn. Loading skips a torn or corrupt checkpoint for
+# the one before it, and unpickles only tensors and plain data (a checkpoint may come from
+# anyone, and a pickle can run code).
+
+# torch.distributed.checkpoint.state_dict's get/set functions read and write the same dicts for a
+# plain model, DDP and FSDP2: keyed by parameter name (not by the optimizer's numbering), full
+# on rank 0's CPU or sharded. So one checkpoint format serves every layout.
+
 def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: full on CPU, or shards."""
+    """{model, optim, ema, ema_t}: full tensors on the CPU, or (full=False) each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    sd = dict(zip(("model", "optim"), get_state_dict(model, opts, options=options)), ema=None, ema_t=0)
-    if ema:  # via the model, sharded alike; cloned: on CPU they'd swap back
+    weights, optim = get_state_dict(model, opts, options=options)
+    sd = {"model": weights, "optim": optim, "ema": None, "ema_t": 0}
+    if ema:  # the EMA's weights are read through the model, so that they are sharded alike
         ema.swap()
+        # cloned: on the CPU a full state dict shares memory with the weights, and they swap back
         sd["ema"] = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
         ema.swap()
         sd["ema_t"] = ema.t
     return sd
 
 def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
-    """Load ckpt; returns (step, train_time, history)."""
+    """Load ckpt into the model, the optimizers, the scaler and the guard; returns (step,
+    train_time, history), the loop's state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
-    if "shards" in ckpt:  # DCP reshards if ranks changed
+    if "shards" in ckpt:  # DCP reads each rank's part, and reshards if the number of ranks changed
         ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
@@ -1244,22 +1332,28 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
         ema.t = int(ckpt["ema_t"])
     scaler.load_state_dict(ckpt["scaler"])
     guard.load_state(ckpt["guard"])
-    history = list(ckpt["history"])  # a crafted one fails here
+    history = list(ckpt["history"])  # a crafted one fails here, not at the end of the run
     if not all(isinstance(h, dict) for h in history):
         raise ValueError("its history is not a list of records")
     return int(ckpt["step"]), float(ckpt["train_time"]), history
 
 class CheckpointWriter:
-    """One checkpoint at a time (async: thread); FSDP: shards."""
+    """Writes one checkpoint at a time. With --async_save the write runs beside training (a thread,
+    or DCP's async_save for shards), and the next save, a rollback or the end waits for it."""
 
     def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
-        self.out_dir, self.keep, self.async_save = out_dir, (keep_last, milestone_every), async_save
-        self.master, self.pending = master, None
-        # DCP's own gloo group, apart from training's
+        self.out_dir = out_dir
+        self.keep = (keep_last, milestone_every)
+        self.async_save = async_save
+        self.master = master
+        self.pending = None  # the write in flight
+        # DCP gathers the shards' plan over a gloo group of its own, apart from training's NCCL
         self.group = dist.new_group(backend="gloo") if sharded else None
 
     def save(self, ckpt):
-        """All ranks call; async failure stops at wait()."""
+        """Every rank calls it. An async write that failed stops the run at the next wait()."""
+        # One write at a time: two in flight could finish out of order, and the newest
+        # checkpoint on disk would not be the newest one saved.
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
         shards = None
@@ -1269,72 +1363,92 @@ class CheckpointWriter:
             ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
         if not (self.master or shards):
             return
-        args = (self.out_dir, copy.deepcopy(ckpt) if self.async_save else ckpt, *self.keep, shards, self.master)
-        if self.async_save:  # copied: training changes them
+        if self.async_save:
+            ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors the thread writes
+        args = (self.out_dir, ckpt, *self.keep, shards, self.master)
+        if self.async_save:
             self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
             write_checkpoint(*args)
 
     def shards(self, ckpt):
-        """ckpt's tensors to DCP; returns their writer."""
+        """A function that writes ckpt's tensors as DCP shards and returns when they are on disk."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
-        if self.master:  # a torn folder's files must not mix
+        if self.master:  # the files of a torn earlier attempt must not mix with these
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         sd = {k: ckpt[k] for k in ("model", "optim", "ema")}
         kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
-        if self.async_save:
+        if self.async_save:  # DCP copies the shards to the CPU now, and writes them in a thread
             return dcp.async_save(dcp_part(sd), **kw).result
         return functools.partial(dcp.save, dcp_part(sd), **kw)
 
     def wait(self):
-        """Wait for the pending write; failure stops."""
+        """Wait for the write in flight; if it failed, its error stops the run here."""
         if self.pending:
             self.pending.result()
             self.pending = None
 
 def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
-    """Write ckpt_STEP.pt (or shards, state.pt) atomically; prune."""
-    path = os.path.join(out_dir, f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt"))
-    folder, tmp = os.path.dirname(path), os.path.join(os.path.dirname(path), "ckpt.tmp")
+    """Write ckpt_STEP.pt (or the shards, then ckpt_STEP/state.pt) atomically, then prune the old
+    ones: all but the newest keep_last, and the milestones (steps that are multiples of milestone_every)."""
+    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt")
+    path = os.path.join(out_dir, name)
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, "ckpt.tmp")
     try:
         if shards:
-            shards()  # returns when all shards are on disk
+            shards()  # returns when every rank's shards are on disk
             if not master:
                 return
-            ckpt["shards"]["sizes"] = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
+            sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
+            ckpt["shards"]["sizes"] = sizes
         os.makedirs(out_dir, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # on disk before the rename makes it the newest checkpoint
         os.replace(tmp, path)
-    except BaseException as e:  # noqa: BLE001 - DCP's are BaseExceptions
-        e = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e  # DCP's wraps each rank's
+    except BaseException as e:  # noqa: BLE001 - DCP raises BaseExceptions
+        if hasattr(e, "failures"):  # DCP wraps each rank's error: show the first
+            e = next(iter(e.failures.values()))[0]
         if os.path.exists(tmp):
             os.remove(tmp)
         die(f"writing {path} failed ({getattr(e, 'strerror', None) or e}); the earlier checkpoints are intact")
-    if keep_last > 0:  # rollback/resume pruned newer ones
+    if keep_last > 0:  # "newest" counts from this one: a rollback or resume pruned those after it
         newest = [s for s, _ in list_checkpoints(out_dir)[-keep_last:]]
         prune(out_dir, lambda s: s not in newest and not (milestone_every and s % milestone_every == 0))
 
 def prune(out_dir, old):
-    """Delete checkpoints where old(step)."""
+    """Delete the checkpoints whose step makes old(step) true."""
     for step, path in list_checkpoints(out_dir):
-        if old(step) and os.path.isdir(path):
+        if not old(step):
+            continue
+        if os.path.isdir(path):
             shutil.rmtree(path)
-        elif old(step):
+        else:
             os.remove(path)
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of ckpt_STEP(.pt), oldest first."""
-    found = [(re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(p)), p) for p in glob.glob(f"{out_dir}/ckpt_*")]
-    return sorted((int(m[1]), p) for m, p in found if m)
+    """[(step, path)] of ckpt_STEP(.pt) in out_dir, oldest first."""
+    found = []
+    for path in glob.glob(f"{out_dir}/ckpt_*"):
+        m = re.fullmatch(r"ckpt_(\d+)(\.pt)?", os.path.basename(path))
+        if m:
+            found.append((int(m[1]), path))
+    return sorted(found)
+
+# A resume must continue the same run: same model, same data, same batch layout, or the loss
+# curve after it means nothing. run_layout() (in the recipe) names the fields that must match,
+# and a resume that changes one stops with the list of differences.
 
 def resume_point(out_dir, resume, layout, master):
-    """(ckpt, path) of the newest intact one, or Nones."""
+    """(ckpt, path) of the newest intact checkpoint to resume from, or (None, None) for a fresh
+    run. Stops if out_dir holds an earlier run and --resume is not given (torchrun's restarts
+    resume by themselves), or if the checkpoint's run had another layout."""
     found = list_checkpoints(out_dir)
-    if found and not (resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if found and not (resume or restarted):
         die(f"{out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     if not found:
         if resume:
@@ -1343,13 +1457,13 @@ def resume_point(out_dir, resume, layout, master):
     ckpt, path = load_checkpoint(out_dir, whole=False)
     if ckpt is None:
         die(f"--resume: no checkpoint in {out_dir} is readable (see warnings above); nothing was changed")
-    with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+    with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
         saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
         diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
     if diff:
         die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
             f"use a new --out_dir")
-    if master:  # newer: unreadable
+    if master:  # the newer ones are unreadable: a later save must not count them among the newest
         prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt, path
 
@@ -1361,15 +1475,19 @@ def print_resume_or_exit(path, step, done, out_dir):
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
 
-MAX_ROLLBACKS = 3  # per checkpoint: beyond, fix the flags
+MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
+
+# A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
+# steps, but not the loader's place: the run goes on from the batch it had reached, so the
+# batches that caused the trouble are not seen again (PaLM's fix).
 
 def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
     """The newest intact checkpoint from before the guard's first bad step; stops in one line
     if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
     if world_size > 1:
-        dist.barrier()  # rank 0's write lands first
+        dist.barrier()  # rank 0's last write lands before any rank looks
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # else it skips to the end
+    if ckpt is None:  # else it would skip to the end
         die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
             f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
     guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
@@ -1378,110 +1496,141 @@ def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
             f"lower --lr or raise --warmup_steps")
     print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
     record(metrics, step=step, event="rollback", to_step=ckpt["step"])
-    if master:  # a timeline nothing may resume
+    if master:  # the steps after it are a timeline that nothing may resume
         prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt
 
+def check_intact(path):
+    """A checkpoint's dict, loaded on the CPU, if it is intact: raises ValueError naming the fault,
+    or pickle.UnpicklingError for anything but tensors and plain data (weights_only)."""
+    file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise ValueError("incomplete: it has no state.pt, which rank 0 writes last")
+    bad = zipfile.ZipFile(file).testzip()  # torch.save writes a zip: each member has a CRC
+    if bad:
+        raise ValueError(f"the checksum of {bad} does not match")
+    ckpt = torch.load(file, map_location="cpu", weights_only=True)
+    sharded = file != path
+    if not isinstance(ckpt, dict) or not {"config", "step", "shards" if sharded else "model"} <= ckpt.keys():
+        raise ValueError("not a checkpoint of these scripts")
+    if sharded:
+        for name, size in ckpt["shards"].pop("sizes").items():
+            got = os.path.getsize(os.path.join(path, name))
+            if got != size:
+                raise ValueError(f"{name} has {got} bytes, not {size}")
+        ckpt["shards"]["path"] = path
+    return ckpt
+
 def load_checkpoint(where, before=None, whole=True):
-    """(ckpt, path): where, or its newest good one before before."""
+    """(ckpt, path): the checkpoint at where, or the newest intact one in the folder where (before
+    the step before, if given), or (None, None). whole: a sharded one's tensors are read too."""
     one = os.path.isfile(where) or re.fullmatch(r"ckpt_\d+", os.path.basename(os.path.normpath(where)))
     found = [(0, where)] if one else list_checkpoints(where)
-    for _, path in reversed([c for c in found if before is None or c[0] < before]):
-        try:  # intact: CRCs, sizes, weights_only
-            file = os.path.join(path, "state.pt") if os.path.isdir(path) else path
-            if not os.path.exists(file):
-                raise ValueError("incomplete: it has no state.pt, which rank 0 writes last")
-            bad = zipfile.ZipFile(file).testzip()
-            if bad:
-                raise ValueError(f"the checksum of {bad} does not match")
-            ckpt, sharded = torch.load(file, map_location="cpu", weights_only=True), file != path
-            if not isinstance(ckpt, dict) or not {"config", "step", "shards" if sharded else "model"} <= ckpt.keys():
-                raise ValueError("not a checkpoint of these scripts")
-            if sharded:
-                for name, size in ckpt["shards"].pop("sizes").items():
-                    got = os.path.getsize(os.path.join(path, name))
-                    if got != size:
-                        raise ValueError(f"{name} has {got} bytes, not {size}")
-                ckpt["shards"]["path"] = path
-                ckpt.update(read_shards(ckpt.pop("shards")) if whole else {})
+    for step, path in reversed(found):
+        if before is not None and step >= before:
+            continue
+        try:
+            ckpt = check_intact(path)
+            if whole and os.path.isdir(path):  # a folder of shards
+                ckpt.update(read_shards(ckpt.pop("shards")))
             return ckpt, path
         except Exception as e:  # noqa: BLE001
-            why = "it holds objects other than tensors and plain data, which could run code" if isinstance(
-                e, pickle.UnpicklingError) else str(e).split("\n")[0] or type(e).__name__
+            if isinstance(e, pickle.UnpicklingError):
+                why = "it holds objects other than tensors and plain data, which could run code"
+            else:
+                why = str(e).split("\n")[0] or type(e).__name__
             if one:
                 die(f"{path} is not a usable checkpoint ({why}); pass one written by {os.path.basename(__file__)}")
             print(f"warning: skipping checkpoint {path}, truncated or corrupt: {why}", file=sys.stderr)
     return None, None
 
 def dcp_part(sd):
-    """DCP writes tensors; param groups go in state.pt."""
+    """The part of a state dict that DCP writes: tensors. The optimizers' param groups go in state.pt."""
     return {k: {"state": sd[k]["state"]} if k == "optim" else sd[k]
             for k in ("model", "optim", "ema") if sd[k] is not None}
 
 def read_shards(shards, into=None):
-    """A sharded checkpoint, into `into` or whole."""
+    """A sharded checkpoint's tensors: into `into`, this rank's shards of the live model (DCP
+    reshards them), or else whole, in one process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    # DCP's .metadata is a pickle: read it with an unpickler that builds only DCP's own classes
     with open(os.path.join(shards["path"], ".metadata"), "rb") as f:
         meta = MetadataUnpickler(f).load()
-    if any(s.relative_path != os.path.basename(s.relative_path) or s.transform_descriptors
-           for s in meta.storage_data.values()):
-        raise ValueError("its .metadata names files outside its folder")
-    reader, sd = dcp.FileSystemReader(shards["path"]), dcp_part(into) if into else {}
+    for s in meta.storage_data.values():
+        if s.relative_path != os.path.basename(s.relative_path) or s.transform_descriptors:
+            raise ValueError("its .metadata names files outside its folder")
+    reader = dcp.FileSystemReader(shards["path"])
     reader.read_metadata = lambda *args, **kw: meta
+    sd = dcp_part(into) if into else {}
+    planner = None if into else _EmptyStateDictLoadPlanner()  # the empty planner loads everything
     try:
-        _load_state_dict(sd, storage_reader=reader, planner=None if into else _EmptyStateDictLoadPlanner(),
-                         no_dist=not (into and dist.is_initialized()))
-    except dcp.CheckpointException as e:  # wraps each rank's error
+        _load_state_dict(sd, storage_reader=reader, planner=planner, no_dist=not (into and dist.is_initialized()))
+    except dcp.CheckpointException as e:  # it wraps each rank's error
         raise ValueError(next(iter(e.failures.values()))[0]) from None
     return {"ema": None, **sd, "optim": {**sd["optim"], "param_groups": shards["param_groups"]}}
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles .metadata: only classes DCP writes."""
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
-        ("torch.distributed.checkpoint.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta",
+    """Unpickles DCP's .metadata, building only the classes DCP writes there."""
+    ALLOWED = {"torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath", "pathlib.WindowsPath",
+               "torch.distributed.checkpoint.filesystem._StorageInfo"} | {
+        f"torch.distributed.checkpoint.metadata.{n}" for n in ("Metadata", "MetadataIndex", "StorageMeta",
             "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
 
     def find_class(self, module, name):
-        if (module, name) in self.ALLOWED or module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+        is_dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # torch.float32, ...
+        if f"{module}.{name}" in self.ALLOWED or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"its .metadata asks for {module}.{name}, which DCP's metadata does not hold")
 
 @contextlib.contextmanager
-def reading(path, fix):
-    """An error reading path: one line naming the fix."""
+def exit_if_unreadable(path, fix):
+    """Run the block; an error there reading the file at path (a crafted or foreign checkpoint)
+    stops in one line that names the file and the fix, instead of a traceback."""
     try:
         yield
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, EOFError,
-            pickle.UnpicklingError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a crafted file makes the reader raise
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
+# ---- the guard, signals, default data
+
 def every(step, n):
-    """Whether step is a multiple of n (0: never)."""
+    """Whether step is a multiple of n (n = 0: never)."""
     return n > 0 and step % n == 0
 
 class Guard:
-    """Skips a step whose loss or grad norm is non-finite or spikes, deciding on the device (no host
-    sync); the host reads its verdicts at syncs; max_bad in window: roll back (PaLM 5.1)."""
+    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
+    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
+    checkpoint before the spike and skip the batches around it).
+
+    It decides on the device: reading the loss on the host at every step would make the host wait
+    for the device at every step. A spike is measured against running statistics of the good
+    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
+    grad norm, and their variance. The host reads the verdicts at the next sync (log_skips)."""
 
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
-        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)
-        self.window, self.max_bad, self.clip_mult = window, max_bad, clip_mult
+        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
+        self.window = window
+        self.max_bad = max_bad
+        self.clip_mult = clip_mult
         self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
         self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
 
     def state(self):
+        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
         n, *mean_var = self.stats.tolist()
         return {"n": int(n), "mean": mean_var[:2], "var": mean_var[2:], "bad": list(self.bad)}
 
-    def load_state(self, s):  # stats: n; the loss's and grad norm's means, then variances
-        self.bad = [int(b) for b in s["bad"]]
-        self.stats = self.sigma.new_tensor([int(s["n"]), *map(float, [*s["mean"][:2], *s["var"][:2]])])
+    def load_state(self, s):
+        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
+        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
+        stats = [int(s["n"]), *map(float, [*s["mean"][:2], *s["var"][:2]])]
+        self.stats = self.sigma.new_tensor(stats)
 
     def clip(self, max_norm):
-        """max_norm (0: none), <= clip_mult x mean gnorm."""
+        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
+        times the mean grad norm, once ten steps have made that mean."""
         limit = max_norm if max_norm > 0 else float("inf")
         if not self.clip_mult:
             return limit
@@ -1492,12 +1641,19 @@ class Guard:
         1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
         skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
         into the running statistics."""
-        v, (n, mean, var) = torch.stack([loss.float(), gnorm.float()]), self.stats.split([1, 2, 2])
+        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
+        n, mean, var = self.stats.split([1, 2, 2])
         std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
+        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
         spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
-        verdict = torch.where(spike[0], 2, torch.where(spike[1], 3, 0))
-        verdict = torch.where(v.isfinite().all(), verdict, torch.where(fp16 & v[0].isfinite(), 4, 1))
-        a, d = (1 / (n + 1)).clamp(min=1 / self.window), v - mean  # a mean, then an EMA
+        verdict = torch.where(spike[1], 3, 0)
+        verdict = torch.where(spike[0], 2, verdict)  # a loss spike is named before a grad norm one
+        # a non-finite value: the scaler's overflow in fp16 if the loss is finite, else bad
+        overflow = torch.where(fp16 & v[0].isfinite(), 4, 1)
+        verdict = torch.where(v.isfinite().all(), verdict, overflow)
+        # the statistics of good steps: a running mean for the first window steps, then an EMA
+        a = (1 / (n + 1)).clamp(min=1 / self.window)
+        d = v - mean
         new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
         self.stats = torch.where(verdict == 0, new, self.stats)
         return torch.stack([v[0], v[1], verdict.float()]), (verdict > 0).float()
@@ -1505,16 +1661,19 @@ class Guard:
     def log_skips(self, rows, step, metrics):
         """At a sync, the rows of the steps after step: prints and records the skipped ones, and
         returns why the last one was skipped (None if none was)."""
-        why, last = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}, None
+        why = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}
+        last = None
         for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
-            if verdict in why:
-                self.bad = [b for b in self.bad if b > s - self.window] + [s]
-                last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
-                record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
-                print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
+            if verdict not in why:  # 0 good, 4 the scaler's (it lowers its scale and goes on)
+                continue
+            self.bad = [b for b in self.bad if b > s - self.window] + [s]
+            last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
+            record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
+            print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
         return last
 
     def rollback_due(self):
+        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
         return self.max_bad > 0 and len(self.bad) >= self.max_bad
 
 class StopSignal:
@@ -1528,14 +1687,18 @@ class StopSignal:
     step, at most one step after the first rank got the signal."""
 
     def __enter__(self):
-        self.received, self.group = None, None
+        self.received = None  # the signal's name
+        self.group = None
         main = threading.current_thread() is threading.main_thread()  # signals reach only that thread
-        self.old = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+        self.old = {}
+        if main:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.old[sig] = signal.signal(sig, self.handle)
         return self
 
     def handle(self, signum, frame):
         self.received = signal.Signals(signum).name
-        signal.signal(signum, self.old[signum])
+        signal.signal(signum, self.old[signum])  # the old handler again: a second signal acts at once
 
     def requested(self, world_size):
         """Whether any rank got a signal; every rank calls it after every step."""
@@ -1552,13 +1715,15 @@ class StopSignal:
             signal.signal(sig, handler)
 
 def prepare_default_data(cfg, rank, world_size, command, what, *flags):
-    """Empty default data_dir: rank 0 runs prepare_data."""
+    """A first run with the default --data_dir and nothing in it: rank 0 prepares the demo's data
+    with prepare_data.py (no network needed), and the other ranks wait for it."""
     if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
         print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
-        if subprocess.run([sys.executable, script, command, *flags, f"--data_dir={cfg.data_dir}"]).returncode:
+        done = subprocess.run([sys.executable, script, command, *flags, f"--data_dir={cfg.data_dir}"])
+        if done.returncode:
             die(f"preparing {what} failed (see above)")
     if world_size > 1:
         dist.barrier()

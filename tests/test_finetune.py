@@ -332,7 +332,7 @@ def test_cli_of_finetune_gpt_is_train_gpts_over_its_config(capsys):
     with pytest.raises(SystemExit, match=f"unknown --preset=finetune; choose one of {presets}$"):
         tg.parse_args(tg.Config, ["--preset=finetune"])
     assert get_args(ft.Config.__dataclass_fields__["mlp"].type) == ("swiglu", "relu2", "gelu")  # inherited
-    assert tg.field_comments(ft.Config)["n_layer"] == "transformer blocks"  # and its help text
+    assert {n: t for n, _, t in tg.config_lines(ft.Config)}["n_layer"] == "transformer blocks"  # and its help text
     with pytest.raises(SystemExit, match="--mlp=tanh is not one of swiglu|relu2|gelu"):
         ft.main(ft.Config(mlp="tanh"))
     with pytest.raises(SystemExit, match="unknown flag '--lora_rank'"):  # a flag of finetune_gpt.py only

@@ -47,7 +47,7 @@ def test_every_flag_of_the_image_scripts_has_help():
     import train_vit
     for name in ("train_vit", "train_diffusion", "predict_vit", "sample_diffusion"):
         config = importlib.import_module(name).Config
-        helped = train_vit.field_comments(config)
+        helped = {field: text for field, _, text in train_vit.config_lines(config)}
         missing = [f.name for f in dataclasses.fields(config) if not helped.get(f.name)]
         assert not missing, f"{name}.py: no help for --{', --'.join(missing)}"
 
