@@ -724,11 +724,8 @@ class SyntheticLoader:
         gen = torch.Generator(device).manual_seed(0)
         self.x = torch.randint(0, vocab_size, (B, T + 1), device=device, generator=gen)
 
-    def state(self):
-        return {}
-
     def next(self, T=None):
-        return self.x[:, :-1], self.x[:, 1:], {}
+        return self.x[:, :-1], self.x[:, 1:], {}  # the same batch every step; no state to resume
 
 # A tokenizer is a pair of functions: encode (text -> ids) and decode (ids -> text), for the samples at evals and
 # for the companions. Which pair depends on what prepared the data: bytes, nanoGPT's characters, GPT-2's BPE
@@ -796,21 +793,34 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        skip = getattr(self, "found_inf", None)  # as fused AdamW's: 1 skips the step, on the device
+        # the guard's verdict, as fused AdamW reads it: where it is 1 the step is skipped, on the device
+        skip = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+            lr = group["lr"]
+            mom = group["momentum"]
+            # The matrices of one shape are stacked and orthogonalised in one batched call: a
+            # model has a few shapes (qkv, proj, fc) repeated in every block, so a step makes a
+            # few large matmuls instead of many small ones
             shapes = {}
             for p in group["params"]:
                 if p.grad is not None:
                     shapes.setdefault(p.shape, []).append(p)
-            for ps in shapes.values():  # (n, rows, cols) stacks of one shape
+            for ps in shapes.values():
                 bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
-                g, b, w = torch.stack([p.grad for p in ps]), torch.stack(bufs), torch.stack(ps)
-                new_b = unless(skip, b, b.lerp(g, 1 - mom))
-                x = orthogonalise(g.lerp(new_b, mom).to(self.ns_dtype)).to(w.dtype)  # Nesterov
-                new_w = torch.add(w * (1 - lr * wd), x, alpha=-lr * 0.2 * math.sqrt(max(w.shape[1:])))
-                for t, new in zip(bufs + ps, [*new_b.unbind(0), *unless(skip, w, new_w).unbind(0)]):
-                    t.copy_(new)  # (DTensor has no _foreach_copy_)
+                g = torch.stack([p.grad for p in ps])  # (n, rows, cols)
+                b = torch.stack(bufs)
+                w = torch.stack(ps)
+                new_b = unless(skip, b, b.lerp(g, 1 - mom))  # momentum: b = mom b + (1 - mom) g
+                # Nesterov: the update looks ahead along the momentum, then is orthogonalised
+                x = orthogonalise(g.lerp(new_b, mom).to(self.ns_dtype)).to(w.dtype)
+                # decoupled weight decay, then the step: an orthogonal x has an RMS of about
+                # 1/sqrt(max(rows, cols)), so this scale gives it AdamW's RMS of about 0.2
+                scale = 0.2 * math.sqrt(max(w.shape[1:]))
+                new_w = torch.add(w * (1 - lr * group["weight_decay"]), x, alpha=-lr * scale)
+                new_w = unless(skip, w, new_w)
+                # one copy a tensor, back into the parameters and buffers (DTensor has no _foreach_copy_)
+                for t, new in zip(bufs + ps, [*new_b.unbind(0), *new_w.unbind(0)]):
+                    t.copy_(new)
 
 def unless(skip, old, new):
     """new, or old where skip is 1 (a NaN in new stays out)."""
@@ -818,14 +828,21 @@ def unless(skip, old, new):
 
 def orthogonalise(x):
     """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
-    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic that pushes singular values near 1 fast
+    # Each step maps every singular value s to a s + b s^3 + c s^5 and leaves U and V alone. The
+    # coefficients (Jordan et al. 2024) are tuned to push any s in (0, 1] to about 1 in five
+    # steps, fast rather than exactly: Muon needs U V^T only roughly
+    a, b, c = 3.4445, -4.7750, 2.0315
     tall = x.size(-2) > x.size(-1)
-    x = x.mT if tall else x  # the Gram matrix x x^T is the smaller square
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm <= 1
+    if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # the Frobenius norm bounds the spectral: s <= 1
     for _ in range(5):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+        gram = x @ x.mT  # (..., rows, rows)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
+        x = torch.baddbmm(x, poly, x, beta=a)  # a x + (b gram + c gram^2) x
+    if tall:
+        x = x.mT
+    return x
 # === end shared ===
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
@@ -926,27 +943,39 @@ def lr_mult(cfg, step, progress):
 
 # === shared: system ===
 def setup_dist(device_arg="auto"):
-    """(rank, world_size, device); ranks > 0 mute."""
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
+    WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
+    distributed path runs in CPU tests). Ranks > 0 print nothing."""
+    if device_arg == "auto" and torch.cuda.is_available():
+        device_arg = "cuda"
+    elif device_arg == "auto" and torch.backends.mps.is_available():
+        device_arg = "mps"
+    elif device_arg == "auto":
+        device_arg = "cpu"
     if device_arg == "cuda" and not torch.cuda.is_available():
         die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
     if device_arg == "mps" and not torch.backends.mps.is_available():
         die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # fragments less
+    # expandable segments let the CUDA allocator grow a block instead of leaving holes: less
+    # fragmentation when shapes vary (evals, --seq_len_warmup). A user's own setting wins
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if "RANK" not in os.environ:
         return 0, 1, torch.device(device_arg)
-    rank, world_size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local}") if device_arg == "cuda" else torch.device(device_arg)
-    if device.type == "cuda":
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = torch.device(device_arg)
+    if device_arg == "cuda":  # one GPU a process: the local rank's
+        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # per restart: the store keeps stale addresses (pytorch#135712)
+        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
+        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
         store, _, _ = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}/", store)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if rank:
         sys.stdout = open(os.devnull, "w")
     return rank, world_size, device
@@ -960,70 +989,98 @@ def all_mean(x, world_size):
     return x
 
 def full(t):
-    """FSDP DTensor gathered (collective); else t."""
+    """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 @functools.cache  # one precision per process
 def cpu_has_bf16():
-    """AVX512-BF16/AMX and bf16 matmul 1.5x faster."""
+    """Whether bf16 pays on this CPU: it has AVX512-BF16 or AMX, and a bf16 matmul runs 1.5x faster
+    than fp32. Most laptops stop at AVX2, where bf16 is emulated and many times slower than fp32."""
     import timeit
-    with open("/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull) as f:
+    cpuinfo = "/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull
+    with open(cpuinfo) as f:
         if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
             return False
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
     b = a.bfloat16()
-    # best of 5 after warm-up (~50 ms)
+    # the best of 5 timings after a warm-up one (~50 ms in all)
     fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
     bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
     return fp32 > 1.5 * bf16
 
 def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast, scaler); auto: resumed, bf16 if fast, fp16 on old GPUs."""
-    if dtype_arg == "auto" and ckpt and ckpt["config"]["dtype"] in ("bfloat16", "float16", "float32"):
-        dtype_arg = ckpt["config"]["dtype"]
+    """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
+    have it, fp16 on older ones, and bf16 on a CPU only where cpu_has_bf16()."""
+    # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
+    # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
+    # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
+    # backward, divides the grads after, and skips a step whose grads overflowed
+    saved = ckpt["config"].get("dtype") if ckpt else None
+    if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
+        dtype_arg = saved
     elif dtype_arg == "auto" and device.type == "cuda":
         dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     elif dtype_arg == "auto":
         fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # slowest wins
+        if dist.is_available() and dist.is_initialized():  # every rank the same: the slowest decides
             dist.all_reduce(fast, op=dist.ReduceOp.MIN)
         dtype_arg = "bfloat16" if fast else "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32
-    ctx = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    # fp16: scale the loss, skip overflowed steps
-    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
+    ctx = contextlib.nullcontext()
+    if dtype != torch.float32:
+        ctx = torch.autocast(device.type, dtype=dtype)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    return dtype, ctx, scaler
 
 def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): in DDP or FSDP2; raw's keys stay plain."""
-    compiled = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda" and sys.platform == "linux")
+    """(model, compiled): raw compiled, and wrapped in DDP or FSDP2 under torchrun. The optimizers
+    and checkpoints keep using raw, whose parameter names have no wrapper's prefix."""
+    # torch.compile fuses the elementwise ops between matmuls into Triton kernels. auto: on Linux
+    # GPUs, where it pays back its minute of compiling; on a CPU it rarely does for a short run
+    compiled = cfg.compile == "true"
+    if cfg.compile == "auto":
+        compiled = device.type == "cuda" and sys.platform == "linux"
     kernels.use(cfg.kernels)  # before compile traces it
     if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
         print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
     if world_size > 1 and cfg.parallel == "fsdp":
+        # FSDP2 (Zhao et al. 2023): each rank keeps 1/world_size of every weight, gradient and
+        # optimizer state, and gathers a block's weights just before it runs. Sharded block by
+        # block, so only one block is whole at a time, and the next block's gather overlaps this
+        # one's compute
         if dtype == torch.float16:
             die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.offload == "params" else OffloadPolicy()
-        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),  # fp32 grads
-                  offload_policy=offload, mesh=dist.init_device_mesh(device.type, (world_size,)))
+        offload = OffloadPolicy()  # none
+        if cfg.offload == "params":  # the shards live in CPU memory between uses
+            offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # computed in dtype, gradients reduced in fp32: a sum over many ranks in bf16 loses bits
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        mesh = dist.init_device_mesh(device.type, (world_size,))
         for block in raw.blocks:
             if compiled:
                 block.compile()
-            fully_shard(block, **kw)
-        return fully_shard(raw, **kw), compiled
-    model = torch.compile(raw) if compiled else raw
-    if world_size > 1:  # constant buffers
+            fully_shard(block, mp_policy=precision, offload_policy=offload, mesh=mesh)
+        return fully_shard(raw, mp_policy=precision, offload_policy=offload, mesh=mesh), compiled
+    model = raw
+    if compiled:
+        model = torch.compile(raw)
+    if world_size > 1:
+        # DDP: every rank holds the whole model and all-reduces the grads in backward, bucket by
+        # bucket while backward goes on. The buffers (RoPE's tables) are constants: not broadcast
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     return model, compiled
 
 def grad_sync(model, sync):
-    """Micro-step backward context: grads synced if sync."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    """A micro-step's backward context: the grads are synced across ranks only if sync."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag on the model
         model.set_requires_gradient_sync(sync)
-    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()  # DDP
+    if hasattr(model, "no_sync") and not sync:  # DDP: a context
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 def clip_grads(params, max_norm):
     """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
@@ -1049,9 +1106,12 @@ def agree(rows, t0, world_size):
 
 def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     """Val loss, perplexity and bits per byte on eval_tokens (<= 4M at the end)."""
-    have, per_batch = sum(len(s) for s in loader.shards), cfg.batch_size * cfg.seq_len * world_size
+    have = sum(len(s) for s in loader.shards)
+    per_batch = cfg.batch_size * cfg.seq_len * world_size
+    # --eval_tokens at each eval; the final one reads the whole split, up to 4M tokens, so that the
+    # run's last figure is the most exact one
     n = max(1, (min(have, 1 << 22) if final else cfg.eval_tokens) // per_batch)
-    loader.load_state({"epoch": 0, "shard": 0})
+    loader.load_state({"epoch": 0, "shard": 0})  # every eval reads the same batches
     model.eval()
     total = torch.zeros((), device=loader.device)
     with torch.no_grad():
@@ -1060,49 +1120,73 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
             with ctx:
                 total += model(x, y).float()
     model.train()
-    loss = all_mean(total / n, world_size).item()
-    rec, val = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}, meta.get("splits", {}).get("val", {})
+    loss = all_mean(total / n, world_size).item()  # nats a token
+    rec = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
     line = f"eval {step:05d} | val loss {loss:.4f} | ppl {rec['val_ppl']:.2f}"
-    if val.get("bytes"):  # comparable across tokenizers
+    # Bits per byte compare across tokenizers, where a loss a token does not: a larger vocabulary
+    # has fewer, harder tokens. nats a token / ln 2 x tokens a byte of the val split's text
+    val = meta.get("splits", {}).get("val", {})
+    if val.get("bytes"):
         rec["val_tokens_per_byte"] = val["tokens"] / val["bytes"]
         rec["val_bpb"] = loss / math.log(2) * rec["val_tokens_per_byte"]
         line += f" | val bpb {rec['val_bpb']:.4f}"
     if final:
         line += f" | {n * per_batch} tokens"
-        line += f" (the val split has {have}: read more than once)" if n * per_batch > have else ""
+        if n * per_batch > have:
+            line += f" (the val split has {have}: read more than once)"
     print(line)
     return rec
 
 def sample(model, tok, n_tokens, temperature, top_k, seed, prompt=""):
     """Text sampled after prompt (or an end-of-text token), with a KV cache."""
     encode, decode = load_tokenizer(tok)
-    eot, given = tok.get("eot_id"), encode(prompt)
-    if prompt and not given:  # encode_ids: a tokenizer we lack
-        die(f"--prompt={prompt!r}: none of its characters is in the {tok['tokenizer']} vocabulary"
-            + (" (give token ids, e.g. --prompt='17 42')" if encode is encode_ids else ""))
-    # no end-of-text token (nanoGPT's data): a newline, as nanoGPT's sample.py, else 0
-    ids = ([eot] if eot is not None else []) + given or encode("\n")[:1] or [0]
+    eot = tok.get("eot_id")
+    ids = encode(prompt)
+    if prompt and not ids:
+        hint = " (give token ids, e.g. --prompt='17 42')" if encode is encode_ids else ""
+        die(f"--prompt={prompt!r}: none of its characters is in the {tok['tokenizer']} vocabulary{hint}")
+    # The text starts after an end-of-text token, as a document in the training data does (and
+    # the EOT is cut from the text shown). Data without one (nanoGPT's characters) starts from
+    # the prompt, or else from a newline, as nanoGPT's sample.py does, or else from token 0
+    if eot is not None:
+        ids = [eot] + ids
+    if not ids:
+        ids = encode("\n")[:1] or [0]
     device = next(model.parameters()).device
     out = model.generate(torch.tensor([ids], device=device), n_tokens, temperature, top_k,
-                         torch.Generator(device).manual_seed(seed))
-    return out[0].tolist(), decode(out[0, 1 if eot is not None else 0:].tolist())
+                         torch.Generator(device).manual_seed(seed))[0]  # (len(ids) + n_tokens,)
+    shown = out[1:] if eot is not None else out
+    return out.tolist(), decode(shown.tolist())
+
+def sum_of_squares(tensors):
+    """The sum of the squares of every element (FSDP2 shards gathered): a norm, squared."""
+    return sum(full(t.detach().float().square().sum()) for t in tensors)
 
 def layer_stats(raw, x, ctx):
     """Per layer, |grad| / |weight| and its output's RMS on x: early warnings."""
-    sq = lambda ts: sum(full(t.detach().float().square().sum()) for t in ts)  # noqa: E731
-    acts = [raw.wte, *raw.blocks]
-    layers = acts + ([raw.head] if raw.head is not None else [])
-    stats, rms = {}, []
+    # Two early warnings of a run going wrong, recorded at every eval: a layer whose update is large
+    # against its weights (grad_ratio, the last step's grads, before the LR) is moving too fast,
+    # and an activation RMS that grows layer by layer means the residual stream is blowing up
+    outputs = [raw.wte, *raw.blocks]  # (B, T, n_embd) each
+    layers = list(outputs)
+    if raw.head is not None:
+        layers.append(raw.head)
+    stats = {}
     if all(p.grad is not None for p in raw.parameters()):
-        ratios = [(sq(p.grad for p in m.parameters()) / sq(m.parameters())).sqrt() for m in layers]
+        ratios = [(sum_of_squares(p.grad for p in m.parameters()) / sum_of_squares(m.parameters())).sqrt()
+                  for m in layers]
         stats["grad_ratio"] = torch.stack(ratios).tolist()
-    hook = lambda m, i, o: rms.append(o.float().square().mean().sqrt())  # noqa: E731
-    hooks = [m.register_forward_hook(hook) for m in acts]
+    rms = []
+
+    def keep_rms(module, inputs, output):  # a forward hook: it sees each layer's output
+        rms.append(output.float().square().mean().sqrt())
+    hooks = [m.register_forward_hook(keep_rms) for m in outputs]
     with torch.no_grad(), ctx, torch.compiler.set_stance("force_eager"):
-        raw(x[:1])
+        raw(x[:1])  # one row is enough for an RMS
     for h in hooks:
         h.remove()
-    return {**stats, "act_rms": torch.stack(rms).tolist()}
+    stats["act_rms"] = torch.stack(rms).tolist()
+    return stats
 
 def evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x, step, final):
     """(the eval's record, each layer's statistics): the val loss and bits per byte, with a text
@@ -1354,8 +1438,7 @@ def load_model(where, device, weights=None):
     ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
     if ckpt is None:
         die(f"no complete checkpoint at {where!r}; train first (python train_gpt.py), or pass --ckpt=PATH")
-    fix = "pass a checkpoint of train_gpt.py (or read LoRA and int8 ones with finetune_gpt.load_model)"
-    with exit_if_unreadable(path, fix):
+    with exit_if_unreadable(path, "pass a checkpoint of train_gpt.py (LoRA, int8: finetune_gpt.load_model)"):
         fields = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
         model = build_model(Config(**fields), ckpt["data_info"]["vocab_size"], device)
         model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
