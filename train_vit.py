@@ -44,90 +44,100 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # -----------------------------------------------------------------------------
 # Config
 
+# Every knob of a run is a field of this one flat dataclass: --key=value sets it, and -h prints each field's
+# trailing comment as its help. The defaults are the CPU demo: a 0.8M-parameter ViT on 50,000 generated 32x32
+# shapes, 200 s of training on two cores. That data is plentiful and clean for so small a model, so the regularisers
+# a ViT needs on a small set of natural images (stochastic depth, mixup, cutmix; DeiT, Touvron et al. 2021) stay off.
+# 8x8 patches make 16 tokens an image: attention is cheap, and most of the time goes to the matrix products.
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"  # images from prepare_data.py
-    out_dir: str = "out/vit"  # checkpoints, metrics.jsonl, plots
-    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
+    data_dir: str = "data/shapes"  # images written by prepare_data.py; the default set is generated on first use
+    out_dir: str = "out/vit"  # where checkpoints, config.json, metrics.jsonl and the plots go
+    preset: str = ""  # a named set of defaults, cpu_demo or cifar10; flags given explicitly override it
     # model
-    image_size: int = 0  # 0 = the data's; else must equal it
-    patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads, each of even width
-    n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
-    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP's activation; swiglu is gated
-    mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # before each attention, MLP, and the head
-    qk_norm: bool = True  # RMSNorm on queries and keys
-    pos_emb: Literal["sincos", "learned"] = "sincos"  # fixed 2-D sin-cos, or learned positions
-    pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
-    registers: int = 0  # scratch tokens (Darcet et al. 2024)
-    layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
-    drop_path: float = 0.0  # stochastic depth of the last block
-    init_std: float = 0.02  # hidden weights; outputs start at 0
+    image_size: int = 0  # side of the images in pixels; 0 takes the data's, any other value must equal it
+    patch_size: int = 8  # side of a square patch in pixels; each patch becomes one token
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # attention heads; n_embd must split into heads of even width
+    n_embd: int = 0  # token width; 0 picks 128, or 64 when the train split has under 10,000 images
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP: GELU, or SwiGLU's gated SiLU (Shazeer 2020)
+    mlp_ratio: float = 4.0  # the MLP's hidden width over n_embd; SwiGLU uses 2/3 of it, for the same parameters
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the norm before each attention, each MLP and the head
+    qk_norm: bool = True  # RMSNorm on each head's queries and keys, which bounds the attention logits
+    pos_emb: Literal["sincos", "learned"] = "sincos"  # token positions: fixed 2-D sin-cos, or a learned table
+    pool: Literal["gap", "cls"] = "gap"  # what the head reads: the mean of the patch tokens, or a class token
+    registers: int = 0  # extra learned tokens that attention may use as scratch space (Darcet et al. 2024)
+    layer_scale: float = 0.0  # initial per-channel gain of each residual branch (LayerScale, CaiT); 0 = off
+    drop_path: float = 0.0  # stochastic depth: the last block's chance to skip an image; earlier blocks less
+    init_std: float = 0.02  # std of the hidden weights' truncated normal; output layers and the head start at 0
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0  # optimizer steps
-    epochs: float = 0.0  # passes over the train split
-    time_budget: float = 200.0  # seconds of training, evals excluded
-    batch_size: int = 128  # micro-batch per rank, in images
-    grad_accum: int = 1  # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps to train; 0 = train for epochs or time_budget
+    epochs: float = 0.0  # passes over the train split, when max_steps is 0; 0 = train for time_budget
+    time_budget: float = 200.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
+    batch_size: int = 128  # images in a micro-batch on each rank
+    grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # muon: hidden 2-D
-    lr: float = 2e-3  # peak LR
-    weight_decay: float = 0.05  # on 2-D hidden matrices only
-    beta1: float = 0.9  # AdamW
-    beta2: float = 0.95  # AdamW
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR's decay after the warmup
-    warmup_steps: int = 100  # linear warmup
-    cooldown_frac: float = 0.2  # wsd: the final decay's share
-    final_lr_frac: float = 0.0  # the last LR, over the peak
-    ema: float = 0.999  # decay of the weights' EMA; 0 = off
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: Muon on the blocks' matrices, AdamW on the rest
+    lr: float = 2e-3  # peak learning rate of both optimizers (Muon's update is scaled to AdamW's size)
+    weight_decay: float = 0.05  # decoupled weight decay of the 2-D weight matrices; none on the other parameters
+    beta1: float = 0.9  # AdamW's decay of the gradient's running mean (its momentum)
+    beta2: float = 0.95  # AdamW's decay of the squared gradient's running mean
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR after warmup (wsd: hold, then decay)
+    warmup_steps: int = 100  # steps of linear warmup up to the peak LR
+    cooldown_frac: float = 0.2  # wsd: the share of the run spent decaying, at its end
+    final_lr_frac: float = 0.0  # the LR at the end of the decay, as a fraction of the peak
+    ema: float = 0.999  # decay of a moving average of the weights, evaluated beside them; 0 = off
     # augmentation, on the device
-    translate: int = 4  # random shift, in pixels; 0 = off
-    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
-    mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
-    cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
-    label_smoothing: float = 0.1  # target mass spread over all classes
+    translate: int = 4  # shift each image by up to this many pixels, borders reflected; 0 = off
+    flip: Literal["auto", "true", "false"] = "auto"  # mirror half the images; auto: if the data's flip_ok says so
+    mixup: float = 0.0  # alpha of mixup's Beta(alpha, alpha) blend of two images and their labels; 0 = off
+    cutmix: float = 0.0  # alpha of cutmix's Beta(alpha, alpha) box pasted from another image; 0 = off
+    label_smoothing: float = 0.1  # share of each target spread evenly over all classes (Szegedy et al. 2016)
     # eval, logging, checkpoints
-    eval_every: int = 400  # steps; 0 = only at the end
-    eval_images: int = 1000  # per periodic eval; the final: all
-    tta_flip: bool = False  # average predictions with the mirror's
+    eval_every: int = 400  # steps between evals; 0 = only at the end
+    eval_images: int = 1000  # val images in each periodic eval; the final eval reads them all
+    tta_flip: bool = False  # evaluate each image and its mirror image, and average their probabilities
     log_every: int = 25  # steps between log lines
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2  # newest checkpoints kept
-    milestone_every: int = 0  # also keep steps multiple of this
-    async_save: bool = False  # write in a background thread
-    resume: bool = False  # from out_dir's newest checkpoint
-    wandb: str = ""  # wandb project; empty = off
-    description: str = ""  # for the results.tsv experiment log
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # how many of the newest checkpoints to keep
+    milestone_every: int = 0  # also keep each checkpoint whose step is a multiple of this; 0 = none
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
+    resume: bool = False  # continue from the newest checkpoint in out_dir
+    wandb: str = ""  # also log to this Weights & Biases project; empty = off
+    description: str = ""  # a note for this run's row of the results.tsv experiment log
     # guards: a bad step is skipped; repeated ones roll back
-    loss_spike: float = 6.0  # running stds over the mean; 0 = off
-    gnorm_spike: float = 0.0  # the same for the grad norm
-    clip_mult: float = 0.0  # clip at this x the mean grad norm
-    guard_window: int = 100  # steps of the running statistics
-    rollback_after: int = 5  # bad steps in the window; 0 = never
+    loss_spike: float = 6.0  # skip a step whose loss is this many running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same test for the gradient norm; 0 = off
+    clip_mult: float = 0.0  # clip the gradient norm at this multiple of its running mean; 0 = off
+    guard_window: int = 100  # steps in the guards' running mean and std
+    rollback_after: int = 5  # roll back to a checkpoint after this many bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where to train; auto: cuda, else mps, else cpu
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
-    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
-    seed: int = 1337  # init, data order, augmentation
-    benchmark: bool = False  # time steps on random images, exit
-    bench_steps: int = 20  # timed steps, after 5 warm-up steps
-    profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA under Linux
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp) or shard it (fsdp)
+    offload: Literal["none", "params"] = "none"  # fsdp: keep the parameter shards in CPU memory
+    seed: int = 1337  # seeds the init, the data order and the augmentation
+    benchmark: bool = False  # time steps on random images, print the speed, and exit
+    bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
+    profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
-    # one GPU, minutes; DeiT's and Beyer et al.'s recipe (2022)
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8,
-                    n_head=6, n_embd=384, optimizer="adamw", layer_scale=0.1, drop_path=0.1,
-                    time_budget=0.0, epochs=60, batch_size=512, lr=2e-3, warmup_steps=500, mixup=0.8,
-                    cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
+    # one GPU, minutes: the recipe of DeiT (Touvron et al. 2021) and Beyer et al. (2022). Without a convolution's
+    # built-in locality a ViT overfits 50,000 natural images, so LayerScale, stochastic depth, mixup, cutmix and a
+    # slow EMA regularise it; 2x2 patches give it 256 tokens of each 32x32 image
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10",
+                    patch_size=2, n_layer=8, n_head=6, n_embd=384,
+                    optimizer="adamw", lr=2e-3, warmup_steps=500, layer_scale=0.1, drop_path=0.1,
+                    time_budget=0.0, epochs=60, batch_size=512,
+                    mixup=0.8, cutmix=1.0, ema=0.9995,
+                    eval_every=1000, eval_images=10000, tta_flip=True),
 }
+# the fields that shape the weights: a resumed run must match its checkpoint's
 ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
                "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
 # A trainer trains (STYLE.md: one job per file). Classifying images with a finished checkpoint
