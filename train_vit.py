@@ -154,97 +154,144 @@ class Norm(nn.Module):
 
     def __init__(self, dim, kind="rmsnorm", eps=1e-6):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind = kind
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        # RMSNorm (Zhang & Sennrich 2019) only rescales: no mean to subtract, one reduction fewer than LayerNorm's
         if self.kind == "rmsnorm":
             return kernels.rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.weight, None, self.eps)
 
 class Attention(nn.Module):
+    """Multi-head self-attention of every token to every token."""
+
     def __init__(self, cfg):
         super().__init__()
         self.hd = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # QK-norm (Dehghani et al. 2023, ViT-22B): normalised queries and keys keep the attention logits bounded,
+        # so the softmax does not collapse onto one token as a high LR grows the weights
         self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
-        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)
+        qkv = self.qkv(x).view(B, T, 3, -1, self.hd)  # (B, T, 3, nh, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
+        # not causal: an image has no order, every patch attends to every other
+        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class MLP(nn.Module):
+    """The per-token feed-forward layer: widen, a nonlinearity, project back."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
-        if self.swiglu:  # 2/3 of the width keeps the parameters (Shazeer 2020)
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        if self.swiglu:
+            # SwiGLU (Shazeer 2020) has two input matrices, a gate and a value: 2/3 of the width keeps the
+            # parameter count of the plain MLP
             hidden = 2 * hidden // 3
         self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
         if self.swiglu:
-            a, b = self.fc(x).chunk(2, dim=-1)
+            a, b = self.fc(x).chunk(2, dim=-1)  # gate and value, each (B, T, hidden)
             return self.proj(F.silu(a) * b)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 def drop_path(x, p, training):
     """Stochastic depth (Huang et al. 2016), per sample."""
+    # Each image of the batch skips this residual branch with chance p: a regulariser that trains an ensemble of
+    # shallower networks. Dividing by 1 - p keeps the branch's expected output, so eval uses the branch as it is.
     if not training or p == 0:
         return x
-    keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
-    return x * keep / (1 - p)
+    keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p  # (B, 1, 1): True keeps the branch
+    return x * keep.to(x.dtype) / (1 - p)
 
 class Block(nn.Module):
+    """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, cfg, drop):
         super().__init__()
-        self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
-        self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
-        self.drop, ls = drop, cfg.layer_scale  # LayerScale (Touvron et al. 2021)
-        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
-        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
+        self.norm1 = Norm(cfg.n_embd, cfg.norm)
+        self.attn = Attention(cfg)
+        self.norm2 = Norm(cfg.n_embd, cfg.norm)
+        self.mlp = MLP(cfg)
+        self.drop = drop
+        # LayerScale (Touvron et al. 2021, CaiT): a learned per-channel gain on each branch, starting small
+        # (--layer_scale=0.1), so that a deep stack starts near the identity and each branch grows in as it learns
+        self.ls1 = None
+        self.ls2 = None
+        if cfg.layer_scale:
+            self.ls1 = nn.Parameter(torch.ones(cfg.n_embd))
+            self.ls2 = nn.Parameter(torch.ones(cfg.n_embd))
 
     def forward(self, x):
-        a = self.attn(self.norm1(x))
-        x = x + drop_path(a if self.ls1 is None else a * self.ls1, self.drop, self.training)
-        m = self.mlp(self.norm2(x))
-        return x + drop_path(m if self.ls2 is None else m * self.ls2, self.drop, self.training)
+        a = self.attn(self.norm1(x))  # (B, T, d)
+        if self.ls1 is not None:
+            a = a * self.ls1
+        x = x + drop_path(a, self.drop, self.training)
+        m = self.mlp(self.norm2(x))  # (B, T, d)
+        if self.ls2 is not None:
+            m = m * self.ls2
+        return x + drop_path(m, self.drop, self.training)
 
 class ViT(nn.Module):
+    """Patches, positions, blocks, a final norm, then a linear head on the pooled tokens (Dosovitskiy et al. 2021)."""
+
     def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
-        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
+        self.cfg = cfg
+        p = cfg.patch_size
+        d = cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
+        # The patch embedding is a p x p convolution of stride p (Dosovitskiy et al. 2021). Patches do not overlap,
+        # so it is one matmul of each flattened patch; forward cuts the patches with a reshape.
+        self.patch = nn.Linear(p * p * channels, d)
+        # Attention sees a set, so each patch's token gets its position added. Fixed 2-D sin-cos positions (MAE)
+        # are no worse than learned ones (Beyer et al. 2022) and cost no parameters.
         if cfg.pos_emb == "learned":
             self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
         else:
             self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls], registers
+        # Learned tokens with no position, placed before the patches: a class token whose output the head reads
+        # (--pool=cls, BERT's and the first ViT's way), and registers (Darcet et al. 2024). Without registers, large
+        # ViTs repurpose background patches as scratch space, which shows as artefacts in their attention maps.
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers
         self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
+        # the drop rate grows linearly with depth, 0 at the first block (Huang et al. 2016)
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
-        self.norm, self.head = Norm(d, cfg.norm), nn.Linear(d, num_classes)
-        # the data's channel statistics: the model takes pixels in [0, 1]
+        self.norm = Norm(d, cfg.norm)
+        self.head = nn.Linear(d, num_classes)
+        # The data's channel statistics, kept in the model (and its checkpoint): it takes pixels in [0, 1] and
+        # standardises them itself, so predict_vit.py and the diffusion's judge feed it images as they are
         self.register_buffer("mean", torch.zeros(channels))
         self.register_buffer("std", torch.ones(channels))
 
     @torch.no_grad()
     def init_weights(self, mean, std):
         """Initialise it in place (it was built on the meta device)."""
-        c, s = self.cfg, self.cfg.init_std
+        c = self.cfg
+        s = c.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
-                nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
+                # Each residual branch ends in a proj that starts at zero, so every block starts as the identity
+                # and the signal passes straight through; the zero head starts every class at the same logit,
+                # the loss at ln(classes)
+                nn.init.zeros_(p)
             elif name.split(".")[-1] in ("ls1", "ls2"):
                 nn.init.constant_(p, c.layer_scale)
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
+                # the other matrices, learned positions and extra tokens: BERT's and ViT's truncated normal
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         if c.pos_emb == "sincos":
             self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
@@ -254,28 +301,46 @@ class ViT(nn.Module):
     def forward(self, x, features=False):
         """x (B, H, W, C) in [0, 1] -> logits (B, K), or features (B, d)."""
         B, H, W, C = x.shape
-        p, g = self.cfg.patch_size, self.grid
+        p = self.cfg.patch_size
+        g = self.grid
         x = (x - self.mean) / self.std
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
+        # cut a g x g grid of p x p patches, each flattened to p * p * C numbers
+        x = x.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, g, p, p, C)
+        x = x.reshape(B, g * g, -1)  # (B, N, p*p*C)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        if self.n_extra:  # [cls] and registers go first, with no position
-            x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
+        if self.n_extra:
+            extra = self.extra.to(x.dtype).expand(B, -1, -1)  # (B, n_extra, d)
+            x = torch.cat((extra, x), dim=1)  # (B, n_extra + N, d)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # not registers
-        return f if features else self.head(f)
+        # the head reads the class token, or the mean of the patch tokens (global average pooling, Beyer et al.
+        # 2022: as good as a class token, one token fewer); registers are read by neither
+        if self.cfg.pool == "cls":
+            f = x[:, 0]
+        else:
+            f = x[:, self.n_extra:].mean(1)  # (B, d)
+        if features:
+            return f
+        return self.head(f)  # (B, K)
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per matmul weight per token, plus attention (PaLM)."""
-        # the patch embedding makes no grad for the pixels: 4 a weight, not 6. FlopCounterMode counts 1.7% more at
-        # cifar10 (tests/test_compile.py): the scores that a flash backward recomputes, which MFU leaves out
-        T, patch = self.grid ** 2 + self.n_extra, 4 * self.grid ** 2 * self.patch.weight.numel()
+        # A weight costs 2 FLOPs per token forward and 4 backward (the grads of its input and of itself). The patch
+        # embedding makes no grad for the pixels: 4 a weight. Attention's scores and mixing add 12 L d T per token.
+        # FlopCounterMode counts 1.7% more at cifar10 (tests/test_compile.py): the scores that a flash backward
+        # recomputes, which MFU leaves out.
+        T = self.grid ** 2 + self.n_extra
         n = sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
-        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + patch + 6 * self.head.weight.numel()
+        blocks = T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T)
+        patch = 4 * self.grid ** 2 * self.patch.weight.numel()
+        return blocks + patch + 6 * self.head.weight.numel()
 
 def build_model(cfg, meta, device):
     """Build on the meta device, then initialise under cfg.seed."""
+    # On the meta device the modules get shapes but no memory, so nothing is initialised twice; every rank then
+    # draws the same weights from cfg.seed, and DDP and FSDP2 start from one model
     with torch.device("meta"):
         model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"])
     model.to_empty(device=device)
@@ -285,37 +350,65 @@ def build_model(cfg, meta, device):
 
 # -----------------------------------------------------------------------------
 # Data
+# Both splits live on the device as uint8 (the loader in the images fence below), and augmentation runs there
+# on whole batches: no worker processes, no host-to-device copies in the loop. Shift and flip are the classic
+# CIFAR pair (He et al. 2016); DeiT adds RandAugment (Cubuk et al. 2020), left out here: mixup and cutmix carry
+# the heavy regularisation when a preset needs it. The loss (in the loop) smooths its labels (Szegedy et al. 2016):
+# the target puts 1 - label_smoothing on the true class and spreads the rest over all classes, so the logits
+# need not grow without bound to fit the training images.
 
 def augment(x, cfg, flip):
     """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
-    (B, H, W, _), dev, t = x.shape, x.device, cfg.translate
-    if t:  # a random crop of the reflect-padded image (B, H+2t, W+2t, C)
-        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)
-        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)
-        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)
-        x = xp[torch.arange(B, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    B, H, W, _ = x.shape
+    dev = x.device
+    t = cfg.translate
+    if t:
+        # a random H x W crop of the image padded by t reflected pixels: a shift that invents no black border
+        chw = x.permute(0, 3, 1, 2)  # (B, C, H, W): F.pad pads the last two dims
+        xp = F.pad(chw, (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)  # each image's offset, (B, 1)
+        rows = dy + torch.arange(H, device=dev)  # (B, H)
+        cols = dx + torch.arange(W, device=dev)  # (B, W)
+        batch = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
+        x = xp[batch, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C): image b's rows and columns
     if flip:
-        x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < 0.5, x.flip(2), x)
+        # a mirror image is the same class only for some data (not for letters): the caller decides, from
+        # --flip or the data's flip_ok
+        mirror = torch.rand(B, 1, 1, 1, device=dev) < 0.5  # (B, 1, 1, 1)
+        x = torch.where(mirror, x.flip(2), x)
     return x
 
 def mix(x, y, cfg):
     """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
-    use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
+    # Mixup (Zhang et al. 2018) blends two images, cutmix (Yun et al. 2019) pastes a box of one into the other; the
+    # target mixes the same way, lam of one label and 1 - lam of the other. Cross-entropy is linear in its target,
+    # so the loop adds the two labels' losses by their weights. Each image's partner is the one at the mirrored
+    # place in the batch (the batch reversed), whose order is already random: no second batch is read.
+    use_cutmix = cfg.cutmix > 0
+    if use_cutmix and cfg.mixup > 0:
+        use_cutmix = torch.rand(()).item() < 0.5
     alpha = cfg.cutmix if use_cutmix else cfg.mixup
     if alpha == 0:
         return x, y, y, 1.0
     lam = torch.distributions.Beta(alpha, alpha).sample().item()
     if not use_cutmix:
-        return lam * x + (1 - lam) * x.flip(0), y, y.flip(0), lam
-    # paste a box of area 1 - lam from the partner; lam is then the area kept
+        x = lam * x + (1 - lam) * x.flip(0)
+        return x, y, y.flip(0), lam
+    # paste a box of area 1 - lam from the partner, centred anywhere
     B, H, W, _ = x.shape
-    h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
-    cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
-    y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
-    x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
+    h = int(H * math.sqrt(1 - lam))
+    w = int(W * math.sqrt(1 - lam))
+    cy = int(torch.randint(H, ()))
+    cx = int(torch.randint(W, ()))
+    y0 = max(cy - h // 2, 0)
+    y1 = min(cy + h // 2, H)
+    x0 = max(cx - w // 2, 0)
+    x1 = min(cx + w // 2, W)
     x = x.clone()
     x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
-    return x, y, y.flip(0), 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    # the image's edge may clip the box: the weight is the share of the image really kept
+    kept = 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    return x, y, y.flip(0), kept
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
@@ -367,30 +460,50 @@ def orthogonalise(x):
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
-    named = [(n.split(".")[0], p) for n, p in raw.named_parameters()]
-    hidden = [p for top, p in named if p.ndim == 2 and top == "blocks"]
-    decay = [p for top, p in named if p.ndim == 2 and top in ("patch", "head")]
-    # norms, biases, positions, [cls] and registers
-    rest = [p for top, p in named if p.ndim != 2 or top not in ("blocks", "patch", "head")]
-    opts, wd = [], cfg.weight_decay
+    # Muon orthogonalises an update, which suits a matrix that maps hidden features to hidden features: the blocks'.
+    # The patch embedding reads pixels and the head writes logits; Muon's authors leave such input and output layers
+    # to AdamW, as they do vectors, which have no matrix to orthogonalise. Weight decay pulls weights toward zero:
+    # right for the matrices, wrong for norm gains (1 at init), biases, positions and the extra tokens.
+    hidden, decay, rest = [], [], []
+    for name, p in raw.named_parameters():
+        top = name.split(".")[0]  # blocks, patch, head, pos, extra or norm
+        if p.ndim == 2 and top == "blocks":
+            hidden.append(p)
+        elif p.ndim == 2 and top in ("patch", "head"):
+            decay.append(p)
+        else:  # norm gains, biases, positions, [cls] and registers
+            rest.append(p)
+    wd = cfg.weight_decay
+    opts = []
     if cfg.optimizer == "muon":
+        # Newton-Schulz runs in bf16 only if the run does: a CPU without bf16 matmuls emulates them ~100x slower
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
     else:
         decay = hidden + decay
     groups = [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
-    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True))  # found_inf: skips
-    for g in (g for opt in opts for g in opt.param_groups):
-        g["peak_lr"] = g["lr"]
+    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
+    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True))
+    # the loop sets each group's LR every step, as lr_mult of this peak
+    for opt in opts:
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
     return opts
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
+    # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
+    # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget, so
+    # a run on a time budget decays to its end whatever its speed.
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac
     if cfg.schedule == "cosine":
+        # cosine decay (Loshchilov & Hutter 2017) from the peak down to final_lr_frac of it
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # (Hu et al. 2024)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
+        # warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak until the last cooldown_frac, then a linear
+        # decay. A checkpoint of the stable phase can train on, or be cooled down for an early result.
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
