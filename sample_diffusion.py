@@ -132,13 +132,18 @@ def main(cfg):
     print(f"# {path} (step {ckpt['step']}, {weights} weights) | {n} samples | "
           f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
 
+    # where the grid goes, checked before the sampling that fills it (issue 61)
+    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
+    out = cfg.out or os.path.join(os.path.dirname(path), name)
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.access(folder, os.W_OK):
+        td.die(f"cannot write {out}: its folder is not writable; pass --out=PATH.png in one that is")
+
     t0 = time.perf_counter()
     shape = (*meta["image_size"], meta["channels"])  # (H, W, C)
     alpha_bar = td.cosine_alpha_bar()  # DDPM's noise levels; a flow ignores them
     # one process: rank 0 of 1 draws them all
     samples = td.draw_samples(model, n, shape, K, run, alpha_bar, BATCH, 0, 1, ctx)  # (n, H, W, C) uint8
-    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
-    out = cfg.out or os.path.join(os.path.dirname(path), name)
     labels = meta["classes"] if K else None
     td.write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, labels)
     res = {"grid": out, "sample_s": time.perf_counter() - t0}

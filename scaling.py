@@ -740,7 +740,7 @@ def cmd_sharpness(args):
                             lanes=B, vocab_size=model.vocab_size)  # a lane per row: far-apart documents
     lams = []
     for i in range(args.batches):
-        x, y = loader.next()
+        x, y, _ = loader.next()
         lams.append(sharpness(lambda: model(x, y, c.z_loss), list(model.parameters()), args.iters, seed=i))
         print(f"sharpness of {path} (step {step}) | {args.split} batch {i + 1}/{args.batches} of {B}x{c.seq_len} "
               f"tokens | top Hessian eigenvalue {lams[-1]:.4g}")

@@ -14,6 +14,13 @@ DDP or FSDP2, exact resume, a KV-cache sampler.
 Jobs on a finished checkpoint live beside it: sample_gpt.py samples text,
 eval_gpt.py scores multiple choice (HellaSwag), finetune_gpt.py fine-tunes
 (LoRA, distillation, INT8) and exports.
+
+Read it top to bottom: the Config (every flag), the Model, the Data, the
+Optimizer and schedule, the System (devices, precision, compile, DDP/FSDP2),
+then the Training loop. Each choice is explained where it is made, with the
+paper or the measurement (BENCHMARKS.md) behind it. The Machinery after the
+loop (flags, checkpoint files, guards, logging) is the same in every trainer,
+and a first reading may skip it.
 """
 import base64
 import contextlib
@@ -53,92 +60,109 @@ import kernels  # Triton kernels on CUDA; PyTorch's ops elsewhere
 
 @dataclass
 class Config:
+    """Every knob of a run, one field per flag: --n_layer=12 sets n_layer, and -h shows each field with its
+    trailing comment as help and its default. A --preset (PRESETS, below) replaces some defaults first; the flags
+    given on the command line win over it. What follows from these fields (the micro-steps a step, the step count
+    of a token budget) is derived in train(), where it is used, and printed there; it is not stored here."""
     # data and output
-    data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards, or nanoGPT's .bin
-    out_dir: str = "out/gpt"  # checkpoints, metrics.jsonl, config.json
-    preset: str = ""  # cpu_demo|cpu_128|gpt2_124m|gpt2_350m; flags win
+    data_dir: str = "data/stdlib_bpe"  # prepare_data.py's shards and meta.json, or nanoGPT's train.bin and val.bin
+    out_dir: str = "out/gpt"  # where checkpoints, metrics.jsonl and config.json go
+    preset: str = ""  # cpu_demo|cpu_128|gpt2_124m|gpt2_350m: a named set of flags; the flags you give win
     # model
     n_layer: int = 4  # transformer blocks
-    n_head: int = 2  # query heads; 2 x 32 wide beat 4 x 16 on a CPU
-    n_kv_head: int = 0  # key/value heads (GQA); 0 = n_head, 1 = MQA
-    n_embd: int = 64  # 64 beats 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
-    seq_len: int = 128  # context length
-    vocab_size: int = 0  # 0 = the data's
-    mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # pre-norm
-    qk_norm: bool = True  # norm queries and keys
-    tie_embeddings: bool = False  # the head is the input embedding
-    logit_softcap: float = 0.0  # cap * tanh(logits / cap); 0 = off
-    rope_base: float = 10000.0  # RoPE theta
-    window: int = 0  # sliding-window attention; 0 = all positions
-    window_pattern: int = 0  # every k-th layer global (Gemma 2)
-    pos_emb: Literal["rope", "learned"] = "rope"  # learned: GPT-2
-    bias: bool = False  # biases in linears and norms, as GPT-2
-    norm_eps: float = 1e-6  # GPT-2: 1e-5
-    init_std: float = 0.02  # std of the hidden weights at init
-    mup: bool = False  # muP: the best LR transfers across width
-    base_width: int = 128  # muP: the n_embd where muP = SP
+    n_head: int = 2  # query heads, which split n_embd; 2 x 32 wide beat 4 x 16 on a CPU
+    n_kv_head: int = 0  # key/value heads, shared by groups of query heads (GQA); 0 = n_head, 1 = multi-query
+    n_embd: int = 64  # width of the residual stream; 64 beat 96 and 128 in 240 s on a CPU (BENCHMARKS.md)
+    seq_len: int = 128  # context length, in tokens
+    vocab_size: int = 0  # the vocabulary the model is built for, at least the data's; 0 = the data's
+    mlp: Literal["swiglu", "relu2", "gelu"] = "swiglu"  # the MLP: gated SiLU, ReLU squared, or GPT-2's GELU
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # before each attention and MLP (pre-norm), and the head
+    qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
+    tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
+    logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
+    rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
+    window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
+    window_pattern: int = 0  # every k-th layer sees all positions, the others the window (Gemma 2); 0 = none
+    pos_emb: Literal["rope", "learned"] = "rope"  # rotate queries and keys, or add a learned embedding (GPT-2)
+    bias: bool = False  # biases in the linears and LayerNorms, as GPT-2 has
+    norm_eps: float = 1e-6  # the norms' epsilon; GPT-2 uses 1e-5
+    init_std: float = 0.02  # std of the hidden weights at init (muP divides it by sqrt(n_embd / base_width))
+    mup: bool = False  # muP (Yang et al. 2022): the LR tuned at base_width holds at any width
+    base_width: int = 128  # muP: the n_embd at which muP and the standard parametrisation agree
     # budget: max_steps, else tokens, else time_budget
-    max_steps: int = 0  # optimizer steps
-    tokens: str = ""  # e.g. 2.5e9; auto = 20 x params (Chinchilla)
-    time_budget: float = 240.0  # seconds of training, eval excluded
+    max_steps: int = 0  # optimizer steps; 0 = set by --tokens or --time_budget
+    tokens: str = ""  # tokens to train on, e.g. 2.5e9; auto = 20 x the parameters (Chinchilla); empty = off
+    time_budget: float = 240.0  # seconds of training, evals and saves excluded; 0 = no limit
     batch_size: int = 32  # micro-batch per rank, in sequences
     grad_accum: int = 1  # micro-steps per optimizer step
-    total_batch: int = 0  # tokens a step, all ranks; sets grad_accum
+    total_batch: int = 0  # tokens per optimizer step over all ranks, which sets grad_accum; 0 = off
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # muon: + AdamW
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: Muon on hidden matrices and AdamW on the rest
     lr: float = 8e-3  # peak LR, of Muon and AdamW alike (4e-3 at 128 wide)
-    embed_lr: float = 0.0  # of the input embedding; 0 = auto
-    weight_decay: float = 0.1  # on hidden matrices only
-    beta1: float = 0.9  # AdamW
-    beta2: float = 0.95  # AdamW
+    embed_lr: float = 0.0  # LR of the input embedding; 0 = auto: 10 x lr for a BPE under Muon, else lr
+    weight_decay: float = 0.1  # decoupled weight decay, on the hidden matrices only
+    beta1: float = 0.9  # AdamW's momentum
+    beta2: float = 0.95  # AdamW's decay of the squared gradients
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    z_loss: float = 0.0  # weight of logsumexp^2 (PaLM: 1e-4)
-    seq_len_warmup: int = 0  # steps to grow the length; 0 = off
-    seq_len_start: int = 64  # the first length of seq_len_warmup
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20  # linear LR warmup
-    cooldown_frac: float = 0.2  # wsd: the final decay's share
-    final_lr_frac: float = 0.1  # the last LR, of the peak
+    z_loss: float = 0.0  # weight of logsumexp^2 in the loss, which keeps logits from drifting (PaLM: 1e-4)
+    seq_len_warmup: int = 0  # steps over which the sequence length grows to seq_len; 0 = off
+    seq_len_start: int = 64  # the first length of seq_len_warmup, in tokens
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR after warmup: its decay to final_lr_frac
+    warmup_steps: int = 20  # steps of linear LR warmup
+    cooldown_frac: float = 0.2  # wsd: the share of the steps spent in the final decay
+    final_lr_frac: float = 0.1  # the last LR, as a fraction of the peak
     # eval, logging, checkpoints
-    eval_every: int = 250  # steps; 0 = only at the end
-    eval_tokens: int = 65536  # a periodic eval's; the final's <= 4M
+    eval_every: int = 250  # steps between evals; 0 = only at the end
+    eval_tokens: int = 65536  # val tokens a periodic eval reads; the final eval reads up to 4M
     log_every: int = 25  # steps between log lines
-    sample_tokens: int = 200  # sampled at each eval; 0 = off
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2  # newest checkpoints kept, and milestones
-    milestone_every: int = 0  # steps of checkpoints kept for good
-    async_save: bool = False  # write checkpoints in a thread
-    resume: bool = False  # from out_dir's newest checkpoint
-    wandb: str = ""  # wandb project; empty = off
-    description: str = ""  # for the results.tsv log
+    sample_tokens: int = 200  # tokens sampled at each eval; 0 = off
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept, besides the milestones
+    milestone_every: int = 0  # steps between checkpoints kept for good; 0 = none
+    async_save: bool = False  # write checkpoints in a thread while training goes on
+    resume: bool = False  # continue from out_dir's newest checkpoint
+    wandb: str = ""  # wandb project to log to; empty = off
+    description: str = ""  # a note on this run, for its row in results.tsv
     # guards: a bad step is skipped; repeated ones roll back
-    loss_spike: float = 6.0  # running stds over the mean; 0 = off
-    gnorm_spike: float = 0.0  # the same for the grad norm
-    clip_mult: float = 0.0  # clip at this x the mean grad norm
+    loss_spike: float = 6.0  # skip a step whose loss is this many running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same for the grad norm; 0 = off
+    clip_mult: float = 0.0  # clip the grad norm at this many times its running mean; 0 = off
     guard_window: int = 100  # steps in the running statistics
-    rollback_after: int = 5  # bad steps in the window; 0 = never
+    rollback_after: int = 5  # bad steps within the window that roll back to a checkpoint; 0 = never
     # system
-    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # in backward
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 if fast
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: CUDA
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
-    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
-    seed: int = 1337  # init and sampling
-    benchmark: bool = False  # time steps on random tokens, exit
-    bench_steps: int = 20  # timed, after 5 warm-up steps
-    profile: bool = False  # benchmark: trace.json of 3 more steps
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
+    activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # recompute in backward: less memory
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # autocast's; auto: bf16 if fast, else fp32
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (DDP) or shard it (FSDP2)
+    offload: Literal["none", "params"] = "none"  # fsdp: keep the parameters in CPU memory
+    seed: int = 1337  # of the init and the sampling
+    benchmark: bool = False  # time steps on random tokens, print the speed, and exit
+    bench_steps: int = 20  # steps that --benchmark times, after 5 warm-up steps
+    profile: bool = False  # with --benchmark: write trace.json of 3 more steps
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # Triton's or PyTorch's ops; auto: the faster per op
     # the text sampled at evals (sample_gpt.py samples a finished checkpoint)
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 50  # 0 = all tokens
+    temperature: float = 0.8  # of the sampled text; 0 = greedy
+    top_k: int = 50  # sample from the k likeliest tokens; 0 = all tokens
 
-# prepare_data.py's command for the default data_dir, what it makes, its flags
+# prepare_data.py's command for the default data_dir, what it makes, and its flags: a first run with no
+# --data_dir prepares this itself, offline
 DEFAULT_DATA = ("stdlib", "the Python stdlib corpus as a 4,353-token BPE", "--tokenizer=bpe:4353")
-# GPT-2's sizes on FineWeb (BENCHMARKS.md: Muon won at 124M)
-GPT2 = dict(seq_len=1024, total_batch=1 << 19, data_dir="data/fineweb10B", time_budget=0, lr=4e-3, tokens="auto",
-            batch_size=32, warmup_steps=700, eval_every=250, eval_tokens=1 << 20, save_every=2000, norm="rmsnorm")
+# GPT-2's sizes on FineWeb, for GPUs
+GPT2 = dict(
+    seq_len=1024,
+    total_batch=1 << 19,  # 0.5M tokens a step, GPT-3's batch at this size
+    data_dir="data/fineweb10B",
+    time_budget=0,
+    lr=4e-3,  # Muon's, which beat AdamW at 124M (BENCHMARKS.md)
+    tokens="auto",  # 20 a parameter (Chinchilla)
+    batch_size=32,
+    warmup_steps=700,
+    eval_every=250,
+    eval_tokens=1 << 20,
+    save_every=2000,
+    norm="rmsnorm",
+)
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.78M parameters, 240 s on a 2-core CPU
     "cpu_128": dict(n_embd=128, n_head=4, lr=4e-3),  # the defaults until 2026-11-27 (WORKSHOP.md)
@@ -156,9 +180,13 @@ MOVED = {
     "consolidate": "python finetune_gpt.py --export=pt --ckpt=SHARDED_CKPT --out_dir=NEW_DIR",
     "eval_mc": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag (--every_checkpoint for a run's milestones)",
 }
+# The fields that define the weights: a checkpoint carries them, and finetune_gpt.py takes them from the weights
+# it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
+# what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
+# would not replay the run it continues.
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
-ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")  # resumes share
+ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
 # -----------------------------------------------------------------------------
 # Model
@@ -168,7 +196,8 @@ class Norm(nn.Module):
 
     def __init__(self, dim, cfg):
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind = cfg.norm
+        self.eps = cfg.norm_eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias and cfg.norm == "layernorm" else None
 
@@ -177,79 +206,131 @@ class Norm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
+# RoPE (Su et al. 2021) turns each pair of a head's dimensions by an angle proportional to the position, so q.k
+# depends only on the distance between two tokens. Pair j, of frequency base^(-2j/D), is (x[j], x[j + D/2]): the
+# halves of the head, as in GPT-NeoX and Llama, rather than neighbours (x[2j], x[2j + 1]). Both are the same rotation
+# up to a fixed shuffle of the head's dimensions, which the qkv projection learns around; halves let one roll of the
+# last axis line every pair up, where neighbours need a strided split and a re-interleave.
+
 def rope_tables(seq_len, head_dim, base, device):
     """RoPE's cos and signed sin (Su et al. 2021), (T, D) fp32."""
     f32 = dict(device=device, dtype=torch.float32)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)
-    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)  # (i, i + D/2)
-    return freqs.cos().repeat(1, 2), torch.cat((-freqs.sin(), freqs.sin()), -1)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)  # (D/2,)
+    # (T, D/2): the angle of pair j at position t, in fp32: bf16 would round position 1,000 to a multiple of 4
+    freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)
+    # both halves of a pair turn by the same angle; the sign of sin differs: -sin for the first half, +sin for the
+    # second, so that apply_rope's one multiply-add makes both rows of the 2 x 2 rotation
+    cos = freqs.cos().repeat(1, 2)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)
+    return cos, sin
 
 def apply_rope(x, cos, sin):
     """Rotate the pairs (x[i], x[i + D/2]) of x (B, H, T, D)."""
-    xf = x.float()  # a roll, not a split and a cat: 2x faster on a CPU
-    return (xf * cos + xf.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
+    # rolled by D/2, x lines up each half with its partner: the first half gets x[j] cos - x[j + D/2] sin and the
+    # second x[j + D/2] cos + x[j] sin. A roll, not a split and a cat of the halves: 2x faster on a CPU. In fp32,
+    # as the tables are; the result goes back to x's dtype
+    xf = x.float()
+    rolled = xf.roll(x.size(-1) // 2, dims=-1)
+    return (xf * cos + rolled * sin).type_as(x)
 
 def width_mult(cfg):
     """muP's width multiplier m = n_embd / base_width, else 1."""
+    # muP (Yang et al. 2022, Tensor Programs V, Table 3) keeps every layer's update the same size as the model
+    # widens, so that the best LR found at base_width is the best at any n_embd. Relative to base_width it changes
+    # four things, each where it happens: the output is multiplied by 1/m (GPT.hidden), attention scores q.k by
+    # 1/d rather than 1/sqrt(d) (Attention), hidden weights start at std / sqrt(m) (GPT.init_weights), and the
+    # hidden matrices' LR is Muon's / sqrt(m) or AdamW's / m (build_optimizers). At n_embd = base_width nothing
+    # changes: muP and the standard parametrisation agree there.
     return cfg.n_embd / cfg.base_width if cfg.mup else 1.0
 
 class KVCache:
     """Past keys and values for sampling: (B, Hkv, max_len, D)."""
 
     def __init__(self, n_layer, max_len):
-        self.k, self.v = [None] * n_layer, [None] * n_layer
-        self.pos, self.max_len = 0, max_len
+        self.k = [None] * n_layer
+        self.v = [None] * n_layer
+        self.pos = 0  # positions filled; the next token's position
+        self.max_len = max_len
 
     def update(self, layer, k, v):
         """Store k, v (B, Hkv, t, D) at pos; return all so far."""
-        if self.k[layer] is None:
+        if self.k[layer] is None:  # allocated once, at the first call: its batch and heads are the input's
             B, H, _, D = k.shape
             self.k[layer] = k.new_empty(B, H, self.max_len, D)
             self.v[layer] = v.new_empty(B, H, self.max_len, D)
         end = self.pos + k.size(2)
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, end, D) each
 
 class Attention(nn.Module):
+    """Causal self-attention, (B, T, n_embd) -> (B, T, n_embd): every position mixes in the values of the positions
+    before it, weighted by how well its query matches their keys, in n_head heads at once."""
+
     def __init__(self, cfg, layer):
         super().__init__()
-        d, self.layer, self.n_head = cfg.n_embd, layer, cfg.n_head
-        self.hd = hd = d // cfg.n_head
-        self.n_kv = cfg.n_kv_head or cfg.n_head  # GQA
-        # muP: q.k / d, as trained q and k correlate (q.k ~ d)
+        d = cfg.n_embd
+        self.layer = layer
+        self.n_head = cfg.n_head
+        hd = d // cfg.n_head  # a head's width
+        self.hd = hd
+        # GQA (Ainslie et al. 2023): n_kv key/value heads, each shared by n_head / n_kv query heads, shrink the KV
+        # cache and the projection; 1 is multi-query attention (Shazeer 2019)
+        self.n_kv = cfg.n_kv_head or cfg.n_head
+        # softmax(q.k * scale): 1/sqrt(hd) keeps the scores' variance at 1 while q and k are independent. muP scales
+        # by 1/d instead, since trained q and k correlate and q.k then grows like d, not sqrt(d); written as
+        # 1/sqrt(hd * m), it is the usual 1/sqrt(hd) at base_width
         self.scale = 1 / math.sqrt(hd * width_mult(cfg))
+        # one matmul makes the queries, keys and values: n_head + 2 * n_kv heads of hd
         self.qkv = nn.Linear(d, (self.n_head + 2 * self.n_kv) * hd, bias=cfg.bias)
         self.proj = nn.Linear(self.n_head * hd, d, bias=cfg.bias)
-        # --window_pattern=3: layers 0, 1 local, 2 global, 3, 4 ...
+        # --window: local layers see the last `window` positions only (Beltagy et al. 2020), which is cheaper on
+        # long contexts; with --window_pattern=3, layers 0 and 1 are local, 2 global, 3 and 4 local, ...: the
+        # global ones carry what lies further back (Gemma 2 alternates the two: --window_pattern=2)
         is_global = cfg.window_pattern and (layer + 1) % cfg.window_pattern == 0
         self.window = cfg.window if cfg.window and not is_global else None
+        # QK-norm (Dehghani et al. 2023): queries and keys whose norms grow in training would push the softmax
+        # toward one-hot weights, whose gradients vanish; normalised, they cannot grow unchecked
         self.q_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None):
-        B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, H, T, hd)
-        q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)
-        q, k = self.q_norm(q), self.k_norm(k)
+        B, T, _ = x.shape  # x (B, T, n_embd)
+        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, n_head + 2 n_kv, T, hd)
+        q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)  # (B, n_head | n_kv | n_kv, T, hd)
+        q = self.q_norm(q)
+        k = self.k_norm(k)
         if cos is not None:  # RoPE, unless learned positions
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # the causal mask is bottom-right
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if cache is not None:
+            # sampling: k and v grow to every position so far; the T new queries are the last T positions, so the
+            # causal mask is aligned bottom-right
             k, v = cache.update(self.layer, k, v)
-        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)  # (B, n_head, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # heads side by side: (B, T, n_embd)
 
 class MLP(nn.Module):
+    """The per-position feed-forward layer, (B, T, n_embd) -> (B, T, n_embd): up to a wider hidden layer, a
+    nonlinearity, and back down; it holds about two thirds of a block's weights."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.kind, d = cfg.mlp, cfg.n_embd
-        glu = cfg.mlp == "swiglu"  # 2/3 of 4d keeps the size (Shazeer 2020)
-        hidden = 64 * math.ceil(8 * d / 3 / 64) if glu else 4 * d
-        self.fc = nn.Linear(d, hidden * (2 if glu else 1), bias=cfg.bias)
+        self.kind = cfg.mlp
+        d = cfg.n_embd
+        if cfg.mlp == "swiglu":
+            # a gated MLP has three matrices where GPT-2's has two: 2/3 of the 4d hidden width keeps the
+            # parameters (Shazeer 2020), rounded up to a multiple of 64 for fast matmuls
+            hidden = 64 * math.ceil(8 * d / 3 / 64)
+            outputs = 2 * hidden  # fc makes the gate and the value at once
+        else:
+            hidden = 4 * d
+            outputs = hidden
+        self.fc = nn.Linear(d, outputs, bias=cfg.bias)
         self.proj = nn.Linear(hidden, d, bias=cfg.bias)
 
     def forward(self, x):
-        h = self.fc(x)
+        h = self.fc(x)  # (B, T, hidden), or (B, T, 2 hidden) gated
         if self.kind == "swiglu":
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b
@@ -257,14 +338,23 @@ class MLP(nn.Module):
             h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.proj(h)
+        return self.proj(h)  # (B, T, n_embd)
 
 class Block(nn.Module):
+    """One transformer layer: attention, then the MLP, each a pre-norm residual branch."""
+
     def __init__(self, cfg, layer):
         super().__init__()
-        self.norm1, self.attn = Norm(cfg.n_embd, cfg), Attention(cfg, layer)
-        self.norm2, self.mlp = Norm(cfg.n_embd, cfg), MLP(cfg)
+        self.norm1 = Norm(cfg.n_embd, cfg)
+        self.attn = Attention(cfg, layer)
+        self.norm2 = Norm(cfg.n_embd, cfg)
+        self.mlp = MLP(cfg)
         self.checkpointing = cfg.activation_checkpointing
+
+    # Activation checkpointing trades compute for memory: backward recomputes what forward did not keep. "blocks"
+    # keeps only each block's input (forward runs twice: about a third more compute); "selective" recomputes only
+    # the norm and the MLP, whose hidden activations (4 n_embd wide, or 2 x 8/3 gated) are the largest a block
+    # keeps. Sampling and evals (no grad) keep nothing anyway.
 
     def forward(self, x, cos, sin, cache=None):
         if self.checkpointing == "blocks" and torch.is_grad_enabled():
@@ -272,6 +362,8 @@ class Block(nn.Module):
         return self.sublayers(x, cos, sin, cache)
 
     def sublayers(self, x, cos, sin, cache=None):
+        # pre-norm (GPT-2; Xiong et al. 2020): each sublayer reads a normalised copy and adds its output to the
+        # residual stream x, which nothing normalises, so gradients reach early layers undamped
         x = x + self.attn(self.norm1(x), cos, sin, cache)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
             return x + recompute(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
@@ -283,13 +375,19 @@ class GPT(nn.Module):
 
     def __init__(self, cfg, vocab_size):
         super().__init__()
-        self.cfg, self.vocab_size, d = cfg, vocab_size, cfg.n_embd
-        rows = 64 * math.ceil(vocab_size / 64)  # padded: fast matmuls
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        d = cfg.n_embd
+        # the embedding and the head get rows up to a multiple of 64, as nanoGPT pads GPT-2's 50,257 to 50,304:
+        # matmuls on such shapes run faster. The extra rows are never a target; the loss and logits leave them out
+        rows = 64 * math.ceil(vocab_size / 64)
         self.wte = nn.Embedding(rows, d)
         self.wpe = nn.Embedding(cfg.seq_len, d) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
+        # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
+        # and a checkpoint need not carry them
         cos, sin = rope_tables(cfg.seq_len, d // cfg.n_head, cfg.rope_base, None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -302,10 +400,16 @@ class GPT(nn.Module):
             if p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
-                nn.init.zeros_(p)  # blocks start as the identity
-            elif name.startswith("blocks."):  # muP: fan_in ~ width
+                # the layers that write to the residual stream, and an untied head, start at zero (as in
+                # modded-nanogpt): each block starts as the identity, and the first logits are all 0, so step 0's
+                # loss is ln(vocab_size) exactly. The first step then trains the head alone (a zero head passes
+                # no gradient back), and the blocks from the second on
+                nn.init.zeros_(p)
+            elif name.startswith("blocks."):
+                # muP: a hidden weight's fan_in grows with the width, so its std falls by sqrt(m) to keep each
+                # output's variance
                 nn.init.normal_(p, std=c.init_std / math.sqrt(width_mult(c)))
-            else:  # embeddings: their fan_in is not the width
+            else:  # embeddings: their fan_in is a one-hot row choice, not the width
                 nn.init.normal_(p, std=c.init_std)
         cos, sin = rope_tables(c.seq_len, c.n_embd // c.n_head, c.rope_base, self.cos.device)
         self.cos.copy_(cos)
@@ -313,7 +417,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, z_loss=0.0, cache=None, reduction="mean"):
         """idx (B, T) -> logits (B, T, V), or the loss of targets (-100: none)."""
-        x, w = self.hidden(idx, cache)
+        x, w = self.hidden(idx, cache)  # (B, T, n_embd), the head's weight (rows, n_embd)
         if targets is not None:
             return self.loss(x, w, targets, z_loss, reduction)
         if cache is not None:
@@ -322,20 +426,29 @@ class GPT(nn.Module):
 
     def loss(self, x, w, targets, z_loss=0.0, reduction="mean"):
         """Cross-entropy (+ z-loss) of hidden states x, head w."""
-        if torch.is_autocast_enabled(x.device.type):  # as F.linear
+        if torch.is_autocast_enabled(x.device.type):  # the precision F.linear would get under autocast
             dt = torch.get_autocast_dtype(x.device.type)
-            x, w = x.to(dt), w.to(dt)
-        # head and loss in chunks: never all (B*T, V) logits at once;
-        # z_loss keeps the softmax's normaliser near 1 (PaLM)
-        x, y, cap = x.flatten(0, 1), targets.reshape(-1), self.cfg.logit_softcap or None
-        keep = y != -100 if reduction == "none" else slice(None)  # --eval_mc: where a target is
+            x = x.to(dt)
+            w = w.to(dt)
+        # The head and the loss run together, in chunks of rows (kernels.linear_cross_entropy): all (B*T, V) logits
+        # are never in memory at once. At gpt2_124m a micro-step's would be 32 x 1024 rows x 50,304 in fp32, 6.6 GB,
+        # and their gradient as much again. z_loss adds z_loss * logsumexp(logits)^2, which keeps the softmax's
+        # normaliser near 1 and the logits from drifting (PaLM, Chowdhery et al. 2022)
+        x = x.flatten(0, 1)  # (B*T, n_embd)
+        y = targets.reshape(-1)  # (B*T,)
+        cap = self.cfg.logit_softcap or None
+        keep = slice(None)  # all rows
+        if reduction == "none":  # eval_gpt.py's per-token losses: only the rows that have a target go to the kernel
+            keep = y != -100
         out = kernels.linear_cross_entropy(x[keep], w, y[keep], softcap=cap, z_loss=z_loss,
                                            reduction=reduction, classes=self.vocab_size)
-        return out if reduction != "none" else out.new_zeros(y.shape).masked_scatter(keep, out)
+        if reduction != "none":
+            return out
+        return out.new_zeros(y.shape).masked_scatter(keep, out)  # (B*T,), 0 where no target
 
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x."""
-        # the matmul keeps the padding rows (fast), the result not
+        # the matmul keeps the padding rows (a fast shape); the result drops them, so they are never sampled
         logits = F.linear(x, w)[..., :self.vocab_size].float()
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
@@ -343,51 +456,73 @@ class GPT(nn.Module):
     def hidden(self, idx, cache=None):
         """(hidden states (B, T, d), head weight) of idx (B, T)."""
         B, T = idx.shape
-        pos = cache.pos if cache is not None else 0
-        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]
+        pos = 0
+        if cache is not None:  # sampling: idx continues at the cache's position
+            pos = cache.pos
+        cos = self.cos[pos:pos + T]  # (T, hd)
+        sin = self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
         for block in self.blocks:
             x = block(x, cos, sin, cache)
-        x = self.norm(x) / width_mult(self.cfg)  # muP: 1 / m
-        return x, self.wte.weight if self.head is None else self.head.weight
+        # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
+        # further at m times the width
+        x = self.norm(x) / width_mult(self.cfg)
+        if self.head is None:  # tied: the input embedding is the head
+            return x, self.wte.weight
+        return x, self.head.weight
 
     def flops_per_token(self):
         """Training FLOPs a token: 6 a weight, + attention (PaLM)."""
-        # FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py): the scores
-        # a flash backward recomputes, which MFU leaves out
+        # 2 a weight forward (a multiply and an add) and 4 backward (the grads of the input and of the weight), for
+        # every weight in a matmul; plus attention's scores and weighted sum, 12 * n_layer * n_embd * seq_len (PaLM,
+        # Chowdhery et al. 2022, appendix B). FlopCounterMode counts 2.2% more at gpt2_124m (tests/test_compile.py):
+        # the scores a flash backward recomputes, which MFU leaves out
         n = sum(p.numel() for p in self.parameters())
-        for lookup in (self.wte if self.head is not None else None, self.wpe):
-            n -= lookup.weight.numel() if lookup is not None else 0  # no matmul
-        return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.seq_len
+        # a lookup is no matmul: the input embedding (unless tied: then it is also the head) and GPT-2's positions
+        if self.head is not None:
+            n -= self.wte.weight.numel()
+        if self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        c = self.cfg
+        attention = 12 * c.n_layer * c.n_embd * c.seq_len
+        return 6 * n + attention
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
         """idx (B, T0) and max_new_tokens sampled, with a KV cache."""
-        out, T, cache = idx, self.cfg.seq_len, None
-        with torch.compiler.set_stance("force_eager"):  # any length
+        out = idx
+        T = self.cfg.seq_len
+        cache = None
+        with torch.compiler.set_stance("force_eager"):  # a compiled model would recompile for every length
             for i in range(max_new_tokens):
-                if cache is None or cache.pos >= T:  # full: keep T/2
+                if cache is None or cache.pos >= T:
+                    # (re)fill a cache from the text so far: the prompt's last T tokens, then, each time the cache
+                    # is full, the last T/2, so that a refill comes once every T/2 new tokens
+                    keep = T if i == 0 else T // 2
                     cache = KVCache(len(self.blocks), T)
-                    logits = self(out[:, -(T if i == 0 else T // 2):], cache=cache)
-                logits = logits[:, -1, :]
+                    logits = self(out[:, -keep:], cache=cache)
+                logits = logits[:, -1, :]  # (B, V): the next token's
                 if temperature == 0:
                     nxt = logits.argmax(-1, keepdim=True)
                 else:
                     logits = logits / temperature
-                    if top_k:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    if top_k:  # only the k likeliest stay; the rest get probability 0
+                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                         logits = logits.masked_fill(logits < kth, -math.inf)
-                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+                    nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)  # (B, 1)
                 out = torch.cat((out, nxt), dim=1)
-                if i + 1 < max_new_tokens and cache.pos < T:
+                if i + 1 < max_new_tokens and cache.pos < T:  # one new position through the cache
                     logits = self(nxt, cache=cache)
             return out
 
 def build_model(cfg, vocab_size, device, cls=GPT):
     """Build on meta, materialise on device, init under cfg.seed."""
+    # on the meta device, building allocates nothing and draws no random numbers (a 1B model would otherwise be
+    # built and initialised once on the CPU); to_empty allocates it on the device, and init_weights sets it there,
+    # under the seed: the same weights on every rank, and in every run with that seed
     with torch.device("meta"):
         model = cls(cfg, vocab_size)
     model.to_empty(device=device)
@@ -398,11 +533,17 @@ def build_model(cfg, vocab_size, device, cls=GPT):
 # -----------------------------------------------------------------------------
 # Data
 
-MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's shard header
+# llm.c's shard format, which prepare_data.py writes: a header of 256 int32 (1,024 bytes) that starts with the magic
+# number, the version and the token count, then the tokens as uint16
+MAGIC = 20240520
+VERSION = 1
+HEADER_BYTES = 1024
 
 def open_shard(path):
     """Memory-map llm.c's shard (int32 header, uint16 tokens) or nanoGPT's .bin."""
-    size, header = os.path.getsize(path), [0] * 3
+    # a memory map reads nothing up front: the OS pages in the rows a step touches, so a corpus may outgrow memory
+    size = os.path.getsize(path)
+    header = [0] * 3
     if size >= HEADER_BYTES:
         header = np.fromfile(path, dtype="<i4", count=3).tolist()
     magic, version, n = header
@@ -432,30 +573,42 @@ def load_meta(data_dir):
     """A data dir's tokenizer and sizes: meta.json, or nanoGPT's meta.pkl or defaults."""
     if not os.path.isdir(data_dir):
         die(f"data dir {data_dir!r} does not exist; make it with prepare_data.py")
-    path, pkl = os.path.join(data_dir, "meta.json"), os.path.join(data_dir, "meta.pkl")
+    path = os.path.join(data_dir, "meta.json")
+    pkl = os.path.join(data_dir, "meta.pkl")
+    # a data dir may come from anyone, so what it holds is checked before use; reading(path, fix) turns any error
+    # of the block into one line that names the file and the fix, and exits
     if os.path.exists(path):
         with reading(path, "re-run prepare_data.py for this data dir"), open(path) as f:
             meta = json.load(f)
             if "vocab_size" not in meta and "image_size" in meta:  # prepare_data.py's images
                 die(f"data dir {data_dir!r} holds images, which train_vit.py and train_diffusion.py read; give "
                     f"--data_dir token shards: python prepare_data.py text FILES... --data_dir=data/mine")
-            val, file = meta.get("splits", {}).get("val", {}), meta.get("tokenizer_file") or "x"
+            val = meta.get("splits", {}).get("val", {})
+            file = meta.get("tokenizer_file") or "x"  # a file name inside data_dir, not a path out of it
             nums = [val.get("tokens", 0), val.get("bytes", 0)]
             nums += [meta.get(f"val_{t}_bpb") or 0 for t in ("gzip", "xz")]
-            if not (isinstance(meta["vocab_size"], int) and meta["vocab_size"] > 0
-                    and os.path.basename(file) == file and isinstance(meta["eot_id"], (int, type(None)))
+            if not (isinstance(meta["vocab_size"], int)
+                    and meta["vocab_size"] > 0
+                    and os.path.basename(file) == file
+                    and isinstance(meta["eot_id"], (int, type(None)))
                     and all(isinstance(v, (int, float)) for v in nums)):
                 raise ValueError("vocab_size, eot_id, val sizes, gzip/xz or tokenizer_file amiss")
     elif os.path.exists(os.path.join(data_dir, "train.bin")):  # nanoGPT's layout
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "splits": {}}
-        if os.path.exists(pkl):
+        if os.path.exists(pkl):  # nanoGPT's character-level data: its vocabulary
             with reading(pkl, "give nanoGPT's meta.pkl, or none"), open(pkl, "rb") as f:
                 m = PlainUnpickler(f).load()
-                itos, n = m.get("itos") or None, m["vocab_size"]
-                if not (isinstance(n, int) and n > 0 and all(
-                        isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
+                itos = m.get("itos") or None
+                n = m["vocab_size"]
+                if not (isinstance(n, int)
+                        and n > 0
+                        and all(isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
                     raise ValueError("need vocab_size > 0 and itos of integers to strings")
-                kind = "chars" if itos else "byte" if n == 256 else "ids"  # ids: unknown
+                kind = "ids"  # neither characters nor bytes: the ids' text is unknown, and samples show numbers
+                if itos:
+                    kind = "chars"
+                elif n == 256:
+                    kind = "byte"
                 meta.update(tokenizer=kind, vocab_size=n, eot_id=None, itos=itos)
     else:
         die(f"data dir {data_dir!r} has no meta.json or train.bin; use prepare_data.py")
@@ -466,15 +619,30 @@ def load_meta(data_dir):
 
 class TokenLoader:
     """(B, T) batches a rank, in a fixed order from memory-mapped shards; a resumed
-    run reads what an uninterrupted one would."""
+    run reads what an uninterrupted one would.
+
+    The lanes: a shard is cut into `lanes` equal stretches, one for each row of an optimizer step (train() makes
+    B x world_size x accum of them), and row i of every step reads the next T + 1 tokens of lane i. So a batch mixes
+    documents from far-apart places of the corpus rather than neighbouring pages of one, and no token is a target
+    twice in an epoch. The whole position is a few integers (the epoch, the shard, each lane's offset, the next
+    lane), which a checkpoint stores: that is how a resume replays exactly. Each rank walks all the rows of a step
+    and keeps its own B, so every rank's loader is in the same state, and one state serves them all."""
 
     def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
-        self.files, self.B, self.T, self.rank, self.world_size = files, B, T, rank, world_size
-        self.device, self.eot, self.lanes, self.vocab_size = device, eot, lanes, vocab_size
+        self.files = files
+        self.B = B
+        self.T = T
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.eot = eot  # the end-of-text id, which stands between documents; None: unknown
+        self.lanes = lanes
+        self.vocab_size = vocab_size
         self.shards = [open_shard(f) for f in files]
-        if (most := max(len(s) for s in self.shards)) < T + 1:
+        most = max(len(s) for s in self.shards)
+        if most < T + 1:
             die(f"{files[0]}: shards of {most} tokens are shorter than --seq_len+1; lower it")
-        self.bos = [None] * len(files)  # each shard's EOT positions, when first used
+        self.bos = [None] * len(files)  # each shard's EOT positions, found when the shard is first read
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
@@ -482,51 +650,71 @@ class TokenLoader:
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
-        # row i reads lane i % lanes of the shard: a batch mixes far-apart documents
-        self.epoch, self.shard = int(s["epoch"]), int(s["shard"])
+        self.epoch = int(s["epoch"])
+        self.shard = int(s["shard"])
         n = len(self.shards[self.shard])
+        # k lanes of n // k tokens each: fewer than asked where the shard is too short to give each lane a row
         k = max(1, min(self.lanes, n // (self.T + 1)))
-        self.ends = [(i + 1) * (n // k) for i in range(k)]
-        self.pos = [int(p) for p in s.get("pos") or [i * (n // k) for i in range(k)]]
-        self.lane = int(s.get("lane", 0))
-        if len(self.pos) != k or not (0 <= self.lane < k and 0 <= self.shard < len(self.shards)
+        width = n // k
+        self.ends = [(i + 1) * width for i in range(k)]
+        starts = [i * width for i in range(k)]
+        self.pos = [int(p) for p in s.get("pos") or starts]  # each lane's next token
+        self.lane = int(s.get("lane", 0))  # the lane the next row reads
+        if len(self.pos) != k or not (0 <= self.lane < k
+                                      and 0 <= self.shard < len(self.shards)
                                       and all(0 <= p <= n for p in self.pos)):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
     def _next_row(self, T):
+        """(shard, start) of the next row's T + 1 tokens, from the next lane in turn."""
         lane = self.lane
-        while self.pos[lane] + T + 1 > self.ends[lane]:  # all lanes to the next shard
+        while self.pos[lane] + T + 1 > self.ends[lane]:
+            # the lanes advance together, so when one runs out, all move on to the next shard (a new epoch after
+            # the last); the few tokens left at the lanes' ends go unread
             shard = (self.shard + 1) % len(self.shards)
             self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
             lane = 0
-        start, end = self.pos[lane], self.ends[lane]
-        if self.eot is not None:  # start at a document that starts within T/8
+        start = self.pos[lane]
+        end = self.ends[lane]
+        # Start at a document's beginning where one comes within T/8: an EOT stands between documents
+        # (prepare_data.py puts one before each), so a row that starts at one opens with a whole document, not the
+        # tail of a text whose start it cannot see. Fewer than T/8 tokens, an eighth of a row, are skipped for it.
+        # The EOT positions of a shard are found in one pass, the first time it is read
+        if self.eot is not None:
             if self.bos[self.shard] is None:
                 self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
             bos = self.bos[self.shard]
-            j = np.searchsorted(bos, start)
-            if j < len(bos) and bos[j] - start < T // 8 and bos[j] + T + 1 <= end:
+            j = np.searchsorted(bos, start)  # the first EOT at or after start
+            if (j < len(bos) and bos[j] - start < T // 8  # an EOT within T/8
+                    and bos[j] + T + 1 <= end):  # and the row from it still fits in the lane
                 start = int(bos[j])
-        self.pos[lane] = start + T  # overlap by one: each token a target once
+        # the next row of this lane starts where this one's targets end, at its last token: inputs are tokens
+        # start..start+T-1, targets start+1..start+T, so each token is a target once
+        self.pos[lane] = start + T
         self.lane = (lane + 1) % len(self.pos)
         return self.shard, start
 
     def next(self, T=None):
-        """This rank's next (x, y), (B, T) int64; a shorter T gives more rows."""
+        """This rank's next (x, y), (B, T) int64 (a shorter T gives more rows), and the loader's
+        state before them: a checkpoint that keeps it reads this batch again on resume."""
+        state = self.state()
+        # --seq_len_warmup: at a shorter T, more rows, so that a step keeps its tokens
         T = T or self.T
         B = self.B * self.T // T
-        rows = [self._next_row(T) for _ in range(B * self.world_size)]
+        rows = [self._next_row(T) for _ in range(B * self.world_size)]  # every rank's, so all stay in step
         mine = rows[self.rank * B:(self.rank + 1) * B]
-        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])
-        if buf.max() >= self.vocab_size:  # past the embedding: a crash on CPU
+        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])  # (B, T + 1) uint16
+        # an id past the embedding would index out of range: a crash on a CPU, a device-side assert on CUDA
+        if buf.max() >= self.vocab_size:
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; "
                 f"re-run prepare_data.py, or raise --vocab_size")
         buf = torch.from_numpy(buf.astype(np.int64))
-        if self.device.type == "cuda":  # pinned: the copy overlaps compute
+        if self.device.type == "cuda":
+            # pinned (page-locked) memory lets the copy to the GPU run while it computes (non_blocking)
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
             buf = buf.to(self.device)
-        return buf[:, :-1], buf[:, 1:]
+        return buf[:, :-1], buf[:, 1:], state  # inputs and targets, (B, T) each: the same tokens shifted by one
 
 class SyntheticLoader:
     """Random tokens for --benchmark: no data needed."""
@@ -539,7 +727,11 @@ class SyntheticLoader:
         return {}
 
     def next(self, T=None):
-        return self.x[:, :-1], self.x[:, 1:]
+        return self.x[:, :-1], self.x[:, 1:], {}
+
+# A tokenizer is a pair of functions: encode (text -> ids) and decode (ids -> text), for the samples at evals and
+# for the companions. Which pair depends on what prepared the data: bytes, nanoGPT's characters, GPT-2's BPE
+# (tiktoken), or prepare_data.py's own BPE, whose ranks travel in every checkpoint
 
 def encode_ids(s):
     """Token ids written as numbers, '17 42': the text of a tokenizer we lack."""
@@ -547,12 +739,17 @@ def encode_ids(s):
 
 def load_tokenizer(tok):
     """(encode, decode) of the tokenizer that meta.json and checkpoints describe."""
-    name, itos = tok.get("tokenizer"), tok.get("itos")
+    name = tok.get("tokenizer")
+    itos = tok.get("itos")
     if name == "byte":
-        return (lambda s: list(s.encode())), (lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"))
+        encode = lambda s: list(s.encode())
+        decode = lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace")  # EOT, 256, is no byte
+        return encode, decode
     if itos:  # nanoGPT's characters
         stoi = {c: i for i, c in itos.items()}
-        return (lambda s: [stoi[c] for c in s if c in stoi]), (lambda ids: "".join(itos.get(i, "") for i in ids))
+        encode = lambda s: [stoi[c] for c in s if c in stoi]  # characters it lacks are left out
+        decode = lambda ids: "".join(itos.get(i, "") for i in ids)
+        return encode, decode
     import tiktoken
     if name == "gpt2":
         try:
@@ -561,9 +758,11 @@ def load_tokenizer(tok):
             print(f"warning: no gpt2 tokenizer ({type(e).__name__}); samples show token ids")
             name = None
     if name and name.startswith("bpe") and tok.get("ranks"):
+        # tiktoken's file format: one "base64(bytes) rank" a line, ranks 0, 1, 2, ... in merge order
         lines = map(str.split, tok["ranks"].splitlines())
         ranks = {base64.b64decode(t, validate=True): int(r) for t, r in lines}
-        if (sorted(ranks.values()) != list(range(len(ranks))) or tok["eot_id"] != len(ranks)
+        if (sorted(ranks.values()) != list(range(len(ranks)))
+                or tok["eot_id"] != len(ranks)
                 or not isinstance(tok["pat_str"], str)):  # tiktoken would panic
             raise ValueError("its ranks are not 0, 1, 2, ..., then the end-of-text id")
         enc = tiktoken.Encoding(name, pat_str=tok["pat_str"], mergeable_ranks=ranks,
@@ -630,49 +829,94 @@ def orthogonalise(x):
 
 def build_optimizers(cfg, raw, device, dtype=torch.float32):
     """Muon on hidden matrices, AdamW on the rest (or all); decay on hidden ones only."""
+    # Who gets Muon: Muon (Keller Jordan 2024) orthogonalises a matrix's update, setting all its singular values to
+    # 1, so that no direction of the map from inputs to outputs takes the whole step. That means something for the
+    # 2-D matrices inside the blocks, which map one activation to another. It means nothing for a vector (norm
+    # gains, biases), and it is wrong for a lookup table: an embedding's rows are separate tokens, each moved only
+    # when it occurs, and orthogonalising would mix them. The head stays with AdamW too, as Muon's README advises. So
+    # Muon takes the hidden matrices and AdamW the embeddings, the head, the gains and the biases; the Muon class
+    # above scales its update to AdamW's RMS (Moonlight, Liu et al. 2025), so that one --lr serves both.
     named = {n: p for n, p in raw.named_parameters() if p.requires_grad}  # LoRA: adapters
-    # an embedding row moves only when its token occurs: 10x the LR helps a BPE's rare rows,
-    # not 257 bytes' (BENCHMARKS.md, "CPU recipe"); tied, it is the head and keeps lr
+    # The embedding's own LR: a row moves only in steps where its token occurs. A BPE's vocabulary is mostly rare
+    # tokens, whose rows see few updates, and 10x the LR made up for it: -0.047 bits per byte on the 4,353-token
+    # BPE, while on 257 bytes, each row seen every step, it cost +0.056 (BENCHMARKS.md, "CPU recipe"). So auto
+    # means 10x under Muon with 1,024 rows or more. Tied, the embedding is also the head, which every step
+    # trains, and it keeps lr.
     bpe = cfg.optimizer == "muon" and raw.wte.weight.shape[0] >= 1024
-    embed_lr = cfg.embed_lr or (10 * cfg.lr if bpe else 0.0)
+    embed_lr = cfg.embed_lr
+    if not embed_lr and bpe:
+        embed_lr = 10 * cfg.lr
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
-    embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)] if own else []
-    is_hidden = {n: p.ndim == 2 and n.startswith("blocks.") for n, p in named.items()}
-    hidden = [p for n, p in named.items() if is_hidden[n]]
-    rest = [p for n, p in named.items() if not is_hidden[n]]
+    embed = []
+    if own:
+        embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)]
+    # weight decay pulls the hidden matrices only: decayed, a norm's gain or an embedding's rare row would shrink
+    # toward 0 between the steps that train it
+    hidden = []
+    rest = []
+    for n, p in named.items():
+        if p.ndim == 2 and n.startswith("blocks."):  # a matrix inside a block
+            hidden.append(p)
+        else:
+            rest.append(p)
     if cfg.optimizer == "muon":
-        # muP: an orthogonal update's spectral norm is 0.2 sqrt(width) lr; / sqrt(m) fixes it
+        # muP: Muon's update has a spectral norm of about 0.2 sqrt(max(rows, cols)) lr, which grows as sqrt(m)
+        # with the width; lr / sqrt(m) holds it where base_width had it. Newton-Schulz runs in bf16 only if the
+        # run does
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         lr = cfg.lr / math.sqrt(width_mult(cfg))
         opts = [Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)]
         groups = [dict(params=rest), *embed]
     else:
-        # muP: Adam moves each weight ~lr, a hidden output ~fan_in lr; / m cancels it (mup)
-        opts, lr = [], cfg.lr / width_mult(cfg)
-        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest), *embed]
+        # muP (Tensor Programs V, Table 3): Adam moves each weight by about lr, so a hidden unit, summing fan_in
+        # of them in step with its input, moves by about fan_in x lr; lr / m holds that as the width grows. The
+        # embeddings and the head keep lr: the head's 1/m is in the forward pass (GPT.hidden)
+        lr = cfg.lr / width_mult(cfg)
+        opts = []
+        groups = [dict(params=hidden, weight_decay=cfg.weight_decay, lr=lr),  # the hidden matrices
+                  dict(params=rest),  # the head, the gains and the biases (and the embedding unless *embed)
+                  *embed]
     groups = [g for g in groups if g["params"]]  # none: LoRA under Muon
     if groups:
+        # fused: one kernel for every parameter; and it can skip a step on the device, through the found_inf
+        # tensor that the guard sets (as GradScaler does for fp16's overflows), with no sync to the host
         opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                      weight_decay=0.0, fused=True))  # found_inf: the guard's skip
-    for g in (g for opt in opts for g in opt.param_groups):
-        g["peak_lr"] = g["lr"]
+                                      weight_decay=0.0, fused=True))
+    # the schedule multiplies each group's own peak: the embedding's 10x and muP's scaled LRs stay in proportion
+    for opt in opts:
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
     return opts
 
 def seq_len_at(cfg, step):
     """--seq_len_warmup's length at step (Li et al. 2022): linear, in multiples of 64
     that divide batch_size x seq_len, so every step keeps its tokens."""
+    # Short sequences first: early in training, long ones make the gradient noisy and the run unstable, where
+    # short ones give steadier, cheaper steps (Li et al. 2022, "The Stability-Efficiency Dilemma"). The loader
+    # reads more rows of the shorter length, so the tokens a step, and with them the LR schedule and the token
+    # budget, stay put. Multiples of 64 keep the shapes fast and few: each new one costs torch.compile a recompile
     if step >= cfg.seq_len_warmup:
         return cfg.seq_len
     t = cfg.seq_len_start + (cfg.seq_len - cfg.seq_len_start) * step / cfg.seq_len_warmup
-    return max(T for T in range(64, int(t) + 1, 64) if cfg.batch_size * cfg.seq_len % T == 0)
+    tokens = cfg.batch_size * cfg.seq_len  # a rank's tokens a micro-step, at every length
+    return max(T for T in range(64, int(t) + 1, 64) if tokens % T == 0)
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
-    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
-    if cfg.schedule == "cosine":
+    # progress is the share of the run done: of its steps, or of its seconds under --time_budget, so the decay
+    # ends when the run does. The warmup ramps the LR up over the first steps, while Adam's second moments are
+    # still poor estimates and the first updates would be too large
+    warm = 1.0
+    if cfg.warmup_steps:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac
+    if cfg.schedule == "cosine":  # half a cosine, from the peak down to f of it (Loshchilov & Hutter 2017)
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # Hu et al. 2024
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
+        # WSD, warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak LR holds until the last cooldown_frac of the
+        # run, then falls linearly to f. A checkpoint of the stable phase can be cooled down to a finished model
+        # at any point, so one run serves several budgets
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
 
@@ -787,13 +1031,16 @@ def clip_grads(params, max_norm):
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
-def agree(rows, train_time, world_size):
-    """The host sync (log steps, evals, saves, a stop): the guard's rows since the last, and the
-    time averaged over ranks, so that every rank decides alike."""
-    t = rows.new_tensor([train_time])
-    *flat, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
-    width = rows.shape[1]
-    return [flat[i:i + width] for i in range(0, len(flat), width)], train_time
+def agree(rows, t0, world_size):
+    """The sync: the host reads the guard's rows of the steps since the last sync, which waits for
+    the device to finish them, then the seconds since t0, averaged over the ranks so that every
+    rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
+    rows = rows.tolist()  # the one host read of device values, at a sync only
+    seconds = time.perf_counter() - t0
+    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
+        t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        seconds = all_mean(t, world_size).item()
+    return rows, seconds
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -808,7 +1055,7 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     total = torch.zeros((), device=loader.device)
     with torch.no_grad():
         for _ in range(n):
-            x, y = loader.next()
+            x, y, _ = loader.next()
             with ctx:
                 total += model(x, y).float()
     model.train()
@@ -856,6 +1103,18 @@ def layer_stats(raw, x, ctx):
         h.remove()
     return {**stats, "act_rms": torch.stack(rms).tolist()}
 
+def evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x, step, final):
+    """(the eval's record, each layer's statistics): the val loss and bits per byte, with a text
+    sample printed and the statistics (early warnings of a run going wrong), side paths that
+    warn but never stop a run."""
+    rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=final)
+    if cfg.sample_tokens:  # on every rank: an FSDP forward needs them all
+        out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)
+        if out:
+            print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40)
+    stats = side_path("layer statistics", layer_stats, raw, x, ctx)
+    return rec, stats or {}
+
 class Start:
     """What train() starts from: a fresh GPT (finetune_gpt.py's: other weights)."""
 
@@ -881,6 +1140,17 @@ def token_data(cfg, rank, world_size):
         load_tokenizer(tokenizer)  # a bad file fails now, not at the first sample
     return meta, tokenizer
 
+def done_line(step, tokens_per_step, train_time, rec, metric, meta, out_dir):
+    """The run's last line: steps, tokens, time, the final val metric, and, in bits per byte,
+    how it compares with gzip -9 and xz -9 on the same val bytes (prepare_data.py measures them)."""
+    line = (f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s | "
+            f"{metric.replace('_', ' ')} {rec[metric]:.4f}")
+    if "val_bpb" in rec:
+        for tool in ("gzip", "xz"):
+            if bpb := meta.get(f"val_{tool}_bpb"):
+                line += f" | {tool} -9 {bpb:.3f} ({'beaten' if rec['val_bpb'] < bpb else 'not beaten'})"
+    return line + f" | checkpoint in {out_dir} | plot: python scaling.py compare {out_dir}"
+
 def run_layout(c, world_size, data_info):
     """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
     B, T = c["batch_size"], c["seq_len"]
@@ -889,13 +1159,15 @@ def run_layout(c, world_size, data_info):
     return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
             **data_info}
 
-def train(cfg, stop, start=Start()):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
+def train(cfg, stop, start=None):
+    """Set up, resume, then the loop (log, eval, save; micro-steps, clip, check, step, sync)."""
+    start = start or Start()  # finetune_gpt.py passes its own: other weights to start from
     rank, world_size, device = setup_dist(cfg.device)
-    wall0, (meta, tokenizer) = time.perf_counter(), token_data(cfg, rank, world_size)
+    wall0 = time.perf_counter()
+    meta, tokenizer = token_data(cfg, rank, world_size)
 
     # cfg settles here, before anything derives from it: the shape (the flags', or other
-    # weights' through `start`) and the precision (auto: a resumed run's, else now)
+    # weights' through `start`) and the precision (auto: a resumed run's, else chosen now)
     arch, vocab_size, init = start.arch(cfg, meta, tokenizer, rank, world_size)
     if meta["vocab_size"] > vocab_size:
         die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; "
@@ -905,8 +1177,11 @@ def train(cfg, stop, start=Start()):
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, **arch, dtype=str(dtype).removeprefix("torch."))
+    # A step sees tokens_per_step tokens: B rows of T tokens on each of world_size ranks, in
+    # accum micro-steps whose grads add up before the update (one big batch, in the memory of
+    # one micro-batch). --total_batch fixes the tokens a step and derives accum from the ranks.
     B, T = cfg.batch_size, cfg.seq_len
-    accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum  # whole
+    accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum
     tokens_per_step = B * T * accum * world_size
     # a lane per row of a step; val's too, so a short eval samples the whole split
     if cfg.benchmark:
@@ -917,28 +1192,30 @@ def train(cfg, stop, start=Start()):
         train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
         val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
 
-    # model, optimizers, guard; the budget: steps (--max_steps or --tokens), or seconds
+    # model, optimizers, guard; the budget: steps (--max_steps, or --tokens / tokens a step),
+    # or seconds. --tokens=auto is Chinchilla's 20 tokens a parameter (Hoffmann et al. 2022)
     raw = start.build(cfg, vocab_size, device, init)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, device, dtype)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)  # Chinchilla
+    n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
     bench = Benchmark(cfg.bench_steps, cfg.profile)
     max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
     time_budget = 0.0 if cfg.benchmark or cfg.max_steps or n_tokens else cfg.time_budget
     # a step's units, their name, and its seconds at the GPU's peak (MFU)
     rate = (tokens_per_step, "tok", peak_seconds(raw.flops_per_token() * tokens_per_step, device, dtype))
 
-    # the loop's state; a resume sets it, and the loader's place
-    step, train_time, history, rollbacks = 0, 0.0, [], {}
+    # the loop's state: these locals; a resume sets them, and the loader's place
+    step, train_time, history = 0, 0.0, []
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
             train_loader.load_state(ckpt["data"])
-        resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
-    data_state, (x, y) = train_loader.state(), train_loader.next(seq_len_at(cfg, step))  # bad data: now
+        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
+                             cfg.out_dir)
+    x, y, data_state = train_loader.next(seq_len_at(cfg, step))  # bad data fails now, not mid-run
     metrics = start_log(cfg, rank == 0)  # metrics.jsonl (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
@@ -948,95 +1225,127 @@ def train(cfg, stop, start=Start()):
           f"compile {compiled} | kernels {kernels.backend(device)} | {cfg.optimizer} lr {cfg.lr:g} "
           f"{cfg.schedule}" + (f" | {n_trained / 1e6:.3f}M of them train" if n_trained < n_params else ""))
 
-    t0, lap, last_step = time.perf_counter(), (step, train_time), False
-    trace, synced, pace = torch.zeros(cfg.log_every, 3, device=device), step, 0.0  # rows till a sync
-    while not last_step:
-        clock = train_time + (step - synced) * pace  # since the read: at its pace (none yet: read)
-        mult = lr_mult(cfg, step, clock / time_budget if time_budget else step / max_steps)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)  # here: an eval reads the grads
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            with grad_sync(model, micro == accum - 1):
-                with ctx:
-                    loss = model(x, y, cfg.z_loss) / accum  # the mean: one big batch
-                # read ahead while the GPU computes, at the next step's length
-                length = seq_len_at(cfg, step + (micro == accum - 1))
-                data_state, (x, y) = train_loader.state(), train_loader.next(length)
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        for opt in opts:
-            scaler.unscale_(opt)
-        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))  # no host sync
-        # the guard decides on the device; the optimizers skip a bad step as fused AdamW an overflow
-        trace[step - synced] = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
-        for opt in opts:
-            opt.found_inf = guard.skip
-            opt.step()
-        scaler.update()
-        step += 1
-        done = (not pace or clock + pace >= time_budget) if time_budget else step >= max_steps  # estimated
-        evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
-        stopped = stop.requested(world_size)  # SIGTERM: obeyed after this step, whatever --log_every
-        if not (done or stopped or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
-            continue  # the next step, with no host sync
-        now = time.perf_counter()  # agree() waits for the GPU: in the next interval's time
-        rows, now_time = agree(trace[:step - synced], train_time + now - t0, world_size)
-        pace, train_time, t0 = (now_time - train_time) / (step - synced), now_time, now
-        reason = guard.read(rows, synced, metrics)  # skipped; repeated ones roll back (PaLM 5.1)
-        synced, (loss, gnorm) = step, rows[-1][:2]
-        if reason and guard.rollback_due():
-            writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, rank == 0, metrics, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
-            t0, lap, synced = time.perf_counter(), (step, train_time), step
-            continue
-        done = train_time >= time_budget if time_budget else step >= max_steps
-        last_step = done or stopped
-        if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # s a step
-            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time)
-            history.append({"step": step, "loss": loss})
-        if cfg.benchmark:
-            bench.mark(step, train_time)
-            continue
-        paused = time.perf_counter()  # evals and saves are not training time
-        if (done and not stopped) or evals:
-            rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=done and not stopped)
-            if cfg.sample_tokens:  # every rank: an FSDP forward needs all
-                out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature,
-                                cfg.top_k, cfg.seed)
-                if out:
-                    print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40)
-            stats = side_path("layer statistics", layer_stats, raw, x, ctx)
-            record(metrics, step=step, **rec, **(stats or {}))
+    # The host reads what the device computed (each step's loss, grad norm and the guard's
+    # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
+    # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
+    # counts the reads). Time has three names: train_time, the seconds of training up to the
+    # last sync; t0, when the clock last started; step_time, a step's seconds over the last
+    # interval, which estimates the time between syncs.
+    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
+    trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
+    t0 = time.perf_counter()  # start the clock
+    while True:
+        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
+        if step == synced and step > first:  # a sync has just read this step: report it
+            if step % cfg.log_every == 0 or last_step:
+                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
+                         train_time)
+                history.append({"step": step, "loss": loss})
+            if cfg.benchmark:
+                bench.mark(step, train_time)
+        # Evals (one at step 0: a val loss near ln(vocab) says the model starts untrained) and
+        # saves, but not again at the step a resume or rollback starts from. The clock stopped
+        # at the sync: they are not training time.
+        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        saves = last_step or (every(step, cfg.save_every) and step > first)
+        if evals and not cfg.benchmark:
+            rec, stats = evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x,
+                                             step, last_step and not stopped)
+            record(metrics, step=step, **rec, **stats)
             history.append({"step": step, **rec})
-        if last_step or saves:
+        if saves and not cfg.benchmark:
             writer.save({**model_state(raw, opts, full=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
                          "data": data_state, "config": dataclasses.asdict(cfg), "world_size": world_size,
                          "data_info": info, "tokenizer": tokenizer})
-        t0 += time.perf_counter() - paused
+        if last_step:
+            break
+        if evals or saves:
+            t0 = time.perf_counter()  # start the clock again
 
+        # one optimizer step: its LR, then accum micro-steps of one big batch
+        if time_budget:  # the schedule follows the time, estimated since the sync
+            progress = (train_time + (step - synced) * step_time) / time_budget
+        else:
+            progress = step / max_steps
+        mult = lr_mult(cfg, step, progress)
+        for opt in opts:
+            # zeroed here, not after the step: an eval's layer_stats reads the last step's grads
+            opt.zero_grad(set_to_none=True)
+            for g in opt.param_groups:
+                g["lr"] = g["peak_lr"] * mult
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            # Under DDP a backward all-reduces the grads; only the last micro-step needs to,
+            # so grad_sync turns it off for the others (FSDP2: its reduce-scatter likewise)
+            with grad_sync(model, micro == accum - 1):
+                with ctx:
+                    loss = model(x, y, cfg.z_loss) / accum  # the mean over micro-steps: one big batch
+                # read the next batch while the device computes (the last: at the next step's length)
+                x, y, data_state = train_loader.next(seq_len_at(cfg, step + (micro == accum - 1)))
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
+        # The guard skips a bad step (a non-finite or spiking loss or grad norm, PaLM 5.1), and
+        # decides on the device: asking the host would stall the device at every step. Its
+        # verdict reaches the optimizers as a tensor: where skip is 1, fused AdamW and our Muon
+        # leave the weights and their state as they were, as fused AdamW does on an fp16 overflow.
+        row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
+        trace[step - synced] = row
+        for opt in opts:
+            opt.found_inf = skip
+            opt.step()
+        scaler.update()
+        step += 1
+
+        # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
+        # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
+        stopped = stop.requested(world_size)
+        if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
+            near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
+        else:
+            near_end = step >= max_steps
+        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
+        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+            continue
+        rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
+        t0 = time.perf_counter()
+        train_time += seconds
+        step_time = seconds / (step - synced)
+        reason = guard.log_skips(rows, synced, metrics)
+        synced = step
+        loss, gnorm = rows[-1][:2]
+        if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
+            writer.wait()
+            ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, rank == 0, metrics, step)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
+            first = synced = step  # the batches read since are skipped, not read again
+            t0 = time.perf_counter()
+
+    # the end: how to resume after a signal, or the benchmark's figures, or the results
     writer.wait()
-    if stopped and not cfg.benchmark:  # saved: exit 0, and --resume goes on
-        return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params, "trained_params": n_trained}
-    if cfg.benchmark:
+    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
+        print(preempted_line(stop.received, step, cfg.out_dir))
+        result = {"preempted": True, "steps": step, "train_time": train_time}
+    elif cfg.benchmark:
+        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
+        bench.print_profile(cfg.out_dir, device, rank == 0)
+        result |= timings
         what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}"
-        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, rank == 0)
-    metric = "val_bpb" if "val_bpb" in rec else "val_loss"
-    line = (f"done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_time:.0f} s | "
-            f"{metric.replace('_', ' ')} {rec[metric]:.4f}")
-    for t in ("gzip", "xz") if "val_bpb" in rec else ():
-        if v := meta.get(f"val_{t}_bpb"):
-            line += f" | {t} -9 {v:.3f} ({'beaten' if rec['val_bpb'] < v else 'not beaten'})"
-    line += f" | checkpoint in {cfg.out_dir} | plot: python scaling.py compare {cfg.out_dir}"
-    result.update(rec, train_loss=loss, tokens=step * tokens_per_step)
-    return finish(line, result, metric, rank == 0 and cfg.out_dir, cfg.description)
+        print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
+    else:
+        metric = "val_bpb" if "val_bpb" in rec else "val_loss"
+        result |= {**rec, "train_loss": loss, "tokens": step * tokens_per_step}
+        if rank == 0:
+            append_result(cfg.out_dir, metric, result, cfg.description)
+        print(done_line(step, tokens_per_step, train_time, rec, metric, meta, cfg.out_dir))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 def load_model(where, device, weights=None):
     """(model in eval mode, tokenizer, step, path); weights(ckpt): the state dict."""
@@ -1085,7 +1394,7 @@ def check_config(cfg):
     if not cfg.benchmark and not (cfg.max_steps or tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
 
-def main(cfg, start=Start()):
+def main(cfg, start=None):
     """Train (or --benchmark) per cfg; returns the final metrics."""
     check_config(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
@@ -1120,10 +1429,25 @@ def side_path(what, fn, *args):
         why = " ".join(str(e).split())[:200] or type(e).__name__
         print(f"warning: {what} failed, training goes on: {why}", file=sys.stderr)
 
+def config_lines(cls):
+    """[(field, section, help)] from a Config's source, base classes first: the first line of the
+    comment block above a group of fields is their section, the comment ending a field's line its help."""
+    rows = []
+    for c in reversed(cls.__mro__[:-1]):  # object has no source
+        section, after_comment = "", False
+        for line in inspect.getsource(c).splitlines():
+            comment = re.match(r"^\s+#\s*(.*)$", line)
+            if comment and not after_comment:
+                section = comment[1]
+            after_comment = bool(comment)
+            field = re.match(r"^\s+(\w+):[^#\n]*(?:#\s*(.*))?$", line)
+            if field:
+                rows.append((field[1], section, field[2] or ""))
+    return rows
+
 def field_comments(cls):
-    """{field: trailing comment}: -h's help."""
-    return {k: v for c in reversed(cls.__mro__[:-1])  # object has no source
-            for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
+    """{field: its help}, as -h shows it."""
+    return {name: text for name, _, text in config_lines(cls)}
 
 def choose(field, value):
     """value if its Literal allows it, else stop."""
@@ -1159,13 +1483,17 @@ def parse_args(cls, argv):
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
                                 usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
-    comments = field_comments(cls)
-    for f in dataclasses.fields(cls):
+    comments, groups = field_comments(cls), {}
+    sections = {name: section for name, section, _ in config_lines(cls)}
+    for f in dataclasses.fields(cls):  # -h lists the flags under the Config's section comments
+        title = sections.get(f.name) or "options"
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
         options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
         kind = to_bool if bare else functools.partial(choose, f) if options else f.type
         kind = finite if kind is float else kind
-        p.add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
-                       help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
+        groups[title].add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
+                                   help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
     args, unknown = p.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
@@ -1196,7 +1524,8 @@ def speed(rate, dt):
     return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
 
 def start_log(cfg, master):
-    """Print config; rank 0 saves it, returns metrics."""
+    """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
+    metrics file's path (None elsewhere)."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
     if not master or cfg.benchmark:
@@ -1205,6 +1534,10 @@ def start_log(cfg, master):
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        # the code that made the run, beside its config: an edited copy is in no commit
+        sources = {__file__, kernels.__file__, sys.modules[type(cfg).__module__].__file__}
+        for src in sorted(sources):
+            shutil.copyfile(src, os.path.join(cfg.out_dir, os.path.basename(src)))
         if cfg.wandb:
             import wandb
             wandb.init(project=cfg.wandb, config=config)
@@ -1251,23 +1584,25 @@ class Benchmark:
         if self.profiler and step == BENCH_WARMUP + self.steps:
             self.profiler.start()
 
-    def report(self, result, signal, rate, what, out_dir, device, master):
-        """result + timings; --profile: trace, top ops."""
+    def timings(self, rate, signal, step):
+        """({unit_s, mfu, ms_per_step}, their text) over the timed steps; stops if a signal cut them short."""
         if signal:
-            die(f"--benchmark stopped by {signal} at step {result['steps']}; nothing measured")
+            die(f"--benchmark stopped by {signal} at step {step}; nothing measured")
         dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
-        if self.profiler:
-            self.profiler.stop()
-        if self.profiler and master:  # for ui.perfetto.dev
+        rates, tput, mfu = speed(rate, dt)
+        return {**rates, "ms_per_step": dt * 1e3}, f"{tput} | {dt * 1e3:.1f} ms/step | {mfu}"
+
+    def print_profile(self, out_dir, device, master):
+        """--profile: trace.json of the profiled steps for ui.perfetto.dev, and the top ops."""
+        if not self.profiler:
+            return
+        self.profiler.stop()
+        if master:
             os.makedirs(out_dir, exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
             print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-        rates, tput, mfu = speed(rate, dt)
-        result.update(rates, ms_per_step=dt * 1e3)
-        return finish(f"benchmark | {what} | {tput} | {dt * 1e3:.1f} ms/step | {mfu} | "
-                      f"peak mem {result['peak_mem_gb']:.2f} GB", result)
 
 def peak_memory_gb(device):
     """Peak GPU memory or CPU RSS (0 on Windows)."""
@@ -1278,30 +1613,25 @@ def peak_memory_gb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
-def finish(line, result, metric=None, out_dir=None, description=""):
-    """Print line, leave group; out_dir: results.tsv row."""
-    if out_dir:
-        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
-               f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
-               description.replace("\t", " ")]
-        try:
-            with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-                header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-                f.write(header + "\t".join(row) + "\n")
-        except OSError as e:  # a side output: the run is done, its checkpoint saved
-            print(f"warning: results.tsv not written: {e}")
-    print(line)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
+def append_result(out_dir, metric, result, description):
+    """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
+    its value, memory, wall time, --description), to compare experiments at a glance."""
+    git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                 text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
+           f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
+           description.replace("\t", " ")]
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            f.write(header + "\t".join(row) + "\n")
+    except OSError as e:  # a side output: the run is done, its checkpoint saved
+        print(f"warning: results.tsv not written: {e}")
 
-def preempted(signal, step, train_time, out_dir):
-    """A signalled run's end: saved, exit 0."""
-    line = f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}"
-    return finish(f"{line}; run the same command with --resume to continue",
-                  {"preempted": True, "steps": step, "train_time": train_time})
+def preempted_line(signal, step, out_dir):
+    """What a run stopped by a signal says: its checkpoint is saved and --resume continues it."""
+    return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
+            f"run the same command with --resume to continue")
 
 def model_state(model, opts, ema=None, full=True):
     """{model, optim, ema, ema_t}: full on CPU, or shards."""
@@ -1347,7 +1677,11 @@ class CheckpointWriter:
         """All ranks call; async failure stops at wait()."""
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = self.shards(ckpt) if self.group else None
+        shards = None
+        if self.group:  # FSDP: the tensors go to DCP's shards, the rest to state.pt
+            shards = self.shards(ckpt)
+            rest = {k: v for k, v in ckpt.items() if k not in ("model", "optim", "ema")}
+            ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
         if not (self.master or shards):
             return
         args = (self.out_dir, copy.deepcopy(ckpt) if self.async_save else ckpt, *self.keep, shards, self.master)
@@ -1363,8 +1697,7 @@ class CheckpointWriter:
         if self.master:  # a torn folder's files must not mix
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
-        sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
-        ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
+        sd = {k: ckpt[k] for k in ("model", "optim", "ema")}
         kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
         if self.async_save:
             return dcp.async_save(dcp_part(sd), **kw).result
@@ -1435,8 +1768,8 @@ def resume_point(out_dir, resume, layout, master):
         prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt, path
 
-def resumed(path, step, done, out_dir):
-    """Say where a resume starts; stop if done."""
+def print_resume_or_exit(path, step, done, out_dir):
+    """Print where a resume starts; stop in one line if the run is already done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
@@ -1445,16 +1778,17 @@ def resumed(path, step, done, out_dir):
 
 MAX_ROLLBACKS = 3  # per checkpoint: beyond, fix the flags
 
-def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
-    """Newest intact checkpoint before the 1st bad step."""
+def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
+    """The newest intact checkpoint from before the guard's first bad step; stops in one line
+    if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
     if world_size > 1:
         dist.barrier()  # rank 0's write lands first
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
     if ckpt is None:  # else it skips to the end
         die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
             f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    rollbacks[ckpt["step"]] = rollbacks.get(ckpt["step"], 0) + 1
-    if rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+    guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
+    if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
         die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
             f"lower --lr or raise --warmup_steps")
     print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
@@ -1550,6 +1884,7 @@ class Guard:
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
         self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)
         self.window, self.max_bad, self.clip_mult = window, max_bad, clip_mult
+        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
         self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
 
     def state(self):
@@ -1568,8 +1903,10 @@ class Guard:
         return torch.where(self.stats[0] >= 10, self.clip_mult * self.stats[2], limit).clamp(max=limit)
 
     def check(self, loss, gnorm, fp16=False):
-        """The step's row: loss, gnorm, verdict (0 good, 1 non-finite, 2 loss spike, 3 gnorm spike,
-        4 an fp16 overflow: the scaler's to skip); good values go in the stats."""
+        """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
+        1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
+        skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
+        into the running statistics."""
         v, (n, mean, var) = torch.stack([loss.float(), gnorm.float()]), self.stats.split([1, 2, 2])
         std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
         spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
@@ -1578,11 +1915,11 @@ class Guard:
         a, d = (1 / (n + 1)).clamp(min=1 / self.window), v - mean  # a mean, then an EMA
         new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
         self.stats = torch.where(verdict == 0, new, self.stats)
-        self.skip = (verdict > 0).float()  # the optimizers' found_inf
-        return torch.stack([v[0], v[1], verdict.float()])
+        return torch.stack([v[0], v[1], verdict.float()]), (verdict > 0).float()
 
-    def read(self, rows, step, metrics):
-        """At a sync, the rows of the steps after step: logs the bad ones; returns the last's why."""
+    def log_skips(self, rows, step, metrics):
+        """At a sync, the rows of the steps after step: prints and records the skipped ones, and
+        returns why the last one was skipped (None if none was)."""
         why, last = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}, None
         for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
             if verdict in why:

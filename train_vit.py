@@ -619,13 +619,16 @@ def clip_grads(params, max_norm):
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
-def agree(rows, train_time, world_size):
-    """The host sync (log steps, evals, saves, a stop): the guard's rows since the last, and the
-    time averaged over ranks, so that every rank decides alike."""
-    t = rows.new_tensor([train_time])
-    *flat, train_time = torch.cat([rows.flatten(), all_mean(t, world_size)]).tolist()
-    width = rows.shape[1]
-    return [flat[i:i + width] for i in range(0, len(flat), width)], train_time
+def agree(rows, t0, world_size):
+    """The sync: the host reads the guard's rows of the steps since the last sync, which waits for
+    the device to finish them, then the seconds since t0, averaged over the ranks so that every
+    rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
+    rows = rows.tolist()  # the one host read of device values, at a sync only
+    seconds = time.perf_counter() - t0
+    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
+        t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        seconds = all_mean(t, world_size).item()
+    return rows, seconds
 # === end shared ===
 
 # -----------------------------------------------------------------------------
@@ -705,6 +708,15 @@ def plot_results(out_dir, history, confusion, classes):
         fig.savefig(os.path.join(out_dir, name), dpi=120)
         plt.close(fig)
 
+def done_line(step, epochs, train_time, rec, best, meta, out_dir):
+    """The run's last line: steps, epochs, time, the final val accuracy (of the EMA weights where
+    they did better), and the three weakest classes."""
+    acc = rec["per_class_acc"]
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
+    return (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc "
+            f"{100 * rec[f'{best}val_acc']:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | "
+            f"checkpoint, accuracy.png and confusion.png in {out_dir}")
+
 def main(cfg):
     """Train (or --benchmark) per cfg; returns a dict of final metrics."""
     check_config(cfg)
@@ -747,12 +759,13 @@ def train(cfg, stop):
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
-    step, train_time, history, rollbacks = 0, 0.0, [], {}
+    step, train_time, history = 0, 0.0, []
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
-        resumed(path, step, train_time >= time_budget if time_budget else step >= max_steps, cfg.out_dir)
+        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
+                             cfg.out_dir)
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
@@ -763,14 +776,52 @@ def train(cfg, stop):
           + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
           + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
-    t0, lap, last_step = time.perf_counter(), (step, train_time), False
-    trace, synced, pace = torch.zeros(cfg.log_every, 3, device=device), step, 0.0  # rows till a sync
-    while not last_step:
-        # augmentation and stochastic depth draw from the global RNG seeded by (seed, step,
-        # rank): a resumed run draws the same numbers, and the checkpoint needs no RNG state
+    # The host reads what the device computed (each step's loss, grad norm and the guard's
+    # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
+    # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
+    # counts the reads). Time has three names: train_time, the seconds of training up to the
+    # last sync; t0, when the clock last started; step_time, a step's seconds over the last
+    # interval, which estimates the time between syncs.
+    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
+    trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
+    t0 = time.perf_counter()  # start the clock
+    while True:
+        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
+        if step == synced and step > first:  # a sync has just read this step: report it
+            if step % cfg.log_every == 0 or last_step:
+                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
+                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
+                history.append({"step": step, "loss": loss})
+            if cfg.benchmark:
+                bench.mark(step, train_time)
+        # Evals (one at step 0: an untrained model is at chance) and saves, but not again at the
+        # step a resume or rollback starts from. The clock stopped at the sync: they are not
+        # training time.
+        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        saves = last_step or (every(step, cfg.save_every) and step > first)
+        if evals and not cfg.benchmark:
+            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
+                                            step, last_step and not stopped)
+            record(metrics, **rec)
+            history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
+        if saves and not cfg.benchmark:
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time,
+                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
+        if last_step:
+            break
+        if evals or saves:
+            t0 = time.perf_counter()  # start the clock again
+
+        # one optimizer step. Augmentation and stochastic depth draw from the global RNG seeded
+        # by (seed, step, rank): a resumed run draws the same numbers, with no RNG state saved
         torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
-        clock = train_time + (step - synced) * pace  # since the read: at its pace (none yet: read)
-        mult = lr_mult(cfg, step, clock / time_budget if time_budget else step / max_steps)
+        if time_budget:  # the schedule follows the time, estimated since the sync
+            progress = (train_time + (step - synced) * step_time) / time_budget
+        else:
+            progress = step / max_steps
+        mult = lr_mult(cfg, step, progress)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
@@ -779,86 +830,81 @@ def train(cfg, stop):
         for micro in range(accum):
             x, y = loader.next()
             x, ya, yb, lam = mix(augment(x.float() / 255, cfg, flip), y, cfg)
+            # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     logits = model(x).float()
                     loss = F.cross_entropy(logits, ya, label_smoothing=ls)
                     if lam < 1:  # a mixed batch: each partner's loss, by its share
                         loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=ls)
-                    loss = loss / accum
+                    loss = loss / accum  # the mean over micro-steps: one big batch
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
-        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))  # no host sync
-        # the guard decides on the device; the optimizers skip a bad step as fused AdamW an overflow
-        trace[step - synced] = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
+        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
+        # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
+        # the host would stall the device every step. Where skip is 1, fused AdamW and Muon
+        # leave the weights and their state as they were (fused AdamW's fp16-overflow path).
+        row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
+        trace[step - synced] = row
         for opt in opts:
-            opt.found_inf = guard.skip
+            opt.found_inf = skip
             opt.step()
         if ema:  # a skipped step left the weights as they were
             ema.update()
         scaler.update()
         step += 1
-        done = (not pace or clock + pace >= time_budget) if time_budget else step >= max_steps  # estimated
-        evals, saves = every(step, cfg.eval_every), every(step, cfg.save_every)
-        stopped = stop.requested(world_size)  # SIGTERM: obeyed after this step, whatever --log_every
-        if not (done or stopped or evals or saves or every(step, cfg.log_every) or (cfg.benchmark and bench.due(step))):
-            continue  # the next step, with no host sync
-        now = time.perf_counter()  # agree() waits for the GPU: in the next interval's time
-        rows, now_time = agree(trace[:step - synced], train_time + now - t0, world_size)
-        pace, train_time, t0 = (now_time - train_time) / (step - synced), now_time, now
-        reason = guard.read(rows, synced, metrics)  # skipped; repeated ones roll back (PaLM 5.1)
-        synced, (loss, gnorm) = step, rows[-1][:2]
-        if reason and guard.rollback_due():  # past the batches read since
-            writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, rollbacks, world_size, master, metrics, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            t0, lap, synced = time.perf_counter(), (step, train_time), step
-            continue
-        done = train_time >= time_budget if time_budget else step >= max_steps
-        last_step = done or stopped
-        if step % cfg.log_every == 0 or last_step:
-            dt, lap = (train_time - lap[1]) / max(step - lap[0], 1), (step, train_time)  # a step's s
-            log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, dt, rate, train_time,
-                     epoch=loader.epoch + loader.pos / len(loader.y))
-            history.append({"step": step, "loss": loss})
-        if cfg.benchmark:  # timed after the warm-up; --profile traces the steps after those
-            bench.mark(step, train_time)
-            continue
-        paused = time.perf_counter()  # evals and saves are not training time
-        if (done and not stopped) or evals:
-            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
-                                            step, done and not stopped)
-            record(metrics, **rec)
-            history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
-        if last_step or saves:
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
-                         "step": step, "guard": guard.state(), "train_time": train_time,
-                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
-        t0 += time.perf_counter() - paused
 
-    # the end: the benchmark's figures, or how to resume after a signal, or the results
+        # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
+        # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
+        stopped = stop.requested(world_size)
+        if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
+            near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
+        else:
+            near_end = step >= max_steps
+        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
+        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+            continue
+        rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
+        t0 = time.perf_counter()
+        train_time += seconds
+        step_time = seconds / (step - synced)
+        reason = guard.log_skips(rows, synced, metrics)
+        synced = step
+        loss, gnorm = rows[-1][:2]
+        if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
+            writer.wait()
+            ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            first = synced = step  # the batches read since are skipped, not read again
+            t0 = time.perf_counter()
+
+    # the end: how to resume after a signal, or the benchmark's figures, or the results
     writer.wait()
-    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
-        return preempted(stop.received, step, train_time, cfg.out_dir)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if cfg.benchmark:  # the steps after the warm-up (a signal leaves none)
+    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
+        print(preempted_line(stop.received, step, cfg.out_dir))
+        result = {"preempted": True, "steps": step, "train_time": train_time}
+    elif cfg.benchmark:
+        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
+        bench.print_profile(cfg.out_dir, device, master)
+        result |= timings
         what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
                 f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
-        return bench.report(result, stopped and stop.received, rate, what, cfg.out_dir, device, master)
-    if master:
-        side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
-    acc = rec["per_class_acc"]
-    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
-    key, epochs = f"{best}val_acc", step * images_per_step / len(loader.y)
-    line = (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc "
-            f"{100 * rec[key]:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | "
-            f"checkpoint, accuracy.png and confusion.png in {cfg.out_dir}")
-    result |= {**rec, "train_loss": loss, "images": step * images_per_step}
-    return finish(line, result, key, master and cfg.out_dir, cfg.description)
+        print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
+    else:
+        if master:
+            side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
+        key = f"{best}val_acc"
+        result |= {**rec, "train_loss": loss, "images": step * images_per_step}
+        if master:
+            append_result(cfg.out_dir, key, result, cfg.description)
+        print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, best, meta, cfg.out_dir))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
@@ -1033,10 +1079,25 @@ def side_path(what, fn, *args):
         why = " ".join(str(e).split())[:200] or type(e).__name__
         print(f"warning: {what} failed, training goes on: {why}", file=sys.stderr)
 
+def config_lines(cls):
+    """[(field, section, help)] from a Config's source, base classes first: the first line of the
+    comment block above a group of fields is their section, the comment ending a field's line its help."""
+    rows = []
+    for c in reversed(cls.__mro__[:-1]):  # object has no source
+        section, after_comment = "", False
+        for line in inspect.getsource(c).splitlines():
+            comment = re.match(r"^\s+#\s*(.*)$", line)
+            if comment and not after_comment:
+                section = comment[1]
+            after_comment = bool(comment)
+            field = re.match(r"^\s+(\w+):[^#\n]*(?:#\s*(.*))?$", line)
+            if field:
+                rows.append((field[1], section, field[2] or ""))
+    return rows
+
 def field_comments(cls):
-    """{field: trailing comment}: -h's help."""
-    return {k: v for c in reversed(cls.__mro__[:-1])  # object has no source
-            for k, v in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M)}
+    """{field: its help}, as -h shows it."""
+    return {name: text for name, _, text in config_lines(cls)}
 
 def choose(field, value):
     """value if its Literal allows it, else stop."""
@@ -1072,13 +1133,17 @@ def parse_args(cls, argv):
     p = argparse.ArgumentParser(description=module.__doc__.strip().split("\n")[0], allow_abbrev=False,
                                 usage="%(prog)s [--key=value ...]", argument_default=argparse.SUPPRESS)
     p.error = lambda msg: die(f"{msg} (see -h)")
-    comments = field_comments(cls)
-    for f in dataclasses.fields(cls):
+    comments, groups = field_comments(cls), {}
+    sections = {name: section for name, section, _ in config_lines(cls)}
+    for f in dataclasses.fields(cls):  # -h lists the flags under the Config's section comments
+        title = sections.get(f.name) or "options"
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
         options, bare = get_args(f.type), dict(nargs="?", const=True) if f.type is bool else {}
         kind = to_bool if bare else functools.partial(choose, f) if options else f.type
         kind = finite if kind is float else kind
-        p.add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
-                       help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
+        groups[title].add_argument(f"--{f.name}", type=kind, metavar="|".join(options) or f.name.upper(),
+                                   help=f"{comments.get(f.name, '')} (default: {f.default!r})", **bare)
     args, unknown = p.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
@@ -1109,7 +1174,8 @@ def speed(rate, dt):
     return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
 
 def start_log(cfg, master):
-    """Print config; rank 0 saves it, returns metrics."""
+    """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
+    metrics file's path (None elsewhere)."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
     if not master or cfg.benchmark:
@@ -1118,6 +1184,10 @@ def start_log(cfg, master):
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        # the code that made the run, beside its config: an edited copy is in no commit
+        sources = {__file__, kernels.__file__, sys.modules[type(cfg).__module__].__file__}
+        for src in sorted(sources):
+            shutil.copyfile(src, os.path.join(cfg.out_dir, os.path.basename(src)))
         if cfg.wandb:
             import wandb
             wandb.init(project=cfg.wandb, config=config)
@@ -1164,23 +1234,25 @@ class Benchmark:
         if self.profiler and step == BENCH_WARMUP + self.steps:
             self.profiler.start()
 
-    def report(self, result, signal, rate, what, out_dir, device, master):
-        """result + timings; --profile: trace, top ops."""
+    def timings(self, rate, signal, step):
+        """({unit_s, mfu, ms_per_step}, their text) over the timed steps; stops if a signal cut them short."""
         if signal:
-            die(f"--benchmark stopped by {signal} at step {result['steps']}; nothing measured")
+            die(f"--benchmark stopped by {signal} at step {step}; nothing measured")
         dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
-        if self.profiler:
-            self.profiler.stop()
-        if self.profiler and master:  # for ui.perfetto.dev
+        rates, tput, mfu = speed(rate, dt)
+        return {**rates, "ms_per_step": dt * 1e3}, f"{tput} | {dt * 1e3:.1f} ms/step | {mfu}"
+
+    def print_profile(self, out_dir, device, master):
+        """--profile: trace.json of the profiled steps for ui.perfetto.dev, and the top ops."""
+        if not self.profiler:
+            return
+        self.profiler.stop()
+        if master:
             os.makedirs(out_dir, exist_ok=True)
             self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
             key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
             print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-        rates, tput, mfu = speed(rate, dt)
-        result.update(rates, ms_per_step=dt * 1e3)
-        return finish(f"benchmark | {what} | {tput} | {dt * 1e3:.1f} ms/step | {mfu} | "
-                      f"peak mem {result['peak_mem_gb']:.2f} GB", result)
 
 def peak_memory_gb(device):
     """Peak GPU memory or CPU RSS (0 on Windows)."""
@@ -1191,30 +1263,25 @@ def peak_memory_gb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)  # B, KiB
 
-def finish(line, result, metric=None, out_dir=None, description=""):
-    """Print line, leave group; out_dir: results.tsv row."""
-    if out_dir:
-        git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-        row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
-               f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
-               description.replace("\t", " ")]
-        try:
-            with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
-                header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
-                f.write(header + "\t".join(row) + "\n")
-        except OSError as e:  # a side output: the run is done, its checkpoint saved
-            print(f"warning: results.tsv not written: {e}")
-    print(line)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
+def append_result(out_dir, metric, result, description):
+    """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
+    its value, memory, wall time, --description), to compare experiments at a glance."""
+    git = shutil.which("git") and subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                 text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    row = [time.strftime("%Y%m%d-%H%M%S"), os.path.basename(__file__), (git or "unknown").strip(), metric,
+           f"{result[metric]:.4f}", f"{result['peak_mem_gb']:.2f}", f"{result['wall_time']:.0f}",
+           description.replace("\t", " ")]
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+            header = "" if f.tell() else "run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n"
+            f.write(header + "\t".join(row) + "\n")
+    except OSError as e:  # a side output: the run is done, its checkpoint saved
+        print(f"warning: results.tsv not written: {e}")
 
-def preempted(signal, step, train_time, out_dir):
-    """A signalled run's end: saved, exit 0."""
-    line = f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}"
-    return finish(f"{line}; run the same command with --resume to continue",
-                  {"preempted": True, "steps": step, "train_time": train_time})
+def preempted_line(signal, step, out_dir):
+    """What a run stopped by a signal says: its checkpoint is saved and --resume continues it."""
+    return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
+            f"run the same command with --resume to continue")
 
 def model_state(model, opts, ema=None, full=True):
     """{model, optim, ema, ema_t}: full on CPU, or shards."""
@@ -1260,7 +1327,11 @@ class CheckpointWriter:
         """All ranks call; async failure stops at wait()."""
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = self.shards(ckpt) if self.group else None
+        shards = None
+        if self.group:  # FSDP: the tensors go to DCP's shards, the rest to state.pt
+            shards = self.shards(ckpt)
+            rest = {k: v for k, v in ckpt.items() if k not in ("model", "optim", "ema")}
+            ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
         if not (self.master or shards):
             return
         args = (self.out_dir, copy.deepcopy(ckpt) if self.async_save else ckpt, *self.keep, shards, self.master)
@@ -1276,8 +1347,7 @@ class CheckpointWriter:
         if self.master:  # a torn folder's files must not mix
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
-        sd = {k: ckpt.pop(k) for k in ("model", "optim", "ema")}
-        ckpt["shards"] = {"param_groups": sd["optim"]["param_groups"]}
+        sd = {k: ckpt[k] for k in ("model", "optim", "ema")}
         kw = dict(storage_writer=dcp.FileSystemWriter(path), process_group=self.group)
         if self.async_save:
             return dcp.async_save(dcp_part(sd), **kw).result
@@ -1348,8 +1418,8 @@ def resume_point(out_dir, resume, layout, master):
         prune(out_dir, lambda s: s > ckpt["step"])
     return ckpt, path
 
-def resumed(path, step, done, out_dir):
-    """Say where a resume starts; stop if done."""
+def print_resume_or_exit(path, step, done, out_dir):
+    """Print where a resume starts; stop in one line if the run is already done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
@@ -1358,16 +1428,17 @@ def resumed(path, step, done, out_dir):
 
 MAX_ROLLBACKS = 3  # per checkpoint: beyond, fix the flags
 
-def rollback_point(out_dir, guard, reason, rollbacks, world_size, master, metrics, step):
-    """Newest intact checkpoint before the 1st bad step."""
+def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
+    """The newest intact checkpoint from before the guard's first bad step; stops in one line
+    if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
     if world_size > 1:
         dist.barrier()  # rank 0's write lands first
     ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
     if ckpt is None:  # else it skips to the end
         die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
             f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    rollbacks[ckpt["step"]] = rollbacks.get(ckpt["step"], 0) + 1
-    if rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+    guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
+    if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
         die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
             f"lower --lr or raise --warmup_steps")
     print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
@@ -1463,6 +1534,7 @@ class Guard:
     def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
         self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)
         self.window, self.max_bad, self.clip_mult = window, max_bad, clip_mult
+        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
         self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
 
     def state(self):
@@ -1481,8 +1553,10 @@ class Guard:
         return torch.where(self.stats[0] >= 10, self.clip_mult * self.stats[2], limit).clamp(max=limit)
 
     def check(self, loss, gnorm, fp16=False):
-        """The step's row: loss, gnorm, verdict (0 good, 1 non-finite, 2 loss spike, 3 gnorm spike,
-        4 an fp16 overflow: the scaler's to skip); good values go in the stats."""
+        """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
+        1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
+        skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
+        into the running statistics."""
         v, (n, mean, var) = torch.stack([loss.float(), gnorm.float()]), self.stats.split([1, 2, 2])
         std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
         spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
@@ -1491,11 +1565,11 @@ class Guard:
         a, d = (1 / (n + 1)).clamp(min=1 / self.window), v - mean  # a mean, then an EMA
         new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
         self.stats = torch.where(verdict == 0, new, self.stats)
-        self.skip = (verdict > 0).float()  # the optimizers' found_inf
-        return torch.stack([v[0], v[1], verdict.float()])
+        return torch.stack([v[0], v[1], verdict.float()]), (verdict > 0).float()
 
-    def read(self, rows, step, metrics):
-        """At a sync, the rows of the steps after step: logs the bad ones; returns the last's why."""
+    def log_skips(self, rows, step, metrics):
+        """At a sync, the rows of the steps after step: prints and records the skipped ones, and
+        returns why the last one was skipped (None if none was)."""
         why, last = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}, None
         for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
             if verdict in why:

@@ -496,7 +496,7 @@ def test_batches_cross_to_the_gpu_pinned_and_non_blocking(tmp_path, monkeypatch)
         return to(t, *args, **kw)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or t)
     monkeypatch.setattr(torch.Tensor, "to", fake_to)
-    x, y = loader.next()
+    x, y, _ = loader.next()
     monkeypatch.undo()
     assert calls == ["pin", ("copy", True)] and x.shape == y.shape == (2, 16)
 

@@ -51,7 +51,7 @@ def test_gpt2_loss_at_its_real_vocabulary_is_its_own(real_gpt2):
 def first_batch_loss(w, data, T):
     """The reference GPT-2's loss on the first training batch of one row that train_gpt.py reads from data."""
     loader = tg.TokenLoader(tg.find_shards(str(data), "train"), 1, T, 0, 1, torch.device("cpu"), 256, lanes=1)
-    x, y = loader.next()
+    x, y, _ = loader.next()
     with torch.no_grad():
         return F.cross_entropy(gpt2_reference(w, x, REAL).flatten(0, 1), y.flatten()).item()
 
@@ -112,9 +112,9 @@ def test_nanogpt_layouts_train_past_evals_with_samples(layout, tokenizer, vocab,
                      eval_tokens=1024))
     assert r["steps"] == 6 and math.isfinite(r["val_loss"])
     with open(tmp_path / "out" / "metrics.jsonl") as f:
-        assert [m["step"] for m in map(json.loads, f) if "val_loss" in m] == [3, 6]
+        assert [m["step"] for m in map(json.loads, f) if "val_loss" in m] == [0, 3, 6]  # step 0's eval: issue 59
     samples = capsys.readouterr().out.split("-" * 40 + "\n")[1::2]
-    assert len(samples) == 2 and all(s.strip() for s in samples)
+    assert len(samples) == 3 and all(s.strip() for s in samples)
     if layout == "chars":
         assert set(samples[0]) <= set(text) | {"\n"}
     out = sample_gpt.main(sample_gpt.Config(ckpt=str(tmp_path / "out"), max_new_tokens=10, device="cpu"))

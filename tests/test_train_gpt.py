@@ -104,9 +104,9 @@ def test_loader_ranks_partition_the_global_batch_and_resume(tmp_path):
     two = [tg.TokenLoader(files, 3, 16, r, 2, dev, eot=1000, lanes=6) for r in range(2)]
     starts, seen = [], set()
     for _ in range(80):  # crosses into the second shard and wraps around (a new epoch)
-        x, y = one.next()
-        x0, y0 = two[0].next()
-        x1, y1 = two[1].next()
+        x, y, _ = one.next()
+        x0, y0, _ = two[0].next()
+        x1, y1, _ = two[1].next()
         assert torch.equal(x, torch.cat([x0, x1])) and torch.equal(y[:, :-1], x[:, 1:])
         starts.append((x[:, 0] == 1000).float().mean().item())
         seen.update(x.flatten().tolist())
@@ -115,7 +115,8 @@ def test_loader_ranks_partition_the_global_batch_and_resume(tmp_path):
     first = x[:, :4].tolist()
     assert len({tuple(r) for r in first}) == 6  # the rows of a batch come from different lanes
     state = one.state()
-    a = one.next()[0]
+    a, _, before = one.next()
+    assert before == state  # next() returns its state before the batch: a resume from it reads the batch again
     again = tg.TokenLoader(files, 6, 16, 0, 1, dev, eot=1000, lanes=6)
     again.load_state(state)
     assert torch.equal(again.next()[0], a)
@@ -531,15 +532,20 @@ def events(out_dir, kind):
 def test_guard_flags_nonfinite_spikes_and_asks_for_rollback():
     """The guard decides on the device (its verdict a tensor, no host sync); the host reads the rows later."""
     g = tg.Guard(loss_sigma=6.0, gnorm_sigma=6.0, window=20, max_bad=3, clip_mult=2.0)
+    skips = []
 
     def steps(first, *values):  # (loss, gnorm) of steps first, first + 1, ...: what the host reads at a sync
-        rows = [g.check(torch.tensor(loss), torch.tensor(gnorm)).tolist() for loss, gnorm in values]
-        return g.read(rows, first - 1, None)  # the last bad step's why, or None
+        rows = []
+        for loss, gnorm in values:
+            row, skip = g.check(torch.tensor(loss), torch.tensor(gnorm))
+            rows.append(row.tolist())
+            skips.append(skip.item())
+        return g.log_skips(rows, first - 1, None)  # the last bad step's why, or None
 
     assert "non-finite" in steps(1, (float("nan"), 1.0), (1.0, float("inf"))) and g.bad == [1, 2]  # from the first
-    assert g.skip.item() == 1.0 and g.clip(1.0) == 1.0  # skipped; too few good steps for a dynamic threshold yet
+    assert skips[-1] == 1.0 and g.clip(1.0) == 1.0  # skipped; too few good steps for a dynamic threshold yet
     assert steps(3, *[(3.0 + 0.01 * (s % 3), 0.5 + 0.01 * (s % 2)) for s in range(3, 30)]) is None
-    assert g.skip.item() == 0.0 and g.clip(0.0).item() == pytest.approx(2 * 0.505, abs=0.01)
+    assert skips[-1] == 0.0 and g.clip(0.0).item() == pytest.approx(2 * 0.505, abs=0.01)
     assert g.clip(0.5).item() == 0.5  # the lower of the two
     assert "loss spike" in steps(30, (4.0, 0.5)) and "grad norm spike" in steps(31, (3.0, 5.0))
     assert steps(32, (3.05, 0.51)) is None  # an ordinary step is not a spike
@@ -549,7 +555,7 @@ def test_guard_flags_nonfinite_spikes_and_asks_for_rollback():
     h = tg.Guard()
     h.load_state(g.state())
     assert h.state() == g.state()
-    assert g.check(torch.tensor(1.0), torch.tensor(float("inf")), fp16=True)[2] == 4  # the scaler's, not bad
+    assert g.check(torch.tensor(1.0), torch.tensor(float("inf")), fp16=True)[0][2] == 4  # the scaler's, not bad
 
 
 def test_injected_nan_is_skipped_and_training_continues(corpus, tmp_path):
@@ -621,9 +627,12 @@ def test_monitoring_in_metrics(corpus, tmp_path):
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     ev = [r for r in rows if "val_loss" in r]
-    assert len(ev) == 2 and all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in ev)
-    assert len(ev[0]["grad_ratio"]) == 2 + 2 and len(ev[0]["act_rms"]) == 1 + 2  # embedding, 2 blocks (, head)
-    assert all(0 < v < 10 for v in ev[0]["grad_ratio"] + ev[0]["act_rms"])
+    assert [r["step"] for r in ev] == [0, 3, 6]  # issue 59: an eval at step 0, before any training
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in ev)
+    assert ev[0]["val_loss"] == pytest.approx(math.log(257), abs=0.05)  # a zero head: uniform over the vocab
+    assert "grad_ratio" not in ev[0]  # no step, no grads yet
+    assert len(ev[1]["grad_ratio"]) == 2 + 2 and len(ev[1]["act_rms"]) == 1 + 2  # embedding, 2 blocks (, head)
+    assert all(0 < v < 10 for v in ev[1]["grad_ratio"] + ev[1]["act_rms"])
 
 
 @pytest.mark.slow
@@ -685,7 +694,7 @@ def test_seq_len_warmup_keeps_tokens_per_step_and_resumes_exactly(corpus, tmp_pa
     assert [tg.seq_len_at(cfg, s) for s in range(8)] == [64, 64, 128, 128, 192, 192, 256, 256]
     loader = tg.TokenLoader(tg.find_shards(str(corpus), "train"), 3, 256, 0, 1, torch.device("cpu"), 256, lanes=3)
     for T in (64, 128, 192, 256):  # more, shorter rows: the same tokens
-        x, y = loader.next(T)
+        x, y, _ = loader.next(T)
         assert x.shape == (3 * 256 // T, T) and torch.equal(x[:, 1:], y[:, :-1])
     kw = dict(seq_len=128, seq_len_warmup=4, max_steps=6, save_every=3, keep_last=5, grad_accum=2)
     ra = tg.main(tiny(corpus, tmp_path / "a", **kw))
