@@ -47,96 +47,108 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # -----------------------------------------------------------------------------
 # Config
 
+# Every knob of a run is a field of this one flat dataclass: --key=value sets it, and -h prints each field's
+# trailing comment as its help. The defaults are the CPU demo, each measured side by side on two cores (BENCHMARKS.md,
+# "Diffusion CPU demo"): upright shapes, since a small model blurs a shape seen at every angle into a disc; 8x8
+# patches, 3.2x the steps of 4x4 in the same time; the network predicting the clean image, and timesteps shifted
+# toward noise, each a large gain in how often a classifier recognises the samples; guidance 2 over 4; AdamW, since
+# Muon was no better per second here; DiT's constant LR and no weight decay (Peebles & Xie 2023).
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes_upright"  # images from prepare_data.py
-    out_dir: str = "out/diffusion"  # checkpoints, metrics.jsonl, grids
-    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
-    num_classes: int = -1  # -1 = the data's; 0 = unconditional
-    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
+    data_dir: str = "data/shapes_upright"  # images written by prepare_data.py; the default is generated on first use
+    out_dir: str = "out/diffusion"  # where checkpoints, config.json, metrics.jsonl and sample grids go
+    preset: str = ""  # a named set of defaults, cpu_demo or cifar10; flags given explicitly override it
+    num_classes: int = -1  # classes to condition on: -1 = the data's; 0 = none (an unconditional model)
+    flip: Literal["auto", "true", "false"] = "auto"  # mirror half the images; auto: if the data's flip_ok says so
     # model
-    image_size: int = 0  # 0 = the data's; else must equal it
-    patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads, each of even width
-    n_embd: int = 128  # width of the tokens
-    mlp_ratio: float = 4.0  # MLP width / n_embd
-    qk_norm: bool = True  # RMSNorm on queries and keys
-    init_std: float = 0.02  # hidden weights; adaLN, output start at 0
-    class_dropout: float = 0.1  # labels dropped, for guidance
+    image_size: int = 0  # side of the images in pixels; 0 takes the data's, any other value must equal it
+    patch_size: int = 8  # side of a square patch in pixels; each patch becomes one token
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # attention heads; n_embd must split into heads of even width
+    n_embd: int = 128  # token width
+    mlp_ratio: float = 4.0  # the MLP's hidden width over n_embd
+    qk_norm: bool = True  # RMSNorm on each head's queries and keys, which bounds the attention logits
+    init_std: float = 0.02  # std of the hidden weights' truncated normal; adaLN and the output layer start at 0
+    class_dropout: float = 0.1  # share of training labels replaced by "no label", which guidance needs
     # objective
-    objective: Literal["flow", "ddpm"] = "flow"  # ddpm: epsilon, cosine
-    t_mean: float = 0.8  # flow: t = sigmoid(N(t_mean, t_std^2)) (SD3)
-    t_std: float = 0.8  # flow: see t_mean
-    predict: Literal["x", "v"] = "x"  # flow: the clean image, or v
-    min_snr: float = 5.0  # ddpm: min-SNR-gamma weight; 0 = plain MSE
+    objective: Literal["flow", "ddpm"] = "flow"  # rectified flow, or DDPM's noise prediction on a cosine schedule
+    t_mean: float = 0.8  # flow: t = sigmoid(N(t_mean, t_std^2)), logit-normal (SD3); above 0 leans to noise
+    t_std: float = 0.8  # flow: the spread of the logit-normal t, see t_mean
+    predict: Literal["x", "v"] = "x"  # flow: the network outputs the clean image (x) or the velocity (v)
+    min_snr: float = 5.0  # ddpm: gamma of the min-SNR-gamma loss weight (Hang et al. 2023); 0 = plain MSE
     # sampling
-    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
-    sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
-    cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = uncond.
-    sample_seed: int = 0  # noise of the samples, fixed across evals
-    per_class: int = 8  # columns of the sample grid (rows: classes)
+    sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler for flow, ddim for ddpm
+    sample_steps: int = 32  # steps from noise to image (heun: 2 model calls a step)
+    cfg_scale: float = 2.0  # classifier-free guidance: 1 = plain conditional, 0 = unconditional
+    sample_seed: int = 0  # seeds the samples' noise, the same at every eval so the grids compare
+    per_class: int = 8  # columns of the sample grid, one row per class
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0  # optimizer steps
-    epochs: float = 0.0  # passes over the train split
-    time_budget: float = 420.0  # seconds of training, evals excluded
-    batch_size: int = 64  # micro-batch per rank, in images
-    grad_accum: int = 1  # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps to train; 0 = train for epochs or time_budget
+    epochs: float = 0.0  # passes over the train split, when max_steps is 0; 0 = train for time_budget
+    time_budget: float = 420.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
+    batch_size: int = 64  # images in a micro-batch on each rank
+    grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
-    lr: float = 2e-3  # peak LR
-    weight_decay: float = 0.0  # on 2-D hidden matrices only
-    beta1: float = 0.9  # AdamW
-    beta2: float = 0.95  # AdamW
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["constant", "cosine"] = "constant"  # the LR's decay after the warmup
-    warmup_steps: int = 100  # linear warmup
-    final_lr_frac: float = 0.0  # the last LR, over the peak
-    ema: float = 0.999  # decay of the weights' EMA; 0 = off
+    lr: float = 2e-3  # peak learning rate of AdamW
+    weight_decay: float = 0.0  # decoupled weight decay of the blocks' matrices (not adaLN's)
+    beta1: float = 0.9  # AdamW's decay of the gradient's running mean (its momentum)
+    beta2: float = 0.95  # AdamW's decay of the squared gradient's running mean
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    schedule: Literal["constant", "cosine"] = "constant"  # the LR after warmup: held, or a cosine decay
+    warmup_steps: int = 100  # steps of linear warmup up to the peak LR
+    final_lr_frac: float = 0.0  # cosine: the LR at the end of the decay, as a fraction of the peak
+    ema: float = 0.999  # decay of a moving average of the weights, which samples come from; 0 = off
     # eval, logging, checkpoints
-    eval_every: int = 1000  # steps; 0 = only at the end
-    eval_images: int = 500  # in the denoising loss; 0 = all
-    eval_samples: int = 200  # samples per periodic eval
-    final_samples: int = 500  # samples of the final eval
-    eval_classifier: str = ""  # a train_vit.py checkpoint: scores
-    fid_weights: str = ""  # clean-fid's Inception TorchScript, FID
+    eval_every: int = 1000  # steps between evals; 0 = only at the end
+    eval_images: int = 500  # val images in the held-out denoising loss; 0 = all
+    eval_samples: int = 200  # samples drawn and scored at each periodic eval
+    final_samples: int = 500  # samples drawn and scored at the final eval
+    eval_classifier: str = ""  # a train_vit.py checkpoint on this data, to score the samples with
+    fid_weights: str = ""  # clean-fid's Inception TorchScript file, to also score FID; empty = no FID
     log_every: int = 50  # steps between log lines
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2  # newest checkpoints kept
-    milestone_every: int = 0  # also keep steps multiple of this
-    async_save: bool = False  # write in a background thread
-    resume: bool = False  # from out_dir's newest checkpoint
-    wandb: str = ""  # wandb project; empty = off
-    description: str = ""  # for the results.tsv experiment log
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # how many of the newest checkpoints to keep
+    milestone_every: int = 0  # also keep each checkpoint whose step is a multiple of this; 0 = none
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
+    resume: bool = False  # continue from the newest checkpoint in out_dir
+    wandb: str = ""  # also log to this Weights & Biases project; empty = off
+    description: str = ""  # a note for this run's row of the results.tsv experiment log
     # guards: a bad step is skipped; repeated ones roll back
-    loss_spike: float = 6.0  # running stds over the mean; 0 = off
-    gnorm_spike: float = 0.0  # the same for the grad norm
-    clip_mult: float = 0.0  # clip at this x the mean grad norm
-    guard_window: int = 100  # steps of the running statistics
-    rollback_after: int = 5  # bad steps in the window; 0 = never
+    loss_spike: float = 6.0  # skip a step whose loss is this many running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same test for the gradient norm; 0 = off
+    clip_mult: float = 0.0  # clip the gradient norm at this multiple of its running mean; 0 = off
+    guard_window: int = 100  # steps in the guards' running mean and std
+    rollback_after: int = 5  # roll back to a checkpoint after this many bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where to train; auto: cuda, else mps, else cpu
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
-    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
-    seed: int = 1337  # init, data order, noise and timesteps
-    benchmark: bool = False  # time steps on random images, exit
-    bench_steps: int = 20  # timed steps, after 5 warm-up steps
-    profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA under Linux
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp) or shard it (fsdp)
+    offload: Literal["none", "params"] = "none"  # fsdp: keep the parameter shards in CPU memory
+    seed: int = 1337  # seeds the init, the data order, the noise and the timesteps
+    benchmark: bool = False  # time steps on random images, print the speed, and exit
+    bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
+    profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
 
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
-    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10", patch_size=2,
-                    n_layer=12, n_head=6, n_embd=384, predict="v", t_mean=0.0, t_std=1.0,
-                    time_budget=0.0, epochs=400, batch_size=256, lr=3e-4, cfg_scale=1.5,
-                    ema=0.9999, warmup_steps=1000, eval_every=10000, eval_images=10000,
-                    eval_samples=1000, final_samples=10000, sample_steps=50),
+    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured. A 2x2 patch holds 12
+    # numbers, far fewer than a token's width, so the network can predict the velocity (Li & He 2025), and t is
+    # SD3's logit-normal(0, 1)
+    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10",
+                    patch_size=2, n_layer=12, n_head=6, n_embd=384,
+                    predict="v", t_mean=0.0, t_std=1.0,
+                    time_budget=0.0, epochs=400, batch_size=256,
+                    lr=3e-4, warmup_steps=1000, ema=0.9999,
+                    eval_every=10000, eval_images=10000, eval_samples=1000, final_samples=10000,
+                    sample_steps=50, cfg_scale=1.5),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
+# the fields that shape the weights and their meaning: a resumed run must match its checkpoint's
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm",
+               "objective", "predict")
 # A trainer trains (STYLE.md: one job per file). Sampling from a finished checkpoint is
 # sample_diffusion.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
@@ -148,9 +160,13 @@ MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
 
 def timestep_embedding(t, dim=256):
     """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1], scaled to 0..1000."""
+    # The Transformer's sinusoids (Vaswani et al. 2017) as DDPM and DiT embed their step: cos and sin of t at
+    # frequencies from 1 down to 1/10000, which an MLP then reads. Their range was set for integer steps up to
+    # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by under a radian over all t.
     half = dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    args = 1000 * t.float()[:, None] * freqs[None]
+    i = torch.arange(half, device=t.device, dtype=torch.float32)
+    freqs = torch.exp(-math.log(10000) * i / half)  # (half,)
+    args = 1000 * t.float()[:, None] * freqs[None]  # (B, half)
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
 def modulate(x, shift, scale):
@@ -158,59 +174,88 @@ def modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 class Attention(nn.Module):
+    """Multi-head self-attention of every patch to every patch, with optional QK-norm."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.hd, self.qk_norm = cfg.n_embd // cfg.n_head, cfg.qk_norm
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        d = cfg.n_embd
+        self.hd = d // cfg.n_head
+        self.qk_norm = cfg.qk_norm
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.hd)), nn.Parameter(torch.ones(self.hd))
+            # the gains of RMSNorm on queries and keys (Dehghani et al. 2023): bounded attention logits
+            self.q_norm = nn.Parameter(torch.ones(self.hd))
+            self.k_norm = nn.Parameter(torch.ones(self.hd))
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
+        qkv = self.qkv(x).view(B, T, 3, -1, self.hd)  # (B, T, 3, nh, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
         if self.qk_norm:
-            q, k = kernels.rms_norm(q, self.q_norm), kernels.rms_norm(k, self.k_norm)
-        y = kernels.attention(q, k, v, causal=False)
+            q = kernels.rms_norm(q, self.q_norm)
+            k = kernels.rms_norm(k, self.k_norm)
+        y = kernels.attention(q, k, v, causal=False)  # (B, nh, T, hd): an image has no order
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 class Block(nn.Module):
     """A DiT block, adaLN-Zero (Peebles & Xie 2023): c sets each branch's shift, scale and gate (0 at first)."""
+    # The conditioning c (timestep and class, (B, d)) enters every block through its norms: a linear layer of c
+    # gives each branch a shift and a scale of its normalised input, in place of a norm's learned gain, and a gate
+    # on its output. DiT found this beat cross-attention to c and c as an extra token, at less compute. "Zero": that
+    # layer starts at 0, so every gate is 0 and every block starts as the identity (as Goyal et al. 2017 zero the
+    # last norm's gain of each ResNet block); each branch grows in as it learns.
 
     def __init__(self, cfg):
         super().__init__()
-        d, hidden = cfg.n_embd, int(cfg.mlp_ratio * cfg.n_embd)
+        d = cfg.n_embd
+        hidden = int(cfg.mlp_ratio * d)
         self.attn = Attention(cfg)
-        self.fc, self.proj = nn.Linear(d, hidden, bias=False), nn.Linear(hidden, d, bias=False)
+        self.fc = nn.Linear(d, hidden, bias=False)
+        self.proj = nn.Linear(hidden, d, bias=False)
         self.ada = nn.Linear(d, 6 * d)
 
     def forward(self, x, c):
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c)).chunk(6, dim=-1)  # (B, d)
-        x = x + gate1[:, None] * self.attn(modulate(kernels.rms_norm(x), shift1, scale1))
-        h = F.gelu(self.fc(modulate(kernels.rms_norm(x), shift2, scale2)), approximate="tanh")
+        ada = self.ada(F.silu(c))  # (B, 6d): this block's six vectors of the conditioning
+        shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, d)
+        h = modulate(kernels.rms_norm(x), shift1, scale1)  # (B, T, d), a norm without a gain of its own
+        x = x + gate1[:, None] * self.attn(h)
+        h = modulate(kernels.rms_norm(x), shift2, scale2)
+        h = F.gelu(self.fc(h), approximate="tanh")  # (B, T, hidden)
         return x + gate2[:, None] * self.proj(h)
 
 class DiT(nn.Module):
+    """A diffusion transformer on pixel patches: a ViT whose blocks are conditioned on t and the class."""
+
     def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
-        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
+        self.cfg = cfg
+        p = cfg.patch_size
+        d = cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
+        # patches in as the ViT's are (a stride-p convolution, as one matmul), with fixed 2-D sin-cos positions
+        self.patch = nn.Linear(p * p * channels, d)
         self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
         self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
-        # a row per class and one for "no label" (guidance); none if unconditional
+        # A row per class and one more, K, for "no label": training drops labels to K at rate class_dropout, so one
+        # network learns both the conditional and the unconditional model that guidance combines. No rows at all
+        # if unconditional.
         self.y_emb = nn.Embedding(num_classes + 1, d) if num_classes else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # the output layer: adaLN's shift and scale, then a linear map of each token back to a p x p patch
         self.final_ada = nn.Linear(d, 2 * d)
         self.out = nn.Linear(d, p * p * channels)
 
     @torch.no_grad()
     def init_weights(self):
         """Initialise it in place (it was built on the meta device)."""
-        c, s = self.cfg, self.cfg.init_std
+        c = self.cfg
+        s = c.init_std
         for name, p in self.named_parameters():
             if "ada." in name or name.startswith("out."):
-                nn.init.zeros_(p)  # adaLN-Zero: blocks start as the identity, the output as 0
+                # adaLN-Zero: every gate 0, so each block starts as the identity, and the output layer 0, so the
+                # untrained network outputs exactly 0
+                nn.init.zeros_(p)
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
@@ -220,34 +265,49 @@ class DiT(nn.Module):
     def forward(self, x, t, y=None):
         """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
         B, H, W, C = x.shape
-        p, g, x_t = self.cfg.patch_size, self.grid, x
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)
+        p = self.cfg.patch_size
+        g = self.grid
+        x_t = x
+        x = x.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
+        x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # (B, N, p*p*C)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         c = self.t_mlp(timestep_embedding(t))  # (B, d): every block's conditioning
         if self.y_emb is not None:
             c = c + self.y_emb(y)
         for block in self.blocks:
             x = block(x, c)
-        shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)
+        shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)  # each (B, d)
         x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
-        x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
+        # the patches back into an image: the inverse of the cut above
+        x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5)  # (B, g, p, g, p, C)
+        x = x.reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
             # x-prediction (Li & He 2025): a clean image lies near a low-dimensional manifold that a
             # width-d token carries even if p*p*C > d (noise cannot); the loss gets v = (x_t - x_0) / t
-            x = (x_t - x) / t.clamp(min=0.05).view(-1, 1, 1, 1).to(x.dtype)
+            t_safe = t.clamp(min=0.05).view(-1, 1, 1, 1)  # near t = 0 the division would blow up the error
+            x = (x_t - x) / t_safe.to(x.dtype)
         return x
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per matmul weight per token (adaLN's: per image), plus attention."""
-        # the patch embedding makes no grad for the pixels: 4 a weight. FlopCounterMode counts 1.7% more
-        # at cifar10 (tests/test_compile.py): the scores a flash backward recomputes
-        T, mats = self.grid ** 2, [(k, p.numel()) for k, p in self.named_parameters() if p.ndim == 2]
-        once = sum(n for k, n in mats if "ada." in k or k.startswith("t_mlp."))  # the conditioning: once an image
-        n = sum(n for k, n in mats if k.startswith(("blocks.", "out.")) and "ada." not in k)
-        return T * (6 * n + 4 * self.patch.weight.numel() + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + 6 * once
+        # A weight costs 2 FLOPs per token forward and 4 backward; the patch embedding makes no grad for the pixels:
+        # 4 a weight. The conditioning (t_mlp, every adaLN) runs once an image, not once a token. FlopCounterMode
+        # counts 1.7% more at cifar10 (tests/test_compile.py): the scores a flash backward recomputes.
+        T = self.grid ** 2
+        once = 0  # matrix weights used once an image: the conditioning
+        n = 0  # matrix weights used once a token: attention, MLPs and the output layer
+        for k, p in self.named_parameters():
+            if p.ndim == 2 and ("ada." in k or k.startswith("t_mlp.")):
+                once += p.numel()
+            elif p.ndim == 2 and k.startswith(("blocks.", "out.")):
+                n += p.numel()
+        attention = 12 * self.cfg.n_layer * self.cfg.n_embd * T  # scores and their mix of the values
+        per_token = 6 * n + 4 * self.patch.weight.numel() + attention
+        return T * per_token + 6 * once
 
 def build_model(cfg, image_size, channels, num_classes, device):
     """Build on the meta device, then initialise under cfg.seed."""
+    # shapes without memory first, so nothing is initialised twice; every rank draws the same weights from cfg.seed
     with torch.device("meta"):
         model = DiT(cfg, image_size, channels, num_classes)
     model.to_empty(device=device)
@@ -260,61 +320,98 @@ def build_model(cfg, image_size, channels, num_classes, device):
 # t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
 # flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al.; Lipman et al. 2022)
 # ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
+# Both train a network to undo a mix of the data with Gaussian noise e, and sample by starting from pure noise and
+# following the network back to t = 0. Rectified flow (Liu et al. 2022), or flow matching (Lipman et al. 2022), mixes
+# along a straight line: for one image and its noise the velocity v is the same at every t, the target is simple,
+# and an ODE solver follows it in few steps. DDPM mixes on a variance-preserving path set by a noise schedule; it
+# is the baseline most of the literature starts from, kept here to compare.
 
 T_DDPM = 1000
 
 def cosine_alpha_bar(T=T_DDPM, s=0.008):
     """alpha_bar at steps 0..T, betas clipped at 0.999 (Nichol & Dhariwal 2021, eq. 17)."""
-    f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
-    beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)
-    return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
+    # alpha_bar is the share of the data's variance left at a step. Ho et al.'s linear betas drive it near 0 well
+    # before the last step on small images, which wastes those steps; the cosine falls slowly at both ends. The
+    # offset s keeps the first betas from being tiny, and the clip avoids a singular last step (alpha_bar = 0).
+    steps = torch.arange(T + 1, dtype=torch.float64) / T  # (T + 1,): t of each step
+    f = torch.cos((steps + s) / (1 + s) * math.pi / 2) ** 2
+    beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)  # (T,)
+    alpha_bar = torch.cumprod(1 - beta, 0)
+    return torch.cat((torch.ones(1, dtype=torch.float64), alpha_bar))  # step 0 is the data: alpha_bar 1
 
 def sample_t(B, cfg, gen):
     """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
+    # Flow: t = sigmoid(n), n ~ N(t_mean, t_std^2) (SD3). Near t = 0 or 1 the velocity is easy to predict (the
+    # image or the noise is almost in plain view); the logit-normal spends the steps in between. t_mean > 0 leans
+    # toward noise, where an image's layout is decided.
     if cfg.objective == "flow":
-        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))
-    return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM
+        logit = cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device)  # (B,)
+        return torch.sigmoid(logit)
+    # ddpm: a step in 1..T, uniform as in Ho et al., as a fraction of T
+    step = torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device)  # (B,)
+    return step.float() / T_DDPM
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
     """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
     if cfg.objective == "flow":
         tb = t.view(-1, 1, 1, 1)
-        return (1 - tb) * x0 + tb * noise, noise - x0, None
-    ab = alpha_bar.to(x0.device)[(t * T_DDPM).round().long()].float()  # (B,)
-    x_t = ab.sqrt().view(-1, 1, 1, 1) * x0 + (1 - ab).sqrt().view(-1, 1, 1, 1) * noise
-    # min-SNR-gamma: min(SNR, gamma) / SNR, so the easy (high-SNR) steps weigh less
+        x_t = (1 - tb) * x0 + tb * noise  # the straight line from the image (t = 0) to the noise (t = 1)
+        return x_t, noise - x0, None  # the target: its velocity dx_t/dt
+    steps = (t * T_DDPM).round().long()  # (B,) in 1..T
+    ab = alpha_bar.to(x0.device)[steps].float()  # (B,)
+    a = ab.view(-1, 1, 1, 1)
+    x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise  # the data's share of the variance is ab, the noise's 1 - ab
+    if not cfg.min_snr:
+        return x_t, noise, None
+    # min-SNR-gamma (Hang et al. 2023). SNR = ab / (1 - ab) is the signal-to-noise ratio of x_t; an error in e is
+    # sqrt(SNR) times the error in x_0 it implies, so plain MSE on e weighs each step's x_0 error by SNR, and the
+    # nearly clean steps dominate. min(SNR, gamma) / SNR caps that weight at gamma.
     snr = ab / (1 - ab)
-    return x_t, noise, (snr.clamp(max=cfg.min_snr) / snr if cfg.min_snr else None)
+    return x_t, noise, snr.clamp(max=cfg.min_snr) / snr
 
 def guided(model, x, t, y, scale, null):
     """The model's output at x (B, ...), t, with guidance (Ho & Salimans 2022) if labelled."""
-    tt = torch.full((x.size(0),), float(t), device=x.device)
+    # Classifier-free guidance: a model trained with some labels dropped gives both the conditional output and the
+    # unconditional one (label null). Going past the conditional, away from the unconditional, by scale sharpens
+    # each sample toward its class at some cost in variety; scale 1 is the plain conditional model.
+    tt = torch.full((x.size(0),), float(t), device=x.device)  # (B,)
     if y is None:
         return model(x, tt, None).float()
-    yy = torch.cat((y, torch.full_like(y, null)))  # labels and null labels in one batch
-    cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
+    yy = torch.cat((y, torch.full_like(y, null)))  # (2B,): labels and null labels, in one batch
+    out = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float()  # (2B, H, W, C)
+    cond, uncond = out.chunk(2)
     return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
 def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     """Images (B, H, W, C), fp32, integrated from noise (t = 1) to t = 0 by model(x, t, y)."""
     x = noise.float()
-    if cfg.objective == "flow":  # Euler, or Heun (Karras et al. 2022)
+    if cfg.objective == "flow":
+        # The ODE dx/dt = v from t = 1 to 0, in equal steps (b < a: toward the data). Euler takes the slope at the
+        # step's start; Heun (Karras et al. 2022) makes that an Euler trial and then steps along the mean of the
+        # slopes at both ends: second order, at two model calls a step.
         ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
         for a, b in zip(ts[:-1], ts[1:]):
             v = guided(model, x, a, y, scale, null)
-            if cfg.sampler == "heun" and b > 0:  # the mean slope of both ends; the last is Euler
-                v = 0.5 * (v + guided(model, x + (b - a) * v, b, y, scale, null))
+            # the last step stays Euler, as in Karras et al.: its trial point is t = 0, where x-prediction's
+            # velocity divides by t
+            if cfg.sampler == "heun" and b > 0:
+                x_trial = x + (b - a) * v
+                v = 0.5 * (v + guided(model, x_trial, b, y, scale, null))
             x = x + (b - a) * v
         return x
-    # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps
+    # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps. Each step estimates the
+    # clean image and the noise from the model's e, then jumps to step j along the same pair.
     ab = alpha_bar.to(x.device)
+    signal = ab.sqrt()  # (T + 1,) float64: x_t = signal x_0 + sigma e at each step
+    sigma = (1 - ab).sqrt()
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = guided(model, x, i / T_DDPM, y, scale, null)
-        x0 = ((x - (1 - ab[i]).sqrt() * eps) / ab[i].sqrt()).clamp(-1, 1).float()  # kept in range
-        eps = ((x - ab[i].sqrt() * x0) / (1 - ab[i]).sqrt()).float()
-        x = ab[j].sqrt().float() * x0 + (1 - ab[j]).sqrt().float() * eps
+        x0 = (x - sigma[i] * eps) / signal[i]  # the clean image that this noise implies
+        x0 = x0.clamp(-1, 1).float()  # kept in the data's range
+        eps = ((x - signal[i] * x0) / sigma[i]).float()  # the noise that fits the clamped x0
+        x = signal[j].float() * x0 + sigma[j].float() * eps
     return x
 
 # -----------------------------------------------------------------------------
@@ -322,6 +419,7 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
+    # centred, and spread about as wide as the unit Gaussian noise they are mixed with (Ho et al. 2020)
     return x.float() / 127.5 - 1
 
 # -----------------------------------------------------------------------------
@@ -329,18 +427,31 @@ def to_model(x):
 
 def build_optimizers(cfg, raw, device):
     """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
-    decay = [p for n, p in raw.blocks.named_parameters() if p.ndim == 2 and "ada." not in n]
-    rest = [p for p in raw.parameters() if all(p is not q for q in decay)]
+    # AdamW alone: Muon on the blocks' matrices was no better per second on the CPU demo (BENCHMARKS.md). Decay,
+    # if any (DiT uses none), goes to the attention and MLP matrices. Not to adaLN's, which start at 0 and must
+    # grow to carry t and the class; not to embeddings, norm gains or biases.
+    decay, rest = [], []
+    for name, p in raw.named_parameters():
+        if p.ndim == 2 and name.startswith("blocks.") and "ada." not in name:
+            decay.append(p)
+        else:
+            rest.append(p)
     groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
+    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    # the loop sets each group's LR every step, as lr_mult of this peak
     for g in opt.param_groups:
         g["peak_lr"] = g["lr"]
     return [opt]
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine or no decay over progress in [0, 1]."""
+    # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
+    # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget.
+    # DiT holds its LR constant; cosine decay (Loshchilov & Hutter 2017) did no better on the CPU demo.
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac
     if cfg.schedule == "cosine":
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
     return warm
@@ -351,22 +462,32 @@ def lr_mult(cfg, step, progress):
 @torch.no_grad()
 def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
     """(mean, per-t) error on n_images val images (0: all) at 8 fixed t and noise."""
+    # The training loss draws t and the noise at random, so it jumps from step to step. Here both are fixed: the
+    # midpoints of 8 equal bins of t and one noise per image from seed 0, so any two evals, of any two runs on this
+    # data, compare. The loss per t shows where along the path the model is weak.
     model.eval()
     n = min(n_images or len(y_all), len(y_all))
     ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))
-    for it in range(math.ceil(n / (B * world_size))):  # as many forwards on every rank (FSDP)
+    g = torch.Generator().manual_seed(0)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
+    # every rank runs as many forwards, since FSDP gathers each block's weights with all ranks together
+    for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
-        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # past the end: not counted
+        j = min(i + B, n)
+        w = 1.0
+        if i >= n:  # this rank is past the end: a forward of one image, weighed 0
+            i, j, w = 0, 1, 0.0
         x0 = to_model(x_all[i:j])
         noise = noise_all[i:j].to(x0.device)
+        y = y_all[i:j] if K else None
         for k, t in enumerate(ts.tolist()):
             tt = torch.full((j - i,), t, device=x0.device)
             x_t, target, _ = corrupt(x0, noise, tt, cfg, alpha_bar)
             with ctx:
-                out = model(x_t, tt, y_all[i:j] if K else None).float()
-            sums[k] += w * (out - target).square().mean((1, 2, 3)).sum().double()
+                out = model(x_t, tt, y).float()
+            mse = (out - target).square().mean((1, 2, 3))  # (b,): each image's
+            sums[k] += w * mse.sum().double()
     model.train()
     per_t = (all_mean(sums, world_size) * world_size / n).tolist()
     return sum(per_t) / len(per_t), per_t
@@ -374,9 +495,12 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
 @torch.no_grad()
 def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none)."""
-    # noise from cfg.sample_seed alone; each rank draws an equal share (as many forwards)
-    share, g = math.ceil(n / world_size), torch.Generator().manual_seed(cfg.sample_seed)
-    noise = torch.randn(share * world_size, *shape, generator=g)
+    # noise from cfg.sample_seed alone, the same at every eval, so the grids of a run compare; each rank draws an
+    # equal share (as many forwards), and all gather the whole set
+    share = math.ceil(n / world_size)
+    g = torch.Generator().manual_seed(cfg.sample_seed)
+    noise = torch.randn(share * world_size, *shape, generator=g)  # on the CPU: the same numbers on any device
+    # sample i is of class i % K: every class gets as many, and the grid's rows are the classes
     labels = torch.arange(share * world_size) % max(K, 1)
     device = next(model.parameters()).device
     model.eval()
@@ -389,6 +513,7 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
         out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
     model.train()
     mine = torch.cat(out)
+    # every rank ends with the whole set, in the order of the labels
     if world_size > 1:
         parts = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(parts, mine)
@@ -398,19 +523,30 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
 def frechet_distance(a, b):
     """Frechet distance of Gaussians fitted to features a (n, d) and b (m, d), as FID's
     (Heusel et al. 2017): |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), float64."""
-    a, b = a.double(), b.double()
-    sa, sb = torch.cov(a.T), torch.cov(b.T)
+    # FID fits a Gaussian to a network's features of real images and one to those of samples, and measures how far
+    # apart they are: the means, and the covariances through the trace term. S_a S_b is not symmetric, but it is
+    # similar to S_a^1/2 S_b S_a^1/2, which is: the same eigenvalues, found stably by eigvalsh.
+    a = a.double()
+    b = b.double()
+    sa = torch.cov(a.T)  # (d, d)
+    sb = torch.cov(b.T)
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
     cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # = tr (S_a S_b)^1/2
-    return ((a.mean(0) - b.mean(0)).square().sum() + sa.trace() + sb.trace() - 2 * cross).item()
+    means = (a.mean(0) - b.mean(0)).square().sum()
+    return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
 class Judge:
     """Scores samples by a train_vit.py classifier of their data: accuracy, FD-ViT, FID."""
+    # Offline, with no Inception weights to download, the judge is a ViT trained on the same data: how often it
+    # recognises the class a sample was drawn for, and FID's distance in its own feature space (FD-ViT), which
+    # compares only runs scored by the same classifier. With --fid_weights, FID proper on Inception's features.
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
-        ckpt, where = load_checkpoint(path) if os.path.exists(path) else (None, path)
+        ckpt, where = None, path
+        if os.path.exists(path):
+            ckpt, where = load_checkpoint(path)
         with exit_if_unreadable(where, "pass a checkpoint written by train_vit.py"):
             if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
                 die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
@@ -429,9 +565,9 @@ class Judge:
     def features(self, x):
         """{name: features (n, d)} of uint8 images (n, H, W, C), and the logits."""
         out = {"logits": [], "vit": [], "inception": []}
-        for i in range(0, len(x), 500):
-            xb = x[i:i + 500].float() / 255
-            f = self.clf(xb, features=True)
+        for i in range(0, len(x), 500):  # 500 images at a time, to bound the memory
+            xb = x[i:i + 500].float() / 255  # (b, H, W, C) in [0, 1], as the ViT takes them
+            f = self.clf(xb, features=True)  # (b, d), the pooled tokens its head reads
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
             if self.inception is not None:  # takes NCHW in 0..255, resized to 299 inside
@@ -444,6 +580,7 @@ class Judge:
         f = self.features(samples)
         res = {"fd_vit": frechet_distance(self.real["vit"], f["vit"])}
         if K:
+            # clf_acc: how often the classifier names the class that each sample was drawn for (i % K)
             right = f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K
             res["clf_acc"] = right.float().mean().item()
         if self.inception is not None:

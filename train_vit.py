@@ -45,92 +45,130 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # -----------------------------------------------------------------------------
 # Config
 
+# Every knob of a run is a field of this one flat dataclass: --key=value sets it, and -h prints each field's
+# trailing comment as its help. The defaults are the CPU demo: a 0.8M-parameter ViT on 50,000 generated 32x32
+# shapes, 200 s of training on two cores. That data is plentiful and clean for so small a model, so the regularisers
+# a ViT needs on a small set of natural images (stochastic depth, mixup, cutmix; DeiT, Touvron et al. 2021) stay off.
+# 8x8 patches make 16 tokens an image: attention is cheap, and most of the time goes to the matrix products.
 @dataclass
 class Config:
     # data and output
-    data_dir: str = "data/shapes"  # images from prepare_data.py
-    out_dir: str = "out/vit"  # checkpoints, metrics.jsonl, plots
-    preset: str = ""  # cpu_demo|cifar10 (explicit flags win)
+    data_dir: str = "data/shapes"  # images written by prepare_data.py; the default set is generated on first use
+    out_dir: str = "out/vit"  # where checkpoints, config.json, metrics.jsonl and the plots go
+    preset: str = ""  # a named set of defaults, cpu_demo or cifar10; flags given explicitly override it
     # model
-    image_size: int = 0  # 0 = the data's; else must equal it
-    patch_size: int = 8  # pixels per side of a patch
-    n_layer: int = 4  # transformer blocks
-    n_head: int = 4  # attention heads, each of even width
-    n_embd: int = 0  # 0 = 128, or 64 under 10,000 train images
-    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP's activation; swiglu is gated
-    mlp_ratio: float = 4.0  # MLP width / n_embd (SwiGLU: 2/3 of it)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # before each attention, MLP, and the head
-    qk_norm: bool = True  # RMSNorm on queries and keys
-    pos_emb: Literal["sincos", "learned"] = "sincos"  # fixed 2-D sin-cos, or learned positions
-    pool: Literal["gap", "cls"] = "gap"  # mean of patches, or [cls]
-    registers: int = 0  # scratch tokens (Darcet et al. 2024)
-    layer_scale: float = 0.0  # LayerScale init (CaiT); 0 = off
-    drop_path: float = 0.0  # stochastic depth of the last block
-    init_std: float = 0.02  # hidden weights; outputs start at 0
+    image_size: int = 0  # side of the images in pixels; 0 takes the data's, any other value must equal it
+    patch_size: int = 8  # side of a square patch in pixels; each patch becomes one token
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # attention heads; n_embd must split into heads of even width
+    n_embd: int = 0  # token width; 0 picks 128, or 64 when the train split has under 10,000 images
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # the MLP: GELU, or SwiGLU's gated SiLU (Shazeer 2020)
+    mlp_ratio: float = 4.0  # the MLP's hidden width over n_embd; SwiGLU uses 2/3 of it, for the same parameters
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # the norm before each attention, each MLP and the head
+    qk_norm: bool = True  # RMSNorm on each head's queries and keys, which bounds the attention logits
+    pos_emb: Literal["sincos", "learned"] = "sincos"  # token positions: fixed 2-D sin-cos, or a learned table
+    pool: Literal["gap", "cls"] = "gap"  # what the head reads: the mean of the patch tokens, or a class token
+    registers: int = 0  # extra learned tokens that attention may use as scratch space (Darcet et al. 2024)
+    layer_scale: float = 0.0  # initial per-channel gain of each residual branch (LayerScale, CaiT); 0 = off
+    drop_path: float = 0.0  # stochastic depth: the last block's chance to skip an image; earlier blocks less
+    init_std: float = 0.02  # std of the hidden weights' truncated normal; output layers and the head start at 0
     # budget: max_steps, else epochs, else time_budget
-    max_steps: int = 0  # optimizer steps
-    epochs: float = 0.0  # passes over the train split
-    time_budget: float = 200.0  # seconds of training, evals excluded
-    batch_size: int = 128  # micro-batch per rank, in images
-    grad_accum: int = 1  # micro-steps per optimizer step
+    max_steps: int = 0  # optimizer steps to train; 0 = train for epochs or time_budget
+    epochs: float = 0.0  # passes over the train split, when max_steps is 0; 0 = train for time_budget
+    time_budget: float = 200.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
+    batch_size: int = 128  # images in a micro-batch on each rank
+    grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
-    optimizer: Literal["muon", "adamw"] = "muon"  # muon: hidden 2-D
-    lr: float = 2e-3  # peak LR
-    weight_decay: float = 0.05  # on 2-D hidden matrices only
-    beta1: float = 0.9  # AdamW
-    beta2: float = 0.95  # AdamW
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR's decay after the warmup
-    warmup_steps: int = 100  # linear warmup
-    cooldown_frac: float = 0.2  # wsd: the final decay's share
-    final_lr_frac: float = 0.0  # the last LR, over the peak
-    ema: float = 0.999  # decay of the weights' EMA; 0 = off
+    optimizer: Literal["muon", "adamw"] = "muon"  # muon: Muon on the blocks' matrices, AdamW on the rest
+    lr: float = 2e-3  # peak learning rate of both optimizers (Muon's update is scaled to AdamW's size)
+    weight_decay: float = 0.05  # decoupled weight decay of the 2-D weight matrices; none on the other parameters
+    beta1: float = 0.9  # AdamW's decay of the gradient's running mean (its momentum)
+    beta2: float = 0.95  # AdamW's decay of the squared gradient's running mean
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR after warmup (wsd: hold, then decay)
+    warmup_steps: int = 100  # steps of linear warmup up to the peak LR
+    cooldown_frac: float = 0.2  # wsd: the share of the run spent decaying, at its end
+    final_lr_frac: float = 0.0  # the LR at the end of the decay, as a fraction of the peak
+    ema: float = 0.999  # decay of a moving average of the weights, evaluated beside them; 0 = off
     # augmentation, on the device
-    translate: int = 4  # random shift, in pixels; 0 = off
-    flip: Literal["auto", "true", "false"] = "auto"  # auto: flip_ok
-    mixup: float = 0.0  # Beta(a, a) of mixup; 0 = off
-    cutmix: float = 0.0  # Beta(a, a) of cutmix; 0 = off
-    label_smoothing: float = 0.1  # target mass spread over all classes
+    translate: int = 4  # shift each image by up to this many pixels, borders reflected; 0 = off
+    flip: Literal["auto", "true", "false"] = "auto"  # mirror half the images; auto: if the data's flip_ok says so
+    mixup: float = 0.0  # alpha of mixup's Beta(alpha, alpha) blend of two images and their labels; 0 = off
+    cutmix: float = 0.0  # alpha of cutmix's Beta(alpha, alpha) box pasted from another image; 0 = off
+    label_smoothing: float = 0.1  # share of each target spread evenly over all classes (Szegedy et al. 2016)
     # eval, logging, checkpoints
-    eval_every: int = 400  # steps; 0 = only at the end
-    eval_images: int = 1000  # per periodic eval; the final: all
-    tta_flip: bool = False  # average predictions with the mirror's
+    eval_every: int = 400  # steps between evals; 0 = only at the end
+    eval_images: int = 1000  # val images in each periodic eval; the final eval reads them all
+    tta_flip: bool = False  # evaluate each image and its mirror image, and average their probabilities
     log_every: int = 25  # steps between log lines
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2  # newest checkpoints kept
-    milestone_every: int = 0  # also keep steps multiple of this
-    async_save: bool = False  # write in a background thread
-    resume: bool = False  # from out_dir's newest checkpoint
-    wandb: str = ""  # wandb project; empty = off
-    description: str = ""  # for the results.tsv experiment log
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # how many of the newest checkpoints to keep
+    milestone_every: int = 0  # also keep each checkpoint whose step is a multiple of this; 0 = none
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
+    resume: bool = False  # continue from the newest checkpoint in out_dir
+    wandb: str = ""  # also log to this Weights & Biases project; empty = off
+    description: str = ""  # a note for this run's row of the results.tsv experiment log
     # guards: a bad step is skipped; repeated ones roll back
-    loss_spike: float = 6.0  # running stds over the mean; 0 = off
-    gnorm_spike: float = 0.0  # the same for the grad norm
-    clip_mult: float = 0.0  # clip at this x the mean grad norm
-    guard_window: int = 100  # steps of the running statistics
-    rollback_after: int = 5  # bad steps in the window; 0 = never
+    loss_spike: float = 6.0  # skip a step whose loss is this many running stds over the mean; 0 = off
+    gnorm_spike: float = 0.0  # the same test for the gradient norm; 0 = off
+    clip_mult: float = 0.0  # clip the gradient norm at this multiple of its running mean; 0 = off
+    guard_window: int = 100  # steps in the guards' running mean and std
+    rollback_after: int = 5  # roll back to a checkpoint after this many bad steps in the window; 0 = never
     # system
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where to train; auto: cuda, else mps, else cpu
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
-    compile: Literal["auto", "true", "false"] = "auto"  # auto: on CUDA (Linux)
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun
-    offload: Literal["none", "params"] = "none"  # fsdp: to CPU
-    seed: int = 1337  # init, data order, augmentation
-    benchmark: bool = False  # time steps on random images, exit
-    bench_steps: int = 20  # timed steps, after 5 warm-up steps
-    profile: bool = False  # --benchmark: trace.json, top ops
-    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: the faster per op
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA under Linux
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp) or shard it (fsdp)
+    offload: Literal["none", "params"] = "none"  # fsdp: keep the parameter shards in CPU memory
+    seed: int = 1337  # seeds the init, the data order and the augmentation
+    benchmark: bool = False  # time steps on random images, print the speed, and exit
+    bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
+    profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
 
 PRESETS = {
     "cpu_demo": {},  # the defaults: 0.8M parameters, 200 s
-    # one GPU, minutes; DeiT's and Beyer et al.'s recipe (2022)
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/vit_cifar10", patch_size=2, n_layer=8,
-                    n_head=6, n_embd=384, optimizer="adamw", layer_scale=0.1, drop_path=0.1,
-                    time_budget=0.0, epochs=60, batch_size=512, lr=2e-3, warmup_steps=500, mixup=0.8,
-                    cutmix=1.0, ema=0.9995, eval_every=1000, eval_images=10000, tta_flip=True),
+    # one GPU, minutes: the recipe of DeiT (Touvron et al. 2021) and Beyer et al. (2022). Without a convolution's
+    # built-in locality a ViT overfits 50,000 natural images, so LayerScale, stochastic depth, mixup, cutmix and a
+    # slow EMA regularise it; 2x2 patches give it 256 tokens of each 32x32 image
+    "cifar10": dict(
+        data_dir="data/cifar10",
+        out_dir="out/vit_cifar10",
+        patch_size=2,
+        n_layer=8,
+        n_head=6,
+        n_embd=384,  # ViT-S's width, with 6 heads of 64
+        optimizer="adamw",
+        lr=2e-3,
+        warmup_steps=500,
+        layer_scale=0.1,
+        drop_path=0.1,
+        time_budget=0.0,
+        epochs=60,
+        batch_size=512,
+        mixup=0.8,
+        cutmix=1.0,
+        ema=0.9995,
+        eval_every=1000,
+        eval_images=10000,  # all of CIFAR-10's val split, at every eval
+        tta_flip=True
+    ),
 }
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp", "mlp_ratio", "norm",
-               "qk_norm", "pos_emb", "pool", "registers", "layer_scale")
+# The fields that shape the weights: a resumed run must match its checkpoint's (run_layout, in the images fence).
+ARCH_FIELDS = (
+    "patch_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "mlp",
+    "mlp_ratio",
+    "norm",
+    "qk_norm",
+    "pos_emb",
+    "pool",
+    "registers",
+    "layer_scale"
+)
 # A trainer trains (STYLE.md: one job per file). Classifying images with a finished checkpoint
 # is predict_vit.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"predict": "python predict_vit.py --ckpt=out/vit --images=PATH",
@@ -143,99 +181,158 @@ MOVED = {"predict": "python predict_vit.py --ckpt=out/vit --images=PATH",
 class Norm(nn.Module):
     """RMSNorm, or LayerNorm without bias, over the last dim."""
 
-    def __init__(self, dim, kind="rmsnorm", eps=1e-6):
+    def __init__(self, dim, kind="rmsnorm"):
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind = kind
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        # RMSNorm (Zhang & Sennrich 2019) only rescales: no mean to subtract, one reduction fewer than LayerNorm's.
+        # Both divide by a root mean square floored at sqrt(1e-6), so a zero vector stays finite.
         if self.kind == "rmsnorm":
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, (x.size(-1),), self.weight, None, self.eps)
+            return kernels.rms_norm(x, self.weight, 1e-6)
+        return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-6)
 
 class Attention(nn.Module):
+    """Multi-head self-attention of every token to every token."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.hd = cfg.n_embd // cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.q_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
-        self.k_norm = Norm(self.hd) if cfg.qk_norm else nn.Identity()
+        d = cfg.n_embd
+        self.hd = d // cfg.n_head  # each head's width
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # queries, keys and values in one matmul
+        self.proj = nn.Linear(d, d, bias=False)
+        # QK-norm (Dehghani et al. 2023, ViT-22B): normalised queries and keys keep the attention logits bounded,
+        # so the softmax does not collapse onto one token as a high LR grows the weights
+        self.q_norm = nn.Identity()
+        self.k_norm = nn.Identity()
+        if cfg.qk_norm:
+            self.q_norm = Norm(self.hd)
+            self.k_norm = Norm(self.hd)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.hd).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
-        y = kernels.attention(self.q_norm(q), self.k_norm(k), v, causal=False)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        qkv = self.qkv(x).view(B, T, 3, -1, self.hd)  # (B, T, 3, nh, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+        # not causal: an image has no order, every patch attends to every other
+        y = kernels.attention(q, k, v, causal=False)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): the heads side by side again
+        return self.proj(y)
 
 class MLP(nn.Module):
+    """The per-token feed-forward layer: widen, a nonlinearity, project back."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.swiglu, hidden = cfg.mlp == "swiglu", int(cfg.mlp_ratio * cfg.n_embd)
-        if self.swiglu:  # 2/3 of the width keeps the parameters (Shazeer 2020)
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = int(cfg.mlp_ratio * cfg.n_embd)
+        fc_width = hidden
+        if self.swiglu:
+            # SwiGLU (Shazeer 2020) has two input matrices, a gate and a value, held side by side in fc: 2/3 of
+            # the width keeps the parameter count of the plain MLP
             hidden = 2 * hidden // 3
-        self.fc = nn.Linear(cfg.n_embd, 2 * hidden if self.swiglu else hidden, bias=False)
+            fc_width = 2 * hidden
+        self.fc = nn.Linear(cfg.n_embd, fc_width, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
         if self.swiglu:
-            a, b = self.fc(x).chunk(2, dim=-1)
+            a, b = self.fc(x).chunk(2, dim=-1)  # gate and value, each (B, T, hidden)
             return self.proj(F.silu(a) * b)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 def drop_path(x, p, training):
     """Stochastic depth (Huang et al. 2016), per sample."""
+    # Each image of the batch skips this residual branch with chance p: a regulariser that trains an ensemble of
+    # shallower networks. Dividing by 1 - p keeps the branch's expected output, so eval uses the branch as it is.
     if not training or p == 0:
         return x
-    keep = (torch.rand(x.size(0), 1, 1, device=x.device) >= p).to(x.dtype)
-    return x * keep / (1 - p)
+    keep = torch.rand(x.size(0), 1, 1, device=x.device) >= p  # (B, 1, 1): True keeps the branch
+    return x * keep.to(x.dtype) / (1 - p)
 
 class Block(nn.Module):
+    """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, cfg, drop):
         super().__init__()
-        self.norm1, self.attn = Norm(cfg.n_embd, cfg.norm), Attention(cfg)
-        self.norm2, self.mlp = Norm(cfg.n_embd, cfg.norm), MLP(cfg)
-        self.drop, ls = drop, cfg.layer_scale  # LayerScale (Touvron et al. 2021)
-        self.ls1 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
-        self.ls2 = nn.Parameter(torch.ones(cfg.n_embd)) if ls else None
+        self.norm1 = Norm(cfg.n_embd, cfg.norm)
+        self.attn = Attention(cfg)
+        self.norm2 = Norm(cfg.n_embd, cfg.norm)
+        self.mlp = MLP(cfg)
+        self.drop = drop
+        # LayerScale (Touvron et al. 2021, CaiT): a learned per-channel gain on each branch, starting small
+        # (--layer_scale=0.1), so that a deep stack starts near the identity and each branch grows in as it learns
+        self.ls1 = None
+        self.ls2 = None
+        if cfg.layer_scale:
+            self.ls1 = nn.Parameter(torch.ones(cfg.n_embd))
+            self.ls2 = nn.Parameter(torch.ones(cfg.n_embd))
 
     def forward(self, x):
-        a = self.attn(self.norm1(x))
-        x = x + drop_path(a if self.ls1 is None else a * self.ls1, self.drop, self.training)
-        m = self.mlp(self.norm2(x))
-        return x + drop_path(m if self.ls2 is None else m * self.ls2, self.drop, self.training)
+        a = self.attn(self.norm1(x))  # (B, T, d)
+        if self.ls1 is not None:
+            a = a * self.ls1
+        x = x + drop_path(a, self.drop, self.training)
+        m = self.mlp(self.norm2(x))  # (B, T, d)
+        if self.ls2 is not None:
+            m = m * self.ls2
+        return x + drop_path(m, self.drop, self.training)
 
 class ViT(nn.Module):
+    """Patches, positions, blocks, a final norm, then a linear head on the pooled tokens (Dosovitskiy et al. 2021)."""
+
     def __init__(self, cfg, image_size, channels, num_classes):
         super().__init__()
-        self.cfg, p, d = cfg, cfg.patch_size, cfg.n_embd
+        self.cfg = cfg
+        p = cfg.patch_size
+        d = cfg.n_embd
         self.grid = image_size // p
-        self.patch = nn.Linear(p * p * channels, d)  # a stride-p convolution
+        # The patch embedding is a p x p convolution of stride p (Dosovitskiy et al. 2021). Patches do not overlap,
+        # so it is one matmul of each flattened patch; forward cuts the patches with a reshape.
+        self.patch = nn.Linear(p * p * channels, d)
+        # Attention sees a set, so each patch's token gets its position added. Fixed 2-D sin-cos positions (MAE)
+        # are no worse than learned ones (Beyer et al. 2022) and cost no parameters.
+        pos = torch.zeros(self.grid ** 2, d)  # (N, d): init_weights fills it
         if cfg.pos_emb == "learned":
-            self.pos = nn.Parameter(torch.zeros(self.grid ** 2, d))
+            self.pos = nn.Parameter(pos)
         else:
-            self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.n_extra = int(cfg.pool == "cls") + cfg.registers  # [cls], registers
+            self.register_buffer("pos", pos, persistent=False)  # computed, so not saved
+        # Learned tokens with no position, placed before the patches: a class token whose output the head reads
+        # (--pool=cls, BERT's and the first ViT's way), and registers (Darcet et al. 2024). Without registers, large
+        # ViTs repurpose background patches as scratch space, which shows as artefacts in their attention maps.
+        self.n_extra = int(cfg.pool == "cls") + cfg.registers
         self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
+        # the drop rate grows linearly with depth, 0 at the first block (Huang et al. 2016)
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
-        self.norm, self.head = Norm(d, cfg.norm), nn.Linear(d, num_classes)
-        # the data's channel statistics: the model takes pixels in [0, 1]
+        self.norm = Norm(d, cfg.norm)
+        self.head = nn.Linear(d, num_classes)
+        # The data's channel statistics, kept in the model (and its checkpoint): it takes pixels in [0, 1] and
+        # standardises them itself, so predict_vit.py and the diffusion's judge feed it images as they are
         self.register_buffer("mean", torch.zeros(channels))
         self.register_buffer("std", torch.ones(channels))
 
     @torch.no_grad()
     def init_weights(self, mean, std):
         """Initialise it in place (it was built on the meta device)."""
-        c, s = self.cfg, self.cfg.init_std
+        c = self.cfg
+        s = c.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.startswith("head."):
-                nn.init.zeros_(p)  # blocks start as the identity, the loss at ln(classes)
-            elif name.split(".")[-1] in ("ls1", "ls2"):
+                # Each residual branch ends in a proj that starts at zero, so every block starts as the identity
+                # and the signal passes straight through; the zero head starts every class at the same logit,
+                # the loss at ln(classes)
+                nn.init.zeros_(p)
+            elif name.endswith((".ls1", ".ls2")):
                 nn.init.constant_(p, c.layer_scale)
-            elif p.ndim == 1:  # biases 0, norm gains 1
-                nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.ndim == 1:  # the norms' gains
+                nn.init.ones_(p)
             else:
+                # the other matrices, learned positions and extra tokens: BERT's and ViT's truncated normal
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         if c.pos_emb == "sincos":
             self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
@@ -245,28 +342,49 @@ class ViT(nn.Module):
     def forward(self, x, features=False):
         """x (B, H, W, C) in [0, 1] -> logits (B, K), or features (B, d)."""
         B, H, W, C = x.shape
-        p, g = self.cfg.patch_size, self.grid
+        p = self.cfg.patch_size
+        g = self.grid
         x = (x - self.mean) / self.std
-        x = x.view(B, g, p, g, p, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # patches
-        x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
-        if self.n_extra:  # [cls] and registers go first, with no position
-            x = torch.cat((self.extra.to(x.dtype).expand(B, -1, -1), x), dim=1)
+        # cut a g x g grid of p x p patches, each flattened to p * p * C numbers
+        x = x.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, g, p, p, C)
+        x = x.reshape(B, g * g, -1)  # (B, N, p*p*C)
+        x = self.patch(x)  # (B, N, d)
+        x = x + self.pos.to(x.dtype)  # each patch's token, told where in the image it is
+        if self.n_extra:
+            extra = self.extra.to(x.dtype).expand(B, -1, -1)  # (B, n_extra, d)
+            x = torch.cat((extra, x), dim=1)  # (B, n_extra + N, d)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        f = x[:, 0] if self.cfg.pool == "cls" else x[:, self.n_extra:].mean(1)  # not registers
-        return f if features else self.head(f)
+        # the head reads the class token, or the mean of the patch tokens (global average pooling, Beyer et al.
+        # 2022: as good as a class token, one token fewer); registers are read by neither
+        if self.cfg.pool == "cls":
+            f = x[:, 0]
+        else:
+            f = x[:, self.n_extra:].mean(1)  # (B, d)
+        if features:
+            return f
+        return self.head(f)  # (B, K)
 
     def flops_per_image(self):
         """Training FLOPs per image: 6 per matmul weight per token, plus attention (PaLM)."""
-        # the patch embedding makes no grad for the pixels: 4 a weight, not 6. FlopCounterMode counts 1.7% more at
-        # cifar10 (tests/test_compile.py): the scores that a flash backward recomputes, which MFU leaves out
-        T, patch = self.grid ** 2 + self.n_extra, 4 * self.grid ** 2 * self.patch.weight.numel()
-        n = sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)
-        return T * (6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * T) + patch + 6 * self.head.weight.numel()
+        # A weight costs 2 FLOPs per token forward and 4 backward (the grads of its input and of itself). The patch
+        # embedding makes no grad for the pixels: 4 a weight. Attention's scores and mixing add 12 L d T per token.
+        # FlopCounterMode counts 1.7% more at cifar10 (tests/test_compile.py): the scores that a flash backward
+        # recomputes, which MFU leaves out.
+        T = self.grid ** 2 + self.n_extra  # tokens per image
+        n = sum(p.numel() for p in self.blocks.parameters() if p.ndim == 2)  # the blocks' matmul weights
+        matmuls = 6 * n * T
+        attention = 12 * self.cfg.n_layer * self.cfg.n_embd * T * T
+        patch = 4 * self.grid ** 2 * self.patch.weight.numel()
+        head = 6 * self.head.weight.numel()  # once per image: the head reads one pooled token
+        return matmuls + attention + patch + head
 
 def build_model(cfg, meta, device):
     """Build on the meta device, then initialise under cfg.seed."""
+    # On the meta device the modules get shapes but no memory, so nothing is initialised twice; every rank then
+    # draws the same weights from cfg.seed, and DDP and FSDP2 start from one model
     with torch.device("meta"):
         model = ViT(cfg, meta["image_size"][0], meta["channels"], meta["num_classes"])
     model.to_empty(device=device)
@@ -276,37 +394,66 @@ def build_model(cfg, meta, device):
 
 # -----------------------------------------------------------------------------
 # Data
+# Both splits live on the device as uint8 (the loader in the images fence below), and augmentation runs there
+# on whole batches: no worker processes, no host-to-device copies in the loop. Shift and flip are the classic
+# CIFAR pair (He et al. 2016); DeiT adds RandAugment (Cubuk et al. 2020), left out here: mixup and cutmix carry
+# the heavy regularisation when a preset needs it. The loss (in the loop) smooths its labels (Szegedy et al. 2016):
+# the target puts 1 - label_smoothing on the true class and spreads the rest over all classes, so the logits
+# need not grow without bound to fit the training images.
 
 def augment(x, cfg, flip):
     """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
-    (B, H, W, _), dev, t = x.shape, x.device, cfg.translate
-    if t:  # a random crop of the reflect-padded image (B, H+2t, W+2t, C)
-        xp = F.pad(x.permute(0, 3, 1, 2), (t, t, t, t), mode="reflect").permute(0, 2, 3, 1)
-        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)
-        rows, cols = dy + torch.arange(H, device=dev), dx + torch.arange(W, device=dev)
-        x = xp[torch.arange(B, device=dev)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    B, H, W, _ = x.shape
+    dev = x.device
+    t = cfg.translate
+    if t:
+        # a random H x W crop of the image padded by t reflected pixels: a shift that invents no black border
+        chw = x.permute(0, 3, 1, 2)  # (B, C, H, W): F.pad pads the last two dims
+        xp = F.pad(chw, (t, t, t, t), mode="reflect")  # (B, C, H+2t, W+2t)
+        xp = xp.permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)  # each image's offset, (B, 1)
+        rows = dy + torch.arange(H, device=dev)  # (B, H)
+        cols = dx + torch.arange(W, device=dev)  # (B, W)
+        batch = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
+        x = xp[batch, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C): image b's rows and columns
     if flip:
-        x = torch.where(torch.rand(B, 1, 1, 1, device=dev) < 0.5, x.flip(2), x)
+        # a mirror image is the same class only for some data (not for letters): the caller decides, from
+        # --flip or the data's flip_ok
+        mirror = torch.rand(B, 1, 1, 1, device=dev) < 0.5  # (B, 1, 1, 1)
+        x = torch.where(mirror, x.flip(2), x)
     return x
 
 def mix(x, y, cfg):
     """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
-    use_cutmix = cfg.cutmix > 0 and (cfg.mixup == 0 or torch.rand(()).item() < 0.5)
+    # Mixup (Zhang et al. 2018) blends two images, cutmix (Yun et al. 2019) pastes a box of one into the other; the
+    # target mixes the same way, lam of one label and 1 - lam of the other. Cross-entropy is linear in its target,
+    # so the loop adds the two labels' losses by their weights. Each image's partner is the one at the mirrored
+    # place in the batch (the batch reversed), whose order is already random: no second batch is read.
+    use_cutmix = cfg.cutmix > 0
+    if use_cutmix and cfg.mixup > 0:
+        use_cutmix = torch.rand(()).item() < 0.5
     alpha = cfg.cutmix if use_cutmix else cfg.mixup
     if alpha == 0:
         return x, y, y, 1.0
     lam = torch.distributions.Beta(alpha, alpha).sample().item()
     if not use_cutmix:
-        return lam * x + (1 - lam) * x.flip(0), y, y.flip(0), lam
-    # paste a box of area 1 - lam from the partner; lam is then the area kept
+        x = lam * x + (1 - lam) * x.flip(0)
+        return x, y, y.flip(0), lam
+    # paste a box of area 1 - lam from the partner, centred anywhere
     B, H, W, _ = x.shape
-    h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
-    cy, cx = int(torch.randint(H, ())), int(torch.randint(W, ()))
-    y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
-    x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
+    h = int(H * math.sqrt(1 - lam))
+    w = int(W * math.sqrt(1 - lam))
+    cy = int(torch.randint(H, ()))
+    cx = int(torch.randint(W, ()))
+    y0 = max(cy - h // 2, 0)
+    y1 = min(cy + h // 2, H)
+    x0 = max(cx - w // 2, 0)
+    x1 = min(cx + w // 2, W)
     x = x.clone()
     x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
-    return x, y, y.flip(0), 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    # the image's edge may clip the box: the weight is the share of the image really kept
+    kept = 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    return x, y, y.flip(0), kept
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
@@ -376,34 +523,75 @@ def orthogonalise(x):
     return x
 # === end shared ===
 
-def build_optimizers(cfg, raw, device, dtype=torch.float32):
+def build_optimizers(cfg, raw, dtype=torch.float32):
     """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
-    named = [(n.split(".")[0], p) for n, p in raw.named_parameters()]
-    hidden = [p for top, p in named if p.ndim == 2 and top == "blocks"]
-    decay = [p for top, p in named if p.ndim == 2 and top in ("patch", "head")]
-    # norms, biases, positions, [cls] and registers
-    rest = [p for top, p in named if p.ndim != 2 or top not in ("blocks", "patch", "head")]
-    opts, wd = [], cfg.weight_decay
+    # Muon orthogonalises an update, which suits a matrix that maps hidden features to hidden features: the blocks'.
+    # The patch embedding reads pixels and the head writes logits; Muon's authors leave such input and output layers
+    # to AdamW, as they do vectors, which have no matrix to orthogonalise. Weight decay pulls weights toward zero:
+    # right for the matrices, wrong for norm gains (1 at init), biases, positions and the extra tokens.
+    hidden = []  # the blocks' matrices: Muon's, or AdamW's with decay
+    decay = []  # the patch embedding's and the head's matrices: AdamW's, with decay
+    rest = []  # norm gains, biases, positions, the class token and registers: AdamW's, no decay
+    for name, p in raw.named_parameters():
+        top = name.split(".")[0]  # blocks, patch, head, pos, extra or norm
+        if p.ndim == 2 and top == "blocks":
+            hidden.append(p)
+        elif p.ndim == 2 and top in ("patch", "head"):
+            decay.append(p)
+        else:
+            rest.append(p)
+    wd = cfg.weight_decay
+    opts = []
     if cfg.optimizer == "muon":
+        # Newton-Schulz runs in bf16 only if the run does: a CPU without bf16 matmuls emulates them ~100x slower
         ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
     else:
         decay = hidden + decay
-    groups = [dict(params=decay, weight_decay=wd), dict(params=rest, weight_decay=0.0)]
-    opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True))  # found_inf: skips
-    for g in (g for opt in opts for g in opt.param_groups):
-        g["peak_lr"] = g["lr"]
+    groups = [
+        dict(params=decay, weight_decay=wd),
+        dict(params=rest, weight_decay=0.0)
+    ]
+    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
+    adamw = torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=True
+    )
+    opts.append(adamw)
     return opts
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
-    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    p, f = min(max(progress, 0.0), 1.0), cfg.final_lr_frac
+    # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
+    # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget, so
+    # a run on a time budget decays to its end whatever its speed.
+    # Linear, from peak / warmup_steps at the first step to the peak at step warmup_steps - 1.
+    warm = 1.0
+    if cfg.warmup_steps:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac  # the floor that every decay ends on
     if cfg.schedule == "cosine":
+        # cosine decay (Loshchilov & Hutter 2017) from the peak down to final_lr_frac of it
         return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:  # (Hu et al. 2024)
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
+        # warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak until the last cooldown_frac, then a linear
+        # decay. A checkpoint of the stable phase can train on, or be cooled down for an early result.
         return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
     return warm
+
+def budget(cfg, steps_per_epoch, bench_steps):
+    """(max_steps, time_budget): a count of steps to train, or else seconds of training; the other is 0."""
+    # Steps: --max_steps, or --epochs counted in steps (an epoch is at least one step: the loader refuses a train
+    # split smaller than a batch), or --benchmark's own count. Seconds: --time_budget, where no count is set.
+    # The LR schedule runs over whichever it is, so a run on a time budget decays to its end whatever its speed.
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    if cfg.benchmark:
+        max_steps = bench_steps
+    time_budget = 0.0 if max_steps else cfg.time_budget
+    return max_steps, time_budget
 
 # -----------------------------------------------------------------------------
 # System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
@@ -574,73 +762,115 @@ def agree(rows, t0, world_size):
 
 @torch.no_grad()
 def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
-    """Top-1, top-5, mean loss and confusion (true, predicted) of the first n val images."""
+    """({val_acc, val_top5, val_loss}, the confusion matrix (true, predicted)) of the first n val images."""
     model.eval()
-    # top-1 hits, top-5 hits, the loss's sum, then the confusion counts
+    # This rank's sums, in one tensor so that one all-reduce adds them up over the ranks: top-1 hits, top-5 hits,
+    # the loss's sum, then the K x K confusion counts (true class, predicted class), flattened.
     sums = torch.zeros(3 + K * K, device=y_all.device, dtype=torch.float64)
-    for it in range(math.ceil(n / (B * world_size))):  # as many forwards on every rank (FSDP)
+    # The ranks take turns at batches of B. Under FSDP every forward is a collective, so every rank runs as many:
+    # a rank past the end of the n images reads one image and counts it with weight 0.
+    for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
-        i, j, w = (i, min(i + B, n), 1.0) if i < n else (0, 1, 0.0)  # past the end: uncounted
-        x, y = x_all[i:j].float() / 255, y_all[i:j]
+        j = min(i + B, n)
+        w = 1.0
+        if i >= n:
+            i, j, w = 0, 1, 0.0
+        x = x_all[i:j].float() / 255  # (b, H, W, C) in [0, 1]
+        y = y_all[i:j]
         with ctx:
-            logits = model(x).float()
-            if tta_flip:  # the mean of both predictions' probabilities
-                logits = torch.stack((logits, model(x.flip(2)).float())).log_softmax(-1).logsumexp(0)
-        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5)
+            logits = model(x).float()  # (b, K)
+            if tta_flip:
+                # test-time augmentation: the log of the mean of the two views' probabilities (up to a constant,
+                # which the softmax below cancels)
+                both = torch.stack((logits, model(x.flip(2)).float()))  # (2, b, K)
+                logits = both.log_softmax(-1).logsumexp(0)
+        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5): the classes in order of their logits
+        top1 = (top[:, 0] == y).sum()
+        top5 = (top == y[:, None]).any(1).sum()
         loss = F.cross_entropy(logits, y, reduction="sum")
-        sums[:3] += w * torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(1).sum(), loss]).double()
-        sums[3:] += w * torch.bincount(y * K + top[:, 0], minlength=K * K).double()
+        sums[:3] += w * torch.stack([top1, top5, loss]).double()
+        cells = y * K + top[:, 0]  # (b,): each image's cell (true, predicted) of the confusion matrix, flattened
+        sums[3:] += w * torch.bincount(cells, minlength=K * K).double()
     model.train()
     total = all_mean(sums, world_size) * world_size
     acc, top5, loss = (total[:3] / n).tolist()
-    return {"val_acc": acc, "val_top5": top5, "val_loss": loss,
-            "confusion": total[3:].view(K, K).long().cpu().numpy()}
+    confusion = total[3:].view(K, K).long().cpu().numpy()  # (K, K): rows true, columns predicted
+    return {"val_acc": acc, "val_top5": top5, "val_loss": loss}, confusion
 
-def evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
-    """(record, confusion, "" or "ema_": the better) of the weights and their EMA."""
+def evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
+    """Evaluate the weights and their EMA, print the eval line and record it in metrics.jsonl; returns (the
+    record, the confusion matrix of the better weights, "" or "ema_": which weights were better)."""
+    # Periodic evals read the first eval_images of the val split, to keep them cheap; the final one reads it all.
     n = len(val_y) if final else min(cfg.eval_images, len(val_y))
     args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
-    res = {"": evaluate(model, *args)}
+    scores, conf = evaluate(model, *args)
+    rec = {"step": step, **scores}
+    best = ""
+    # The EMA's weights are a second model for free: swapped into the model for their eval, then swapped back.
+    # The better of the two (the raw weights on a tie) gives the per-class accuracies and the confusion matrix.
     if ema:
         ema.swap()
-        res["ema_"] = evaluate(model, *args)
+        ema_scores, ema_conf = evaluate(model, *args)
         ema.swap()
-    rec = {"step": step, **{tag + k: v for tag, r in res.items() for k, v in r.items() if k != "confusion"}}
-    best = max(res, key=lambda t: res[t]["val_acc"])
-    conf = res[best]["confusion"]
+        rec |= {"ema_" + k: v for k, v in ema_scores.items()}
+        if ema_scores["val_acc"] > scores["val_acc"]:
+            best = "ema_"
+            conf = ema_conf
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
-    of_ema = f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}" if ema else ""
-    print(f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}% | loss "
-          f"{rec['val_loss']:.4f}{of_ema} | {n} images" + (" (flip TTA)" if cfg.tta_flip else ""))
+    line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
+    line += f" | loss {rec['val_loss']:.4f}"
+    if ema:
+        line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
+    line += f" | {n} images"
+    if cfg.tta_flip:
+        line += " (flip TTA)"
+    print(line)
+    record(metrics, **rec)
     return rec, conf, best
 
 def plot_results(out_dir, history, confusion, classes):
     """accuracy.png (val accuracy, its EMA's, train loss) and confusion.png."""
+    # imported here, not at the top: only a finished run on rank 0 plots, and Agg draws without a display
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    # history holds the log steps' train losses and the evals' records, in the order they happened
     fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
         if pts := [(h["step"], 100 * h[key]) for h in history if key in h]:
             ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(xlabel="step", ylabel="val top-1 accuracy (%)", title=os.path.basename(os.path.abspath(out_dir)))
+    ax.set(
+        xlabel="step",
+        ylabel="val top-1 accuracy (%)",
+        title=os.path.basename(os.path.abspath(out_dir))
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
     if losses := [(h["step"], h["loss"]) for h in history if "loss" in h]:
-        ax2 = ax.twinx()
+        ax2 = ax.twinx()  # the loss on its own axis, at the right
         ax2.plot(*zip(*losses), color="gray", alpha=0.5)
         ax2.set_ylabel("train loss")
+    # The confusion matrix, as rates: row i is where the val images of class i went. Up to 30 classes each cell
+    # is labelled with its count; more would not be legible, so only the colours show.
     K = len(classes)
-    fig2, ax = plt.subplots(figsize=(2 + 0.5 * K, 1.5 + 0.5 * K) if K <= 30 else (12, 11))
-    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # where a class went
+    labelled = K <= 30
+    size = (12, 11)
+    if labelled:
+        size = (2 + 0.5 * K, 1.5 + 0.5 * K)
+    fig2, ax = plt.subplots(figsize=size)
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # (K, K), each row sums to 1
     ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
-    if K <= 30:
+    if labelled:
         ax.set_xticks(range(K), classes, rotation=90)
         ax.set_yticks(range(K), classes)
         for i, j in zip(*np.nonzero(confusion)):
-            color = "white" if rates[i, j] > 0.5 else "black"
+            color = "white" if rates[i, j] > 0.5 else "black"  # legible on a dark cell and a light one
             ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
-    ax.set(xlabel="predicted", ylabel="true", title=f"confusion on val ({int(confusion.sum())} images)")
+    ax.set(
+        xlabel="predicted",
+        ylabel="true",
+        title=f"confusion on val ({int(confusion.sum())} images)"
+    )
     for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=120)
@@ -651,9 +881,12 @@ def done_line(step, epochs, train_time, rec, best, meta, out_dir):
     they did better), and the three weakest classes."""
     acc = rec["per_class_acc"]
     weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
-    return (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | val acc "
-            f"{100 * rec[f'{best}val_acc']:.2f}% ({'EMA' if best else 'raw'} weights) | weakest: {weakest} | "
-            f"checkpoint, accuracy.png and confusion.png in {out_dir}")
+    return (
+        f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s"
+        f" | val acc {100 * rec[best + 'val_acc']:.2f}% ({'EMA' if best else 'raw'} weights)"
+        f" | weakest: {weakest}"
+        f" | checkpoint, accuracy.png and confusion.png in {out_dir}"
+    )
 
 def main(cfg):
     """Train (or --benchmark) per cfg; returns a dict of final metrics."""
@@ -664,35 +897,42 @@ def main(cfg):
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0, master = time.perf_counter(), rank == 0
+    wall0 = time.perf_counter()
+    master = rank == 0  # every rank prints (ranks > 0 into devnull), but only rank 0 writes files
     # data: both splits held whole on the device as uint8; random images for --benchmark
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
-    (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
+    H, W = meta["image_size"]
+    C = meta["channels"]
+    K = meta["num_classes"]
     flip, why = flips(cfg, meta)
+    # Two views of the data go into every checkpoint: data_info, which a resume must match, and data_meta, which
+    # lets predict_vit.py classify images with the checkpoint alone (the class names, the pixel statistics).
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean", "std")}
 
     # cfg settles here, before anything derives from it. The width: under 10k images, 128
     # stalls near chance for ~500 steps where 64 learns (README). The precision: a resumed run's.
-    width = cfg.n_embd or (64 if len(loader.y) < 10000 and not cfg.benchmark else 128)
+    width = cfg.n_embd
+    if not width:
+        width = 64 if len(loader.y) < 10000 and not cfg.benchmark else 128
     layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
-    B, accum = cfg.batch_size, cfg.grad_accum
+    B = cfg.batch_size
+    accum = cfg.grad_accum
     images_per_step = B * accum * world_size
 
-    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
+    # model, optimizers, EMA, guard
     raw = build_model(cfg, meta, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opts = build_optimizers(cfg, raw, device, dtype)
+    opts = build_optimizers(cfg, raw, dtype)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
     steps_per_epoch = len(loader.y) // (B * world_size) / accum
     bench = Benchmark(cfg.bench_steps, cfg.profile)
-    max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
+    max_steps, time_budget = budget(cfg, steps_per_epoch, bench.total)
     # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
@@ -702,17 +942,16 @@ def train(cfg, stop):
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
-        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
-                             cfg.out_dir)
+        done = train_time >= time_budget if time_budget else step >= max_steps
+        print_resume_or_exit(path, step, done, cfg.out_dir)
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    span = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
-          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum"
-          f" {accum} x world {world_size}) | {budget}"
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
-          + f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world"
+          f" {world_size}) | {span} | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
@@ -720,7 +959,9 @@ def train(cfg, stop):
     # counts the reads). Time has three names: train_time, the seconds of training up to the
     # last sync; t0, when the clock last started; step_time, a step's seconds over the last
     # interval, which estimates the time between syncs.
-    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
+    first = synced = step  # first: where this run (re)starts; synced: the newest step the host has read
+    step_time = 0.0
+    stopped = False
     trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
     t0 = time.perf_counter()  # start the clock
     while True:
@@ -734,19 +975,22 @@ def train(cfg, stop):
                 bench.mark(step, train_time)
         # Evals (one at step 0: an untrained model is at chance) and saves, but not again at the
         # step a resume or rollback starts from. The clock stopped at the sync: they are not
-        # training time.
-        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        # training time. A stop saves, and leaves the final eval (of the whole val split) to the resumed run.
+        final = last_step and not stopped
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals and not cfg.benchmark:
-            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
-                                            step, last_step and not stopped)
-            record(metrics, **rec)
+            rec, conf, best = evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
+                                            step, final)
             history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
         if saves and not cfg.benchmark:
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
-                         "step": step, "guard": guard.state(), "train_time": train_time,
-                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
+            # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
+            # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
+            writer.save({
+                **model_state(raw, opts, ema, full=not sharded),
+                "scaler": scaler.state_dict(), "step": step, "guard": guard.state(), "train_time": train_time,
+                "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
         if last_step:
             break
         if evals or saves:
@@ -759,22 +1003,25 @@ def train(cfg, stop):
             progress = (train_time + (step - synced) * step_time) / time_budget
         else:
             progress = step / max_steps
+        # Every group of both optimizers shares one peak LR (Muon scales its update to AdamW's size), so one
+        # multiplier sets them all.
         mult = lr_mult(cfg, step, progress)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        loss_sum, ls = torch.zeros((), device=device), cfg.label_smoothing
+                g["lr"] = cfg.lr * mult
+        loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = loader.next()
-            x, ya, yb, lam = mix(augment(x.float() / 255, cfg, flip), y, cfg)
+            x, y = loader.next()  # (B, H, W, C) uint8, (B,)
+            x = augment(x.float() / 255, cfg, flip)  # (B, H, W, C) in [0, 1]
+            x, ya, yb, lam = mix(x, y, cfg)
             # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
-                    logits = model(x).float()
-                    loss = F.cross_entropy(logits, ya, label_smoothing=ls)
+                    logits = model(x).float()  # (B, K)
+                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
                     if lam < 1:  # a mixed batch: each partner's loss, by its share
-                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=ls)
+                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
                     loss = loss / accum  # the mean over micro-steps: one big batch
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -801,8 +1048,8 @@ def train(cfg, stop):
             near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
         else:
             near_end = step >= max_steps
-        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
-        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+        due = any(every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every))
+        if not (near_end or stopped or due or (cfg.benchmark and bench.due(step))):  # bench: where it times
             continue
         rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
         t0 = time.perf_counter()
@@ -826,19 +1073,17 @@ def train(cfg, stop):
         print(preempted_line(stop.received, step, cfg.out_dir))
         result = {"preempted": True, "steps": step, "train_time": train_time}
     elif cfg.benchmark:
+        # a stop cuts the timed steps short, and the figures say so
         timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
         bench.print_profile(cfg.out_dir, device, master)
         result |= timings
-        what = (f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch "
-                f"{cfg.patch_size} | {device} {dtype} compile={compiled}")
-        print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
+        print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size}"
+              f" | {device} {dtype} compile={compiled} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
-        if master:
-            side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
-        key = f"{best}val_acc"
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
         if master:
-            append_result(cfg.out_dir, key, result, cfg.description)
+            side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
+            append_result(cfg.out_dir, f"{best}val_acc", result, cfg.description)
         print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, best, meta, cfg.out_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -847,22 +1092,40 @@ def train(cfg, stop):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    for low, keys in ((1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every "
-                          "bench_steps"),  # before the check that divides by n_head
-                      (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
-                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")):
+    # Counts and sizes must be at least 1; the rest at least 0, where 0 means off or "pick it for me". The counts
+    # come first, so that the head check below never divides by n_head = 0.
+    for low, keys in (
+        (1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every bench_steps"),
+        (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
+            "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
+    ):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
     width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
     if width % cfg.n_head or (width // cfg.n_head) % 2:
         fit = [h for h in range(1, width + 1) if width % h == 0 and (width // h) % 2 == 0]
-        die(f"--n_embd={width} must split into {cfg.n_head} heads of even size; --n_head={'|'.join(map(str, fit))} "
-            f"would, or change --n_embd")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1 or not 0 < cfg.cooldown_frac <= 1:
+        die(
+            f"--n_embd={width} must split into {cfg.n_head} heads of even size; --n_head={'|'.join(map(str, fit))} "
+            f"would, or change --n_embd"
+        )
+    if (
+        cfg.lr <= 0
+        or cfg.warmup_steps < 0
+        or not 0 <= cfg.final_lr_frac <= 1
+        or not 0 < cfg.cooldown_frac <= 1
+    ):
         die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
-    if not (0 <= cfg.ema < 1 and 0 <= cfg.drop_path < 1 and 0 <= cfg.label_smoothing < 1
-            and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.mlp_ratio > 0):
+    # Decays and probabilities stay under 1: an EMA of 1 never moves, Adam's bias correction divides by 1 - beta,
+    # stochastic depth by 1 - drop_path, and a label smoothing of 1 leaves no trace of the true class.
+    if not (
+        0 <= cfg.ema < 1
+        and 0 <= cfg.drop_path < 1
+        and 0 <= cfg.label_smoothing < 1
+        and 0 <= cfg.beta1 < 1
+        and 0 <= cfg.beta2 < 1
+        and cfg.mlp_ratio > 0
+    ):
         die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
     if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
