@@ -13,6 +13,13 @@ A text data dir holds llm.c shards (train_000000.bin, ..., val_000000.bin, ...; 
 and meta.json, written last: a dir without meta.json is not prepared. --tokenizer: byte (EOT 256), gpt2 (tiktoken,
 EOT 50256), or bpe:N (a byte-level BPE trained on the train split, N tokens in all, EOT N-1). docs/data.md has more.
 
+Why this format: a trainer reads tokens, not text, so the text is tokenized once here and never again. A token id
+below 65,536 fits in two bytes, so a shard is uint16, half the disk and memory of int32, and nanoGPT's train.bin is
+the same array with no header (train_gpt.py reads both). llm.c's 1 KB header adds a magic number, a version and the
+token count, so a truncated or foreign file is caught before training on it. The trainer memory-maps each shard: the
+OS pages in what is read, so a corpus larger than RAM trains as well as a small one. Shards of at most 100M tokens
+(200 MB) keep each file a download that resumes on its own and a map that stays small.
+
 Images, for train_vit.py and train_diffusion.py:
     python prepare_data.py shapes                          # no network: 10 procedural shapes, 50,000 + 10,000 images
     python prepare_data.py cifar10                         # downloads CIFAR-10 (170 MB); cifar100 [--labels=coarse] too
@@ -21,6 +28,9 @@ Images, for train_vit.py and train_diffusion.py:
 
 An image data dir holds {train,val}_images.npy, uint8 (N, H, W, C), {train,val}_labels.npy, int64, and meta.json,
 written last: classes, image_size, channels, the train pixels' mean and std, and flip_ok (the trainers flip only then).
+
+Every command builds its files in a hidden folder beside --data_dir and moves them in at the end, meta.json last: a
+command killed at any point leaves the old data (or none), never a folder that looks prepared but is half-written.
 """
 import argparse
 import base64
@@ -54,6 +64,7 @@ import tiktoken
 # -----------------------------------------------------------------------------
 # Config
 
+# every address this script downloads from, as module constants, so that a mirror (or a test) can point elsewhere
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
@@ -62,9 +73,15 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"  # + the IDX file names; the mirror torchvision uses
 FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
-MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c shard header: 256 int32
+# llm.c's shard header: 256 int32, of which the first three are the magic number, the version and the token count
+MAGIC = 20240520
+VERSION = 1
+HEADER_BYTES = 1024
+# the end-of-text token as GPT-2 spells it; a bpe:N tokenizer gives it the last id, N - 1
 EOT = "<|endoftext|>"
-# GPT-4's (cl100k) pre-split: no merge crosses a chunk: a word, up to 3 digits, a run of punctuation or of whitespace
+# GPT-4's (cl100k) pre-split: no merge crosses a chunk: a word, up to 3 digits, a run of punctuation or of whitespace.
+# Without it BPE would learn tokens such as "dog." and "dog!" beside "dog", spending the vocabulary on
+# punctuation glued to words; with it, numbers split into at most 3 digits, which keeps arithmetic regular.
 PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
        r"""\s+(?!\S)|\s""")
 
@@ -76,7 +93,8 @@ def fail(message):
 def leaving_nothing_new(folder):
     """Run the body; if it fails or is interrupted, remove the folders that it made on the way to `folder` and left
     empty, so that a failed command leaves nothing new behind. A partial download stays: the next run resumes it."""
-    new = [p for p in [Path(folder), *Path(folder).parents] if not p.exists()]  # deepest first
+    folder = Path(folder)
+    new = [p for p in [folder, *folder.parents] if not p.exists()]  # deepest first
     try:
         yield
     except BaseException:
@@ -90,15 +108,29 @@ def staging(data_dir, die=fail):
     """A hidden folder beside data_dir (made first) to build files in, which the caller moves into data_dir at the
     end: a run killed halfway leaves the previous data (or none) in data_dir, never a mix that looks prepared.
     die: the calling script's one-line error (chat_gpt.py --prepare stages here too)."""
+    # beside data_dir, on the same file system, so that the final os.replace is a rename: atomic, and no copy
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(prefix=f".{data_dir.name}.tmp-", dir=data_dir.parent))
-    except OSError as e:  # a file where a folder goes, or a folder this process may not write
+    except OSError as e:
+        # a file where a folder goes, or a folder this process may not write
         die(f"{e.filename}: {(e.strerror or type(e).__name__).lower()}; pass a --data_dir in a folder you can write")
     try:
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+def publish(stage, data_dir, meta, old=()):
+    """Move the staged files into data_dir with meta.json written last; `old`: files of a previous preparation."""
+    # Each os.replace is atomic, but a folder of files cannot be replaced at once. So the old meta.json goes first,
+    # the old files next, and the new meta.json is the last move: at every moment in between, data_dir has no
+    # meta.json, and a trainer refuses it as not prepared rather than reading old and new shards together.
+    (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (data_dir / "meta.json").unlink(missing_ok=True)
+    for path in old:
+        path.unlink(missing_ok=True)
+    for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
+        os.replace(f, data_dir / f.name)
 
 # -----------------------------------------------------------------------------
 # Shards
@@ -106,9 +138,11 @@ def staging(data_dir, die=fail):
 def write_shard(path, tokens):
     """Write tokens as an llm.c shard: a 256-int32 header (magic, version, count), then uint16 tokens."""
     tokens = np.asarray(tokens)
-    assert tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2**16), "tokens must fit in uint16"
+    fits = tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < 2**16)
+    assert fits, "tokens must fit in uint16"
     header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
+    # "<": little-endian whatever the machine, as llm.c and nanoGPT write them
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
@@ -116,9 +150,12 @@ def write_shard(path, tokens):
 def num_tokens(path):
     """Token count of an llm.c shard from its header, checked against the file size."""
     size = os.path.getsize(path)
-    header = np.fromfile(path, dtype="<i4", count=3) if size >= HEADER_BYTES else None
+    header = None
+    if size >= HEADER_BYTES:
+        header = np.fromfile(path, dtype="<i4", count=3)
     if header is None or header[0] != MAGIC or header[1] != VERSION:
         fail(f"{path} is not an llm.c token shard (bad header); delete it and prepare the data again")
+    # the count against the size: a copy cut short, or a shard still being written, is caught here
     if size != HEADER_BYTES + 2 * int(header[2]):
         fail(f"{path} holds {(size - HEADER_BYTES) // 2} tokens but its header says {header[2]} (truncated?); "
              "delete it and prepare the data again")
@@ -131,6 +168,12 @@ def read_shard(path):
 
 # -----------------------------------------------------------------------------
 # Tokenizers
+#
+# Three kinds. byte: each UTF-8 byte is a token, 256 of them plus EOT; nothing to train, nothing unknown, but a
+# sequence of T tokens holds only T bytes of text. gpt2: GPT-2's 50,257-token BPE, through tiktoken; a token holds
+# about 4 bytes of English, but its embedding and head are large for a small model. bpe:N: a byte-level BPE trained
+# here on the train split, N tokens in all: a vocabulary sized to the model and the data (the stdlib's default, 4,353,
+# is 256 bytes + 4,096 merges + EOT). Every kind starts from bytes, so any text encodes, and none has an unknown token.
 
 def check_bpe_vocab(n):
     """Refuse a bpe:N vocabulary too small for the 256 bytes + EOT, or too large for uint16 token ids."""
@@ -148,37 +191,58 @@ def tokenizer_spec(s):
 
 def merge(word, pair, new):
     """Replace each occurrence of pair in word, left to right, by the token new."""
-    out, i = [], 0
+    out = []
+    i = 0
     while i < len(word):
-        hit = i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]
-        out.append(new if hit else word[i])
-        i += 1 + hit
+        hit = (i + 1 < len(word)
+               and word[i] == pair[0]
+               and word[i + 1] == pair[1])
+        if hit:
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
     return out
 
 def train_bpe(counts, vocab_size):
     """A byte-level BPE of {chunk: count} or a text, as tiktoken's mergeable_ranks {bytes: rank} (0..vocab_size-2)."""
+    # BPE (Sennrich et al. 2016; byte-level as in GPT-2): start from the 256 bytes, then again and again merge the
+    # most frequent adjacent pair of tokens into a new token, until the vocabulary has its size. A token's rank is
+    # the order of its merge, and encoding replays the merges in that order, which is all tiktoken needs.
     check_bpe_vocab(vocab_size)
-    counts = Counter(regex.findall(PAT, counts)) if isinstance(counts, str) else counts
+    if isinstance(counts, str):
+        counts = Counter(regex.findall(PAT, counts))
     # each unique chunk is a word of token ids weighted by its count, and a merge only visits the words
     # that hold its pair: the 4096 merges on the stdlib take seconds, not a pass over 31 MB each
-    words = [list(c.encode() if isinstance(c, str) else c) for c in counts]
+    words = []
+    for c in counts:
+        if isinstance(c, str):
+            c = c.encode()
+        words.append(list(c))
     freq = list(counts.values())
     vocab = [bytes([i]) for i in range(256)]  # token id (= rank) -> bytes
-    pair_counts, where = defaultdict(int), defaultdict(set)  # pair -> occurrences, pair -> words holding it
+    pair_counts = defaultdict(int)  # pair -> occurrences
+    where = defaultdict(set)  # pair -> the words holding it
     for w, word in enumerate(words):
         for p in zip(word, word[1:]):
             pair_counts[p] += freq[w]
             where[p].add(w)
-    heap = [(-c, p) for p, c in pair_counts.items()]  # max count first, ties to the smaller ids: deterministic
+    # a heap gives the most frequent pair without sorting them all after each merge; a merge changes the counts of a
+    # few pairs only, and a popped entry whose count is stale is put back with its count of now
+    # max count first, ties to the smaller ids: deterministic
+    heap = [(-c, p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
-    t0, n_merges = time.time(), vocab_size - 257
+    t0 = time.time()
+    n_merges = vocab_size - 257
     while len(vocab) < vocab_size - 1:
         if not heap:
             fail(f"the training text allows only {len(vocab) - 256} merges, fewer than bpe:{vocab_size} needs; "
                  "use a smaller N or more text")
         neg, pair = heapq.heappop(heap)
         c = pair_counts.get(pair, 0)
-        if c != -neg:  # stale: the count fell since this push (a rise always pushes), so re-queue it as it is now
+        if c != -neg:
+            # stale: the count fell since this push (a rise always pushes), so re-queue it as it is now
             if c > 0:
                 heapq.heappush(heap, (-c, pair))
             continue
@@ -186,32 +250,44 @@ def train_bpe(counts, vocab_size):
         vocab.append(vocab[pair[0]] + vocab[pair[1]])
         grown = set()
         for w in where.pop(pair):
-            word, f = words[w], freq[w]
-            words[w] = new_word = merge(word, pair, new)
-            if len(new_word) == len(word):  # an earlier merge already took this word's pair
+            word = words[w]
+            f = freq[w]
+            new_word = merge(word, pair, new)
+            words[w] = new_word
+            if len(new_word) == len(word):
+                # an earlier merge already took this word's pair
                 continue
+            # take the word's old pairs out of the counts and put its new ones in
             for p in zip(word, word[1:]):
                 pair_counts[p] -= f
             for p in zip(new_word, new_word[1:]):
                 pair_counts[p] += f
                 where[p].add(w)
-                if new in p:  # only pairs with the new token gain counts: all others lose or keep theirs
+                if new in p:
+                    # only pairs with the new token gain counts: all others lose or keep theirs
                     grown.add(p)
         for p in grown:
             heapq.heappush(heap, (-pair_counts[p], p))
-        if (new - 255) % max(1, n_merges // 8) == 0 or new - 255 == n_merges:
-            print(f"bpe: {new - 255}/{n_merges} merges | {time.time() - t0:.1f} s", flush=True)
+        done = new - 255
+        if done % max(1, n_merges // 8) == 0 or done == n_merges:
+            print(f"bpe: {done}/{n_merges} merges | {time.time() - t0:.1f} s", flush=True)
     ranks = {b: i for i, b in enumerate(vocab)}
-    assert len(ranks) == len(vocab), "two merges made the same token"  # never seen; it would leave holes in the ranks
+    # never seen; it would leave holes in the ranks
+    assert len(ranks) == len(vocab), "two merges made the same token"
     return ranks
+
+def encode_bytes(docs):
+    """The byte tokenizer: each document's UTF-8 bytes are its tokens."""
+    return [np.frombuffer(d.encode(), np.uint8) for d in docs]
 
 def make_tokenizer(spec, train_docs, out_dir):
     """Return (encode: list of str -> list of token arrays, meta.json fields) for a --tokenizer spec."""
     if spec == "byte":
         info = dict(vocab_size=257, eot_id=256, pat_str=None, tokenizer_file=None)
-        return (lambda docs: [np.frombuffer(d.encode(), np.uint8) for d in docs]), info
+        return encode_bytes, info
     if spec == "gpt2":
-        try:  # tiktoken downloads its gpt2 files on first use, then reads them from TIKTOKEN_CACHE_DIR
+        try:
+            # tiktoken downloads its gpt2 files on first use, then reads them from TIKTOKEN_CACHE_DIR
             enc = tiktoken.get_encoding("gpt2")
         except Exception as e:
             fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}); set TIKTOKEN_CACHE_DIR to a cache "
@@ -219,15 +295,21 @@ def make_tokenizer(spec, train_docs, out_dir):
         info = dict(vocab_size=enc.n_vocab, eot_id=enc.eot_token, pat_str=None, tokenizer_file=None)
     else:
         n = int(spec[4:])
-        ranks = train_bpe(Counter(c for d in train_docs for c in regex.findall(PAT, d)), n)
+        # trained on the train split only: val text must not shape the tokenizer that its loss is measured with
+        chunks = Counter(c for d in train_docs for c in regex.findall(PAT, d))
+        ranks = train_bpe(chunks, n)
         # the format of tiktoken.load.load_tiktoken_bpe; beware that it caches any file by its path (in
         # TIKTOKEN_CACHE_DIR or /tmp/data-gym-cache), so it returns the old tokenizer after a re-train
-        (out_dir / "tokenizer.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {r}\n"
-                                                            for b, r in ranks.items()))
+        # a line per token: its bytes in base64, a space, its rank
+        lines = [f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()]
+        (out_dir / "tokenizer.tiktoken").write_text("".join(lines))
         enc = tiktoken.Encoding(f"bpe_{n}", pat_str=PAT, mergeable_ranks=ranks, special_tokens={EOT: n - 1})
         info = dict(vocab_size=n, eot_id=n - 1, pat_str=PAT, tokenizer_file="tokenizer.tiktoken")
-    # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
-    encode = lambda docs: [np.array(t, np.uint16) for t in enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())]
+
+    def encode(docs):
+        # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
+        batches = enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
+        return [np.array(t, np.uint16) for t in batches]
     return encode, info
 
 # -----------------------------------------------------------------------------
@@ -235,27 +317,42 @@ def make_tokenizer(spec, train_docs, out_dir):
 
 def download(url, path, instead="'python prepare_data.py stdlib' or 'python prepare_data.py text PATH...'"):
     """Fetch url to path (kept if there) with progress, resuming from path.part; `instead`: the offline way."""
+    # The bytes go to path.part and are renamed to path only when complete, so a file at path is always whole and
+    # a second run skips it. An interrupted download keeps its .part, and the next run asks the server for the
+    # rest with an HTTP Range header: a 200 MB shard cut off at 190 MB costs 10 MB, not 200, to finish.
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
+    have = 0
+    if part.exists():
+        have = part.stat().st_size
+    # timeout=60: a stalled connection fails within a minute, with a line that says to run again, instead of hanging
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"})
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"Range": f"bytes={have}-"}), timeout=60) as r:
-            if r.status != 206:  # the server (or a file:// URL) sent the whole file, not the rest
+        with urllib.request.urlopen(request, timeout=60) as r:
+            if r.status != 206:
+                # the server (or a file:// URL) sent the whole file, not the rest
                 have = 0
             length = r.headers.get("Content-Length")
-            total, n, t0, shown = (have + int(length)) if length else 0, have, time.time(), 0.0
+            total = 0  # unknown without a Content-Length
+            if length:
+                total = have + int(length)
+            n = have
+            t0 = time.time()
+            shown = 0.0
             with open(part, "ab" if have else "wb") as f:
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     n += len(chunk)
                     if time.time() - shown > 0.5 or n == total:
                         shown = time.time()
-                        print(f"\r{path.name}: {n / 1e6:.1f}/{total / 1e6:.1f} MB, "
-                              f"{(n - have) / 1e6 / max(shown - t0, 1e-3):.1f} MB/s", end="", file=sys.stderr)
+                        rate = (n - have) / 1e6 / max(shown - t0, 1e-3)
+                        print(f"\r{path.name}: {n / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.1f} MB/s",
+                              end="", file=sys.stderr)
             print(file=sys.stderr)
-    except OSError as e:  # URLError, HTTPError, timeouts and connection resets are all OSErrors
+    except OSError as e:
+        # URLError, HTTPError, timeouts and connection resets are all OSErrors
         fail(f"cannot download {url} ({getattr(e, 'reason', e)}); offline? use {instead} instead")
     if total and n != total:
         fail(f"the download of {url} stopped at {n}/{total} bytes; run the same command again to resume")
@@ -263,24 +360,40 @@ def download(url, path, instead="'python prepare_data.py stdlib' or 'python prep
 
 # -----------------------------------------------------------------------------
 # Sources: a subcommand each; a text source returns (train documents, val documents)
+#
+# A source only finds documents and splits them; everything after (dropping junk, the tokenizer, the shards, meta.json)
+# is prepare_text's, the same for every source, so a new source is one small function.
 
 def split_tail(text, val_percent):
     """Cut text at a line break near (100 - val_percent)% of its length; return (head, tail)."""
+    # at a line break, so that val does not open with half a line
     k = len(text) * (100 - val_percent) // 100
     cut = text.rfind("\n", 0, k) + 1 or k
     return text[:cut], text[cut:]
 
 def split_files(named, val_percent):
     """Split (relative path, text) pairs by whole files: val when crc32(path) % 100 < val_percent."""
-    # hashing the path, not its place in the list, keeps a file on its side as other files come and go
+    # Whole files, not a random sample of lines: a val file's text is text the model never saw, so val loss
+    # measures generalisation, not how well it recalls the neighbours of a line it trained on.
+    # Hashing the path, not its place in the list, keeps a file on its side as other files come and go.
     val = [zlib.crc32(name.encode()) % 100 < val_percent for name, _ in named]
-    if all(val) or not any(val):  # too few files to split whole: hold out the tail of every file instead
+    if all(val) or not any(val):
+        # too few files to split whole: hold out the tail of every file instead
         pieces = [split_tail(text, val_percent) for _, text in named]
         return [h for h, _ in pieces if h], [t for _, t in pieces if t]
-    return [t for (_, t), v in zip(named, val) if not v], [t for (_, t), v in zip(named, val) if v]
+    train_docs = []
+    val_docs = []
+    for (_, text), in_val in zip(named, val):
+        if in_val:
+            val_docs.append(text)
+        else:
+            train_docs.append(text)
+    return train_docs, val_docs
 
 def junk_reason(doc):
     """Why a document wastes tokens and can set off loss spikes (mostly not text, or a character 1,000+ times)."""
+    # Both turn up in any folder of files: a binary blob, a mis-encoded file, a generated table of one character.
+    # They teach nothing, and their loss, far below or above the rest, can jolt the optimizer when a batch holds one.
     if len(regex.findall(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]", doc)) > 0.01 * len(doc):
         return "binary or mis-encoded"
     if regex.search(r"(.)\1{999}", doc, regex.S):
@@ -290,14 +403,20 @@ def junk_reason(doc):
 def drop_junk(docs, keep):
     """docs without the pathological ones (unless keep), and {reason: count} of those found."""
     reasons = [junk_reason(d) for d in docs]
-    return [d for d, r in zip(docs, reasons) if keep or r is None], dict(Counter(r for r in reasons if r))
+    kept = [d for d, r in zip(docs, reasons) if keep or r is None]
+    return kept, dict(Counter(r for r in reasons if r))
 
 def source_stdlib(args):
     """The running Python's standard library, a document per .py file; installed packages left out."""
+    # about 31 MB of Python on any machine that runs this script: a corpus that needs no network, large enough for a
+    # small model to learn real structure from, and code, whose loss shows learning plainly (indentation, names)
     root = Path(sysconfig.get_paths()["stdlib"])
-    named = [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.py"))]
-    return split_files([(name, p.read_bytes().decode(errors="replace")) for name, p in named
-                        if not {"site-packages", "dist-packages"} & set(name.split("/"))], args.val_percent)
+    named = []
+    for p in sorted(root.rglob("*.py")):
+        name = p.relative_to(root).as_posix()
+        if not {"site-packages", "dist-packages"} & set(name.split("/")):
+            named.append((name, p.read_bytes().decode(errors="replace")))
+    return split_files(named, args.val_percent)
 
 def source_text(args):
     """The files named, and all files under the folders named (hidden ones aside), a document per file."""
@@ -305,11 +424,19 @@ def source_text(args):
     for arg in map(Path, args.paths):
         if not arg.exists():
             fail(f"{arg} does not exist; give text files or folders of them")
-        files = [(arg.name, arg)] if arg.is_file() else [
-            (p.relative_to(arg).as_posix(), p) for p in sorted(arg.rglob("*"))
-            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(arg).parts)]  # e.g. .git
-        # a NUL byte marks a binary file: skip it; other invalid UTF-8 becomes U+FFFD
-        named += [(name, data.decode(errors="replace")) for name, p in files if b"\0" not in (data := p.read_bytes())]
+        if arg.is_file():
+            files = [(arg.name, arg)]
+        else:
+            files = []
+            for p in sorted(arg.rglob("*")):
+                hidden = any(s.startswith(".") for s in p.relative_to(arg).parts)  # e.g. .git
+                if p.is_file() and not hidden:
+                    files.append((p.relative_to(arg).as_posix(), p))
+        for name, p in files:
+            data = p.read_bytes()
+            # a NUL byte marks a binary file: skip it; other invalid UTF-8 becomes U+FFFD
+            if b"\0" not in data:
+                named.append((name, data.decode(errors="replace")))
     if not named:
         fail(f"no text files found in {' '.join(args.paths)}; give text files or folders of them")
     return split_files(named, args.val_percent)
@@ -323,41 +450,67 @@ def source_shakespeare(args):
 
 def prepare_text(args):
     """Read args.source, tokenize both splits into shards, and publish them with meta.json in args.data_dir."""
-    t0, data_dir = time.time(), Path(args.data_dir)
+    t0 = time.time()
+    data_dir = Path(args.data_dir)
     if not 0 < args.val_percent < 100 or args.shard_tokens < 1:
         fail("need 0 < --val_percent < 100 and --shard_tokens >= 1")
     train_docs, val_docs = args.source(args)
-    (train_docs, bad), (val_docs, bad_val) = (drop_junk(d, args.junk == "keep") for d in (train_docs, val_docs))
+    keep = args.junk == "keep"
+    train_docs, bad = drop_junk(train_docs, keep)
+    val_docs, bad_val = drop_junk(val_docs, keep)
     bad = dict(Counter(bad) + Counter(bad_val))
     if bad:
-        print(f"{'kept' if args.junk == 'keep' else 'dropped'} {sum(bad.values())} pathological document(s): "
-              + ", ".join(f"{n} {r}" for r, n in bad.items())
-              + ("" if args.junk == "keep" else " (--junk=keep keeps them)"))
-    random.Random(0).shuffle(train_docs)  # a fixed random order: training should not walk the sources alphabetically
+        found = ", ".join(f"{n} {r}" for r, n in bad.items())
+        if keep:
+            print(f"kept {sum(bad.values())} pathological document(s): {found}")
+        else:
+            print(f"dropped {sum(bad.values())} pathological document(s): {found} (--junk=keep keeps them)")
+    # a fixed random order: training should not walk the sources alphabetically
+    random.Random(0).shuffle(train_docs)
     if not any(train_docs) or not any(val_docs):
-        utf8 = " (files must be UTF-8: iconv -f latin1 -t utf-8 converts)" if "binary or mis-encoded" in bad else ""
+        utf8 = ""
+        if "binary or mis-encoded" in bad:
+            utf8 = " (files must be UTF-8: iconv -f latin1 -t utf-8 converts)"
         fail(f"the train or the val split has no text{utf8}; give more text or change --val_percent")
     with staging(data_dir) as stage:  # built beside data_dir, then moved in
         encode, info = make_tokenizer(args.tokenizer, train_docs, stage)
-        splits, eot = {}, np.array([info["eot_id"]], np.uint16)
+        eot = np.array([info["eot_id"]], np.uint16)
+        splits = {}
         for split, docs in (("train", train_docs), ("val", val_docs)):
-            stream = np.concatenate([a for tokens in encode(docs) for a in (eot, tokens)]).astype(np.uint16)
-            shards = [f"{split}_{i:06d}.bin" for i in range(-(-len(stream) // args.shard_tokens))]
+            # one stream per split, each document opened by EOT: the model learns where documents begin, and a
+            # sequence the loader cuts from the stream may span documents, with EOT telling them apart
+            parts = []
+            for tokens in encode(docs):
+                parts += [eot, tokens]
+            stream = np.concatenate(parts).astype(np.uint16)  # (tokens,)
+            n = args.shard_tokens
+            shards = [f"{split}_{i:06d}.bin" for i in range(-(-len(stream) // n))]  # ceil(len / n) of them
             for i, name in enumerate(shards):
-                write_shard(stage / name, stream[i * args.shard_tokens:(i + 1) * args.shard_tokens])
-            splits[split] = dict(tokens=len(stream), bytes=sum(len(d.encode()) for d in docs), docs=len(docs),
-                                 shards=shards)
-        raw = b"\n".join(d.encode() for d in val_docs)  # the baselines a trained model's val bits per byte should beat
-        meta = dict(format="trainsuite-text-1", source=args.command, tokenizer=args.tokenizer, **info, splits=splits,
-                    junk_docs={"found": bad, "action": args.junk},
-                    val_gzip_bpb=8 * len(gzip.compress(raw, compresslevel=9)) / len(raw),
-                    val_xz_bpb=8 * len(lzma.compress(raw, preset=9)) / len(raw))
-        (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (data_dir / "meta.json").unlink(missing_ok=True)  # from here until the last move, data_dir is not prepared
-        for old in [*data_dir.glob("train_*.bin"), *data_dir.glob("val_*.bin"), data_dir / "tokenizer.tiktoken"]:
-            old.unlink(missing_ok=True)
-        for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
-            os.replace(f, data_dir / f.name)
+                write_shard(stage / name, stream[i * n:(i + 1) * n])
+            # the bytes as well as the tokens: a loss in bits per byte compares across tokenizers, where a loss per
+            # token does not (a byte token carries one byte, a GPT-2 token about four)
+            splits[split] = dict(
+                tokens=len(stream),
+                bytes=sum(len(d.encode()) for d in docs),
+                docs=len(docs),
+                shards=shards,
+            )
+        # the baselines a trained model's val bits per byte should beat: a general-purpose compressor's rate on the
+        # same text. A model whose bits per byte are above gzip's has learned less than gzip's 32 KB window finds.
+        raw = b"\n".join(d.encode() for d in val_docs)
+        meta = dict(
+            format="trainsuite-text-1",
+            source=args.command,
+            tokenizer=args.tokenizer,
+            **info,
+            splits=splits,
+            junk_docs={"found": bad, "action": args.junk},
+            val_gzip_bpb=8 * len(gzip.compress(raw, compresslevel=9)) / len(raw),
+            val_xz_bpb=8 * len(lzma.compress(raw, preset=9)) / len(raw),
+        )
+        # from the first unlink until the last move, data_dir is not prepared
+        old = [*data_dir.glob("train_*.bin"), *data_dir.glob("val_*.bin"), data_dir / "tokenizer.tiktoken"]
+        publish(stage, data_dir, meta, old)
     for split, s in splits.items():
         print(f"{split}: {s['tokens']:,} tokens | {s['bytes']:,} bytes | {s['docs']:,} docs | "
               f"{len(s['shards'])} shard(s)")
@@ -366,43 +519,54 @@ def prepare_text(args):
 
 def prepare_fineweb(args):
     """Download the val shard and the first --shards train shards of GPT-2 tokenized FineWeb-10B; write meta.json."""
+    # These shards are already tokenized, in llm.c's format, so they are downloaded as they are into data_dir (each
+    # whole or not at all, by download's .part) and only meta.json is written here.
     if not 1 <= args.shards <= 103:
         fail(f"--shards={args.shards}: FineWeb-10B has train shards 1..103")
     data_dir = Path(args.data_dir)
-    names = {"train": [f"fineweb_train_{i:06d}.bin" for i in range(1, args.shards + 1)],
-             "val": ["fineweb_val_000000.bin"]}
+    names = {
+        "train": [f"fineweb_train_{i:06d}.bin" for i in range(1, args.shards + 1)],
+        "val": ["fineweb_val_000000.bin"],
+    }
     for name in names["val"] + names["train"]:
         download(FINEWEB_URL + name, data_dir / name)
-    splits = {s: dict(tokens=sum(num_tokens(data_dir / n) for n in ns), bytes=None, docs=None, shards=ns)
-              for s, ns in names.items()}
-    val = read_shard(data_dir / names["val"][0])
+    splits = {}
+    for s, ns in names.items():
+        tokens = sum(num_tokens(data_dir / n) for n in ns)
+        splits[s] = dict(tokens=tokens, bytes=None, docs=None, shards=ns)
+    val = read_shard(data_dir / names["val"][0])  # (tokens,) uint16
     splits["val"]["docs"] = int((val == 50256).sum())  # every document starts with EOT
-    try:  # val bytes, for bits per byte: each token stands for a fixed byte string
+    try:
+        # val bytes, for bits per byte: each token stands for a fixed byte string
         enc = tiktoken.get_encoding("gpt2")
-        lengths = np.array([len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)])
+        lengths = np.array([len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)])  # (vocab,)
         lengths[enc.eot_token] = 0
         splits["val"]["bytes"] = int(lengths[val].sum())
     except Exception as e:
         print(f"val bytes unknown: cannot load tiktoken's gpt2 files ({type(e).__name__}); see TIKTOKEN_CACHE_DIR")
-    meta = dict(format="trainsuite-text-1", source="fineweb", tokenizer="gpt2", vocab_size=50257, eot_id=50256,
-                pat_str=None, tokenizer_file=None, splits=splits, val_gzip_bpb=None, val_xz_bpb=None)
+    meta = dict(
+        format="trainsuite-text-1",
+        source="fineweb",
+        tokenizer="gpt2",
+        vocab_size=50257,
+        eot_id=50256,
+        pat_str=None,
+        tokenizer_file=None,
+        splits=splits,
+        val_gzip_bpb=None,  # no text to compress: the shards hold only tokens
+        val_xz_bpb=None,
+    )
     (data_dir / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(data_dir / "meta.json.tmp", data_dir / "meta.json")  # atomic: never a half-written meta.json
     for split, s in splits.items():
         print(f"{split}: {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
 
-# -----------------------------------------------------------------------------
-# Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
-
-SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
-UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)  # --rotate=off: the angle of each shape upright, in units of pi
-
 def prepare_gpt2(args):
     """GPT-2's weights from the Hugging Face hub (config.json, model.safetensors), for finetune_gpt.py --init_from."""
     out = Path(args.data_dir or f"models/{args.model}")  # download() makes it
+    offline = "--init_from=FOLDER with a Hugging Face GPT-2 folder you have (config.json, model.safetensors)"
     for name in ("config.json", "model.safetensors"):
-        download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name, instead="--init_from=FOLDER with a "
-                 "Hugging Face GPT-2 folder you have (config.json, model.safetensors)")
+        download(f"{GPT2_URL}{args.model}/resolve/main/{name}", out / name, instead=offline)
     print(f"{args.model} is in {out}: python finetune_gpt.py --init_from={out} --data_dir=DATA (GPT-2 tokens)")
 
 def prepare_hellaswag(args):
@@ -410,54 +574,118 @@ def prepare_hellaswag(args):
     path = Path(args.data_dir) / "hellaswag_val.jsonl"
     own = "eval_gpt.py --items=FILE, items of your own (a JSON line each: ctx, endings, label)"
     download(HELLASWAG_URL, path, instead=own)
-    print(f"{sum(1 for line in path.open() if line.strip()):,} items in {path}: python eval_gpt.py --items={path}")
+    items = sum(1 for line in path.open() if line.strip())
+    print(f"{items:,} items in {path}: python eval_gpt.py --items={path}")
+
+# -----------------------------------------------------------------------------
+# Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
+#
+# Images are stored decoded, as one uint8 array per split: 50,000 CIFAR images are 150 MB, which a trainer loads
+# into memory once and never decodes again, where a folder of PNGs would be decoded again every epoch, on the CPU
+# that also feeds the GPU. Labels are int64, the class indices that torch's cross_entropy takes.
+
+SHAPES = ("circle", "ring", "triangle", "square", "hexagon", "star", "cross", "crescent", "heart", "arrow")
+# --rotate=off: the angle of each shape upright, in units of pi
+UPRIGHT = (0, 0, 1.5, 0.25, 0, 1.5, 0, 0, 1, 0)
+CORNERS = {"triangle": 3, "square": 4, "hexagon": 6}
 
 def shape_mask(k, u, v):
     """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
-    r, th = np.hypot(u, v), np.arctan2(v, u)
-    polygon = lambda n: r * np.cos(np.mod(th, 2 * np.pi / n) - np.pi / n) < np.cos(np.pi / n)  # noqa: E731
-    x, y = 1.2 * u, 1.2 * v + 0.2  # heart coordinates
-    return [lambda: r < 0.9, lambda: (r < 1) & (r > 0.55), lambda: polygon(3), lambda: polygon(4), lambda: polygon(6),
-            lambda: r < 0.42 + 0.58 * np.abs(np.cos(2.5 * th)) ** 2,  # five points
-            lambda: ((abs(u) < 0.3) & (abs(v) < 1)) | ((abs(v) < 0.3) & (abs(u) < 1)),
-            lambda: (r < 1) & (np.hypot(u - 0.5, v) > 0.8), lambda: (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0,
-            lambda: ((abs(v) < 0.22) & (u > -1) & (u < 0.1)) | ((u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)),
-            ][k]()
+    r = np.hypot(u, v)
+    th = np.arctan2(v, u)
+    name = SHAPES[k]
+    if name == "circle":
+        return r < 0.9
+    if name == "ring":
+        return (r < 1) & (r > 0.55)
+    if name in CORNERS:
+        # a regular n-gon with its corners on the unit circle: fold the angle into one side's sector; a point is
+        # inside if its distance along that side's normal is under the side's, cos(pi / n)
+        n = CORNERS[name]
+        return r * np.cos(np.mod(th, 2 * np.pi / n) - np.pi / n) < np.cos(np.pi / n)
+    if name == "star":
+        return r < 0.42 + 0.58 * np.abs(np.cos(2.5 * th)) ** 2  # five points
+    if name == "cross":
+        vertical = (abs(u) < 0.3) & (abs(v) < 1)
+        horizontal = (abs(v) < 0.3) & (abs(u) < 1)
+        return vertical | horizontal
+    if name == "crescent":
+        return (r < 1) & (np.hypot(u - 0.5, v) > 0.8)  # a disc less a smaller one shifted right
+    if name == "heart":
+        # the heart curve (x^2 + y^2 - 1)^3 = x^2 y^3, scaled and moved to fill [-1, 1]
+        x = 1.2 * u
+        y = 1.2 * v + 0.2
+        return (x * x + y * y - 1) ** 3 - x * x * y ** 3 < 0
+    # the arrow: a shaft along u, then a triangular head pointing to +u
+    shaft = (abs(v) < 0.22) & (u > -1) & (u < 0.1)
+    head = (u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)
+    return shaft | head
 
 def make_shapes(n, size, seed, chunk=256, rotate=True):
     """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
     seed. A bright shape of random colour, size, position and rotation (or upright) on a dark gradient background with
     clutter lines and blobs: neither colour nor position gives the class away, so a linear classifier does poorly."""
+    # A dataset that needs no download and that a small ViT must learn shapes to solve: every cue but the outline
+    # (colour, size, place, angle, background, clutter) is random. The draws below come from one generator in a
+    # fixed order, so the same seed gives the same images, bit for bit.
+    # chunk: images are drawn 256 at a time, so that the float32 work arrays, (256, 2 size, 2 size, 3), stay small
+    # whatever n is
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, len(SHAPES), n)
+    labels = rng.integers(0, len(SHAPES), n)  # (n,)
     ss = 2  # 2x2 supersampling: anti-aliased edges
     g = (np.arange(size * ss) + 0.5) / (size * ss) * 2 - 1  # pixel centres in [-1, 1]
-    Y, X = np.meshgrid(g.astype(np.float32), g.astype(np.float32), indexing="ij")
+    g = g.astype(np.float32)
+    Y, X = np.meshgrid(g, g, indexing="ij")  # (size * ss, size * ss) each
     out = np.empty((n, size, size, 3), np.uint8)
     for i in range(0, n, chunk):
         m = min(chunk, n - i)
-        par = lambda *s: rng.random((m, *s), np.float32)[:, None, None]  # noqa: E731  (m, 1, 1, *s): broadcasts on Y, X
-        ang = 2 * np.pi * par()  # the background: a dark gradient at a random angle
-        img = 0.45 * (par(3) + (par(3) - par(3)) * ((np.cos(ang) * X + np.sin(ang) * Y + 1) / 2)[..., None])
-        for j in range(2):  # up to 2 thin lines across the image, half-transparent
-            a, off, w, on = np.pi * par(), 2 * par() - 1, 0.015 + 0.025 * par(), par() < (0.8, 0.4)[j]
+
+        def par(*shape):
+            """m uniform numbers in [0, 1) for each of shape, as (m, 1, 1, *shape): they broadcast over Y, X."""
+            return rng.random((m, *shape), np.float32)[:, None, None]
+        # the background: a dark gradient between two random colours, at a random angle
+        ang = 2 * np.pi * par()
+        base = par(3)
+        top = par(3)
+        bottom = par(3)
+        ramp = (np.cos(ang) * X + np.sin(ang) * Y + 1) / 2  # (m, H, W) in [0, 1]
+        img = 0.45 * (base + (top - bottom) * ramp[..., None])  # (m, H, W, 3)
+        for j in range(2):
+            # up to 2 thin lines across the image, half-transparent
+            a = np.pi * par()
+            off = 2 * par() - 1
+            w = 0.015 + 0.025 * par()
+            on = par() < (0.8, 0.4)[j]
             line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
             img = np.where(line[..., None], 0.6 * par(3), img)
         for _ in range(2):  # up to 2 small blobs
-            cx, cy, rr, on = 2 * par() - 1, 2 * par() - 1, 0.04 + 0.08 * par(), par() < 0.5
-            img = np.where(((np.hypot(X - cx, Y - cy) < rr) & on)[..., None], 0.6 * par(3), img)
+            cx = 2 * par() - 1
+            cy = 2 * par() - 1
+            rr = 0.04 + 0.08 * par()
+            on = par() < 0.5
+            blob = (np.hypot(X - cx, Y - cy) < rr) & on
+            img = np.where(blob[..., None], 0.6 * par(3), img)
+        # the shape: a scale s, a centre that keeps it inside the image, and an angle
         s = 0.45 + 0.35 * par()
-        cx, cy = (2 * par() - 1) * (1 - s), (2 * par() - 1) * (1 - s)
-        rot = 2 * np.pi * par() if rotate else np.pi * np.array(UPRIGHT, np.float32)[labels[i:i + m], None, None]
-        xr, yr = (X - cx) / s, (Y - cy) / s
-        u, v = np.cos(rot) * xr + np.sin(rot) * yr, np.cos(rot) * yr - np.sin(rot) * xr
+        cx = (2 * par() - 1) * (1 - s)
+        cy = (2 * par() - 1) * (1 - s)
+        if rotate:
+            rot = 2 * np.pi * par()
+        else:
+            rot = np.pi * np.array(UPRIGHT, np.float32)[labels[i:i + m], None, None]
+        # the pixels in shape coordinates: moved to the centre, scaled, rotated
+        xr = (X - cx) / s
+        yr = (Y - cy) / s
+        u = np.cos(rot) * xr + np.sin(rot) * yr
+        v = np.cos(rot) * yr - np.sin(rot) * xr
         mask = np.zeros((m, *X.shape), bool)
         for k in range(len(SHAPES)):
             sel = labels[i:i + m] == k
             mask[sel] = shape_mask(k, u[sel], v[sel])
         col = 0.55 + 0.45 * par(3)  # a bright shape on a dark background
-        img = np.where(mask[..., None], col, img) + 0.02 * rng.standard_normal(img.shape, np.float32)
-        img = img.reshape(m, size, ss, size, ss, 3).mean((2, 4))
+        img = np.where(mask[..., None], col, img)
+        img = img + 0.02 * rng.standard_normal(img.shape, np.float32)  # a little noise: no pixel is exactly clean
+        img = img.reshape(m, size, ss, size, ss, 3).mean((2, 4))  # average each 2x2 block: (m, size, size, 3)
         out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
     return out, labels.astype(np.int64)
 
@@ -466,15 +694,18 @@ def source_shapes(args):
     if args.image_size < 8 or args.train_size < 1 or args.val_size < 1:
         fail("need --image_size >= 8, --train_size >= 1 and --val_size >= 1")
     splits = {}
-    for split, n, seed in (("train", args.train_size, args.seed), ("val", args.val_size, args.seed + 1)):
+    sizes = {"train": (args.train_size, args.seed), "val": (args.val_size, args.seed + 1)}
+    for split, (n, seed) in sizes.items():
         splits[split] = make_shapes(n, args.image_size, seed, rotate=args.rotate == "on")
         print(f"{split}: {n:,} images generated")
     return splits, list(SHAPES)
 
 OFFLINE_IMAGES = "'python prepare_data.py shapes' or 'python prepare_data.py imagefolder PATH'"
 FASHION_CLASSES = "T-shirt/top,Trouser,Pullover,Dress,Coat,Sandal,Shirt,Sneaker,Bag,Ankle boot".split(",")
-IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-             "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "val": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 @contextlib.contextmanager
@@ -482,8 +713,8 @@ def reading(path):
     """Turn the errors of reading a damaged, truncated or wrong file into a one-line fail() that says what to do."""
     try:
         yield
-    except (EOFError, OSError, zlib.error, tarfile.TarError, pickle.UnpicklingError, KeyError, TypeError,
-            ValueError) as e:
+    except (EOFError, OSError, zlib.error, tarfile.TarError, pickle.UnpicklingError,
+            KeyError, TypeError, ValueError) as e:
         fail(f"{path} is damaged or not the expected file ({type(e).__name__}: {' '.join(str(e).split())}); "
              "delete it and run the same command again")
 
@@ -493,56 +724,84 @@ class CifarUnpickler(pickle.Unpickler):
     and refuses everything else. Load with encoding="bytes": Python 2 strings stay bytes, as in every CIFAR loader."""
 
     def find_class(self, module, name):
-        reconstruct = np.zeros(0).__reduce__()[0]  # numpy's _reconstruct, in numpy.core (1.x) or numpy._core (2.x)
-        allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-                   **{(m, "_reconstruct"): reconstruct for m in ("numpy.core.multiarray", "numpy._core.multiarray")}}
+        """The class a pickle names, if it is one that a numpy array needs; refused otherwise."""
+        # numpy's _reconstruct, in numpy.core (1.x) or numpy._core (2.x)
+        reconstruct = np.zeros(0).__reduce__()[0]
+        allowed = {
+            ("numpy", "ndarray"): np.ndarray,
+            ("numpy", "dtype"): np.dtype,
+            ("numpy.core.multiarray", "_reconstruct"): reconstruct,
+            ("numpy._core.multiarray", "_reconstruct"): reconstruct,
+        }
         if (module, name) not in allowed:
             raise pickle.UnpicklingError(f"a pickle in it asks for {module}.{name}, which no CIFAR file holds: refused")
         return allowed[module, name]
 
 def source_cifar(args):
     """CIFAR-10 or CIFAR-100 from the official python-format .tar.gz, read in place: nothing is extracted to disk."""
-    ten = args.command == "cifar10"
-    url, meta_file, prefix = (CIFAR10_URL, "batches.meta", "") if ten else (CIFAR100_URL, "meta", f"{args.labels}_")
+    if args.command == "cifar10":
+        url = CIFAR10_URL
+        meta_file = "batches.meta"
+        prefix = ""
+        files = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]}
+    else:
+        url = CIFAR100_URL
+        meta_file = "meta"
+        prefix = f"{args.labels}_"  # CIFAR-100: fine_ or coarse_
+        files = {"train": ["train"], "val": ["test"]}
     path = Path(args.data_dir) / url.rsplit("/", 1)[1]
     download(url, path, OFFLINE_IMAGES)
-    files = ({"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]} if ten else
-             {"train": ["train"], "val": ["test"]})
-    labels, names = f"{prefix}labels".encode(), f"{prefix}label_names".encode()  # CIFAR-100: fine_ or coarse_
+    labels = f"{prefix}labels".encode()
+    names = f"{prefix}label_names".encode()
     with reading(path), tarfile.open(path, "r:gz") as tar:
         # one pass over the gzip stream (a .tar.gz has no index to seek in), then on to its end, where gzip checks
         # its CRC: a flipped bit fails here, not as wrong pixels
         raw = {Path(m.name).name: tar.extractfile(m).read() for m in tar if m.isfile()}
         tar.fileobj.read()
-        batches = {n: CifarUnpickler(io.BytesIO(raw[n]), encoding="bytes").load()
-                   for n in [meta_file, *files["train"], *files["val"]]}
+        batches = {}
+        for n in [meta_file, *files["train"], *files["val"]]:
+            batches[n] = CifarUnpickler(io.BytesIO(raw[n]), encoding="bytes").load()
         classes = [c.decode() for c in batches[meta_file][names]]
         splits = {}
         for s, ns in files.items():
             # a row holds 1024 R, then 1024 G, then 1024 B values, each plane 32x32 row-major
             x = np.concatenate([np.asarray(batches[n][b"data"], np.uint8).reshape(-1, 3, 32, 32) for n in ns])
-            splits[s] = x.transpose(0, 2, 3, 1), np.concatenate([np.asarray(batches[n][labels], "int64") for n in ns])
+            y = np.concatenate([np.asarray(batches[n][labels], "int64") for n in ns])  # (N,)
+            splits[s] = x.transpose(0, 2, 3, 1), y  # (N, 3, 32, 32) -> (N, 32, 32, 3): channels last, as stored
     return splits, classes
 
 def read_idx(path, magic, ndim):
     """A gzipped IDX file: big-endian int32 magic and ndim sizes, then their product of uint8 values."""
+    # LeCun's IDX format: the magic's third byte is the value type (0x08, uint8) and its fourth the number of
+    # dimensions, so images are 0x0803 = 2051 (N, 28, 28) and labels 0x0801 = 2049 (N,)
     with reading(path):
         data = gzip.decompress(path.read_bytes())
     head = 4 * (ndim + 1)
-    dims = np.frombuffer(data[:head], ">i4").tolist() if len(data) >= head else [None]
-    if dims[0] != magic or min(dims[1:]) < 0 or len(data) != head + math.prod(dims[1:]):
+    dims = [None]
+    if len(data) >= head:
+        dims = np.frombuffer(data[:head], ">i4").tolist()
+    if (dims[0] != magic
+            or min(dims[1:]) < 0
+            or len(data) != head + math.prod(dims[1:])):
         fail(f"{path} is not an IDX file of magic {magic} and the size its header gives (damaged or truncated?); "
              "delete it and run the same command again")
     return np.frombuffer(data, np.uint8, offset=head).reshape(dims[1:])
 
 def source_idx(args):
     """MNIST or Fashion-MNIST from their four gzipped IDX files: 28x28 grayscale, 60,000 train and 10,000 val."""
-    url, data_dir = MNIST_URL if args.command == "mnist" else FASHION_MNIST_URL, Path(args.data_dir)
+    mnist = args.command == "mnist"
+    url = MNIST_URL if mnist else FASHION_MNIST_URL
+    data_dir = Path(args.data_dir)
     for name in [*IDX_FILES["train"], *IDX_FILES["val"]]:
         download(url + name, data_dir / name, OFFLINE_IMAGES)
-    splits = {s: (read_idx(data_dir / images, 2051, 3)[..., None], read_idx(data_dir / labels, 2049, 1).astype("int64"))
-              for s, (images, labels) in IDX_FILES.items()}
-    return splits, [str(d) for d in range(10)] if args.command == "mnist" else list(FASHION_CLASSES)
+    splits = {}
+    for s, (images, labels) in IDX_FILES.items():
+        x = read_idx(data_dir / images, 2051, 3)[..., None]  # (N, 28, 28, 1): one channel
+        y = read_idx(data_dir / labels, 2049, 1).astype("int64")  # (N,)
+        splits[s] = x, y
+    if mnist:
+        return splits, [str(d) for d in range(10)]
+    return splits, list(FASHION_CLASSES)
 
 def list_images(root):
     """{class: sorted image paths} of an ImageFolder-style root (root/CLASS/**/*.png etc.), hidden entries left out."""
@@ -555,8 +814,11 @@ def list_images(root):
              "each (PATH/CLASS/*.png)")
     found = {}
     for c in classes:
-        found[c] = [p for p in sorted((root / c).rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
-                    and not any(s.startswith(".") for s in p.relative_to(root).parts)]
+        found[c] = []
+        for p in sorted((root / c).rglob("*")):
+            hidden = any(s.startswith(".") for s in p.relative_to(root).parts)
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file() and not hidden:
+                found[c].append(p)
         if not found[c]:
             fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the "
                  "folder")
@@ -568,14 +830,20 @@ def load_images(paths, size, split):
         from PIL import Image, ImageOps
     except ImportError:
         fail("imagefolder needs Pillow: pip install Pillow")
-    out, gray, shown = np.empty((len(paths), size, size, 3), np.uint8), True, 0.0
+    out = np.empty((len(paths), size, size, 3), np.uint8)
+    gray = True
+    shown = 0.0
     for i, p in enumerate(paths):
         try:  # UnidentifiedImageError is an OSError
             with Image.open(p) as im:
                 gray &= im.mode in ("1", "L", "LA")
-                out[i] = np.asarray(ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR))
+                # the centre square, resized: the aspect ratio kept and the long side cropped, as torchvision's
+                # Resize + CenterCrop does, and as predict_vit.py reads an image to classify
+                square = ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR)
+                out[i] = np.asarray(square)  # (size, size, 3)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            if i:  # a progress line is open: the error goes after it, not on it
+            if i:
+                # a progress line is open: the error goes after it, not on it
                 print(file=sys.stderr)
             fail(f"cannot read the image {p} ({type(e).__name__}: {e}); delete or fix it")
         if time.time() - shown > 0.5 or i + 1 == len(paths):
@@ -591,29 +859,38 @@ def source_imagefolder(args):
         fail("need --image_size >= 1 and 0 < --val_fraction < 1")
     train = list_images(root)
     classes = list(train)
+    # a val folder of its own (a benchmark's fixed split) is kept as it is; otherwise val is drawn from train
     if args.val:
         val = list_images(Path(args.val))
         if unknown := sorted(set(val) - set(train)):
             fail(f"{args.val} has class folder(s) {', '.join(unknown)} that {root} lacks; a val class must also be a "
                  "train class")
-        items = {"train": [(p, k) for k, c in enumerate(classes) for p in train[c]],
-                 "val": [(p, classes.index(c)) for c, ps in val.items() for p in ps]}
+        items = {
+            "train": [(p, k) for k, c in enumerate(classes) for p in train[c]],
+            "val": [(p, classes.index(c)) for c, ps in val.items() for p in ps],
+        }
     else:
         items = {"train": [], "val": []}
         for k, c in enumerate(classes):
             # hashing the path, not its place in the list, keeps an image on its side as others come and go; the
             # highest hash stays in train, so that every class has a train image
-            h = [zlib.crc32(p.relative_to(root).as_posix().encode()) / 2**32 for p in train[c]]
+            h = [zlib.crc32(p.relative_to(root).as_posix().encode()) / 2**32 for p in train[c]]  # in [0, 1)
             top = max(h)
             for p, x in zip(train[c], h):
-                items["val" if x < args.val_fraction and x < top else "train"].append((p, k))
+                if x < args.val_fraction and x < top:
+                    items["val"].append((p, k))
+                else:
+                    items["train"].append((p, k))
         if not items["val"]:
             fail(f"no image of {root} fell into val at --val_fraction={args.val_fraction}; raise it or give --val=PATH")
-    splits, gray = {}, True
+    splits = {}
+    gray = True
     for split, pairs in items.items():
         x, g = load_images([p for p, _ in pairs], args.image_size, split)
-        splits[split], gray = (x, np.array([k for _, k in pairs], np.int64)), gray and g
-    if gray:  # every image is grayscale: keep one channel (L -> RGB copied it into all three)
+        splits[split] = (x, np.array([k for _, k in pairs], np.int64))
+        gray = gray and g
+    if gray:
+        # every image is grayscale: keep one channel (L -> RGB copied it into all three)
         splits = {s: (x[..., :1], y) for s, (x, y) in splits.items()}
     return splits, classes
 
@@ -630,20 +907,28 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
             fail(f"{split}: {len(x)} images but {len(y)} labels; the dataset files do not match")
         if y.min() < 0 or y.max() >= len(classes):
             fail(f"{split}: a label is outside 0..{len(classes) - 1}; the dataset files do not match")
+    # The trainers normalise each channel by the train pixels' mean and std; about 10,000 images estimate them to
+    # a few decimals, so a large set is sampled rather than read whole into float64.
     train = splits["train"][0]
-    pix = train[:: max(1, len(train) // 10000)].reshape(-1, train.shape[-1]).astype(np.float64) / 255
-    meta = dict(format="trainsuite-image-1", source=source, classes=list(classes), num_classes=len(classes),
-                image_size=list(train.shape[1:3]), channels=int(train.shape[3]),
-                mean=pix.mean(0).round(4).tolist(), std=pix.std(0).round(4).tolist(),
-                splits={s: {"images": len(x)} for s, (x, _) in splits.items()}, flip_ok=bool(flip_ok))
+    every = max(1, len(train) // 10000)
+    pix = train[::every].reshape(-1, train.shape[-1]).astype(np.float64) / 255  # (pixels, C) in [0, 1]
+    meta = dict(
+        format="trainsuite-image-1",
+        source=source,
+        classes=list(classes),
+        num_classes=len(classes),
+        image_size=list(train.shape[1:3]),
+        channels=int(train.shape[3]),
+        mean=pix.mean(0).round(4).tolist(),
+        std=pix.std(0).round(4).tolist(),
+        splits={s: {"images": len(x)} for s, (x, _) in splits.items()},
+        flip_ok=bool(flip_ok),
+    )
     with staging(data_dir) as stage:
         for split, (x, y) in splits.items():
             np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
             np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
-        (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (data_dir / "meta.json").unlink(missing_ok=True)
-        for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
-            os.replace(f, data_dir / f.name)
+        publish(stage, data_dir, meta)
     return meta
 
 # Is a mirror image still a sample of its class? Yes for shapes, photos and clothes; no for digits (a mirrored 2 is not
@@ -654,13 +939,19 @@ def prepare_images(args):
     """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
     t0 = time.time()
     splits, classes = args.source(args)
-    flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False)) and getattr(args, "rotate", "on") == "on"
+    flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False))
+    if getattr(args, "rotate", "on") != "on":
+        # upright shapes: a mirrored arrow points the other way
+        flip_ok = False
     meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
     h, w = meta["image_size"]
     counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
     print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, "
           f"in {time.time() - t0:.1f} s")
-    will = "flip the training images" if flip_ok else "not flip them (a mirror image is not taken for its class)"
+    if flip_ok:
+        will = "flip the training images"
+    else:
+        will = "not flip them (a mirror image is not taken for its class)"
     if not flip_ok and args.command == "imagefolder":
         will += "; pass --flip_ok if a mirror image is still its class (photos, most objects)"
     print(f"flip_ok {str(flip_ok).lower()} in meta.json: the trainers' --flip=auto will {will}")
@@ -669,73 +960,124 @@ def prepare_images(args):
 # Entry point
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own error prints the usage over several lines
+    """argparse with prepare_data.py's one-line errors."""
+
+    def error(self, message):
+        """One line, as every script of the suite fails; argparse's own prints the usage over several lines."""
         fail(f"{message} (see python {self.prog} -h)")
 
 def check_flags(unknown, command, parser):
     """Stop at arguments that the subcommand's parser does not take, naming the flag nearest the first as the
     trainers do: a typo such as --data-dir must say which flag it missed, not only that it was not taken."""
     names = [s[2:] for action in parser._actions for s in action.option_strings if s.startswith("--")]
-    near = difflib.get_close_matches(unknown[0].split("=")[0].lstrip("-"), names, n=1)  # every flag has the "--"
-    fix = f"did you mean --{near[0]}?" if near else f"see python prepare_data.py {command} -h"
+    typed = unknown[0].split("=")[0].lstrip("-")
+    near = difflib.get_close_matches(typed, names, n=1)  # every flag has the "--"
+    if near:
+        fix = f"did you mean --{near[0]}?"
+    else:
+        fix = f"see python prepare_data.py {command} -h"
     fail(f"unrecognized arguments: {' '.join(unknown)}; {fix}")
 
 def main(argv=None):
     """Parse the command line (sys.argv when argv is None) and run the subcommand; return 0."""
-    parser = Parser(prog="prepare_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                    allow_abbrev=False)
+    parser = Parser(
+        prog="prepare_data.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
+    # Each subcommand's defaults name what runs it: run(args) prepares, and source(args) reads the data it prepares
     def command(name, help, **defaults):
         """A subcommand's parser. allow_abbrev=False: a typo such as --shard=5 must fail, not be --shard_tokens=5."""
         p = commands.add_parser(name, help=help, allow_abbrev=False)
         p.set_defaults(**defaults)
         return p
-    for name, source, help in [("stdlib", source_stdlib, "Python's standard library .py files (no network)"),
-                               ("text", source_text, "your own text files and folders"),
-                               ("shakespeare", source_shakespeare, "tinyshakespeare (downloads 1.1 MB)")]:
+
+    text_sources = [
+        ("stdlib", source_stdlib, "Python's standard library .py files (no network)"),
+        ("text", source_text, "your own text files and folders"),
+        ("shakespeare", source_shakespeare, "tinyshakespeare (downloads 1.1 MB)"),
+    ]
+    for name, source, help in text_sources:
         p = command(name, help, run=prepare_text, source=source)
         if name == "text":
             p.add_argument("paths", nargs="+", metavar="PATH")
         p.add_argument("--data_dir", default=f"data/{name}")
-        p.add_argument("--tokenizer", type=tokenizer_spec, default="byte", help="byte | gpt2 | bpe:N (N tokens in all)")
-        p.add_argument("--val_percent", type=int, default=10 if name == "shakespeare" else 1,
+        p.add_argument("--tokenizer", type=tokenizer_spec, default="byte",
+                       help="byte | gpt2 | bpe:N (N tokens in all)")
+        # one play is one document: its last 10% is the val split; the other sources hold out 1% of their files
+        val_percent = 1
+        if name == "shakespeare":
+            val_percent = 10
+        p.add_argument("--val_percent", type=int, default=val_percent,
                        help="percent held out for val: files by path hash, or each file's tail if too few files")
-        p.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard at most")
-        p.add_argument("--junk", choices=("drop", "keep"), default="drop", help="binary or repetitive documents")
+        p.add_argument("--shard_tokens", type=int, default=100_000_000,
+                       help="tokens per shard at most")
+        p.add_argument("--junk", choices=("drop", "keep"), default="drop",
+                       help="binary or repetitive documents")
+
     p = command("fineweb", "GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", run=prepare_fineweb)
-    p.add_argument("--shards", type=int, required=True, help="train shards of 100M tokens, 1..103")
+    p.add_argument("--shards", type=int, required=True,
+                   help="train shards of 100M tokens, 1..103")
     p.add_argument("--data_dir", default="data/fineweb10B")
+
     p = command("gpt2", "GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)", run=prepare_gpt2)
     p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
-    p.add_argument("--data_dir", default="", help="where the weights go (default: models/MODEL)")
+    p.add_argument("--data_dir", default="",
+                   help="where the weights go (default: models/MODEL)")
+
     p = command("hellaswag", "HellaSwag's val set, for eval_gpt.py (downloads 11 MB)", run=prepare_hellaswag)
     p.add_argument("--data_dir", default="data/hellaswag")
+
     p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
     p.add_argument("--data_dir", default="data/shapes")
-    p.add_argument("--image_size", type=int, default=32, help="height and width in pixels")
-    p.add_argument("--train_size", type=int, default=50000, help="train images")
-    p.add_argument("--val_size", type=int, default=10000, help="val images")
-    p.add_argument("--seed", type=int, default=0, help="train uses seed, val seed + 1")
-    p.add_argument("--rotate", choices=("on", "off"), default="on", help="random angles, or upright (diffusion's data)")
-    for name, help in [("cifar10", "CIFAR-10 (downloads 170 MB)"), ("cifar100", "CIFAR-100 (downloads 169 MB)"),
-                       ("mnist", "MNIST (downloads 12 MB)"), ("fashion_mnist", "Fashion-MNIST (downloads 31 MB)")]:
-        p = command(name, help, run=prepare_images, source=source_cifar if name.startswith("cifar") else source_idx)
-        p.add_argument("--data_dir", default=f"data/{name}", help="where the download is kept and the arrays written")
+    p.add_argument("--image_size", type=int, default=32,
+                   help="height and width in pixels")
+    p.add_argument("--train_size", type=int, default=50000,
+                   help="train images")
+    p.add_argument("--val_size", type=int, default=10000,
+                   help="val images")
+    p.add_argument("--seed", type=int, default=0,
+                   help="train uses seed, val seed + 1")
+    p.add_argument("--rotate", choices=("on", "off"), default="on",
+                   help="random angles, or upright (diffusion's data)")
+
+    downloaded_images = [
+        ("cifar10", source_cifar, "CIFAR-10 (downloads 170 MB)"),
+        ("cifar100", source_cifar, "CIFAR-100 (downloads 169 MB)"),
+        ("mnist", source_idx, "MNIST (downloads 12 MB)"),
+        ("fashion_mnist", source_idx, "Fashion-MNIST (downloads 31 MB)"),
+    ]
+    for name, source, help in downloaded_images:
+        p = command(name, help, run=prepare_images, source=source)
+        p.add_argument("--data_dir", default=f"data/{name}",
+                       help="where the download is kept and the arrays written")
         if name == "cifar100":
-            p.add_argument("--labels", choices=("fine", "coarse"), default="fine", help="100 fine or 20 coarse classes")
+            p.add_argument("--labels", choices=("fine", "coarse"), default="fine",
+                           help="100 fine or 20 coarse classes")
+
     p = command("imagefolder", "your own images, a subfolder per class: PATH/CLASS/*.png", run=prepare_images,
                 source=source_imagefolder)
-    p.add_argument("path", metavar="PATH", help="a folder of class subfolders of images (png, jpg, jpeg, bmp, webp)")
+    p.add_argument("path", metavar="PATH",
+                   help="a folder of class subfolders of images (png, jpg, jpeg, bmp, webp)")
     p.add_argument("--data_dir", default="data/imagefolder")
-    p.add_argument("--val", metavar="PATH", help="a val folder laid out as PATH (default: --val_fraction)")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="of each class held out for val, by path hash")
-    p.add_argument("--image_size", type=int, default=32, help="the shorter side resized to this, the centre cropped")
-    p.add_argument("--flip_ok", action="store_true", help="a mirror image is still of its class: the trainers may flip")
+    p.add_argument("--val", metavar="PATH",
+                   help="a val folder laid out as PATH (default: --val_fraction)")
+    p.add_argument("--val_fraction", type=float, default=0.1,
+                   help="of each class held out for val, by path hash")
+    p.add_argument("--image_size", type=int, default=32,
+                   help="the shorter side resized to this, the centre cropped")
+    p.add_argument("--flip_ok", action="store_true",
+                   help="a mirror image is still of its class: the trainers may flip")
+
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         check_flags(unknown, args.command, commands.choices[args.command])
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the stage and new folders go
+    # SIGTERM (a scheduler's stop, kill) is raised as Ctrl-C is, as KeyboardInterrupt: the staging folder and any new
+    # folders are removed on the way out, and the command ends in one line instead of dying mid-write
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with leaving_nothing_new(args.data_dir or f"models/{args.model}"):  # gpt2's default folder
             args.run(args)
