@@ -816,6 +816,8 @@ def evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_si
         if ema_scores["val_acc"] > scores["val_acc"]:
             best = "ema_"
             conf = ema_conf
+    # each class's accuracy: its val images predicted right, over its val images (a class with none scores 0);
+    # the final line names the three weakest, so a class the model keeps confusing is not averaged away
     rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
     line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
     line += f" | loss {rec['val_loss']:.4f}"
@@ -1081,6 +1083,8 @@ def train(cfg, stop):
               f" | {device} {dtype} compile={compiled} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
+        # rank 0 draws the plots and adds the run's row to results.tsv, the log of experiments beside out_dir,
+        # under the better of the two val accuracies (raw or EMA weights)
         if master:
             side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
             append_result(cfg.out_dir, f"{best}val_acc", result, cfg.description)
