@@ -248,8 +248,7 @@ class DiT(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """Initialise it in place (it was built on the meta device)."""
-        c = self.cfg
-        s = c.init_std
+        s = self.cfg.init_std
         for name, p in self.named_parameters():
             if "ada." in name or name.startswith("out."):
                 # adaLN-Zero: every gate 0, so each block starts as the identity, and the output layer 0, so the
@@ -259,7 +258,7 @@ class DiT(nn.Module):
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
-        self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
+        self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
 
     def forward(self, x, t, y=None):
         """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
@@ -296,9 +295,11 @@ class DiT(nn.Module):
         once = 0  # matrix weights used once an image: the conditioning
         n = 0  # matrix weights used once a token: attention, MLPs and the output layer
         for k, p in self.named_parameters():
-            if p.ndim == 2 and ("ada." in k or k.startswith("t_mlp.")):
+            if p.ndim != 2:  # biases and norm gains: a few FLOPs, not counted
+                continue
+            if "ada." in k or k.startswith("t_mlp."):
                 once += p.numel()
-            elif p.ndim == 2 and k.startswith(("blocks.", "out.")):
+            elif k.startswith(("blocks.", "out.")):
                 n += p.numel()
         attention = 12 * self.cfg.n_layer * self.cfg.n_embd * T  # scores and their mix of the values
         per_token = 6 * n + 4 * self.patch.weight.numel() + attention
@@ -316,14 +317,14 @@ def build_model(cfg, image_size, channels, num_classes, device):
 
 # -----------------------------------------------------------------------------
 # Diffusion: noising, training target and samplers
+# Both objectives train a network to undo a mix of the data with Gaussian noise e, and sample by starting from pure
+# noise and following the network back to the data. Rectified flow (Liu et al. 2022), or flow matching (Lipman et
+# al. 2022), mixes along a straight line: for one image and its noise the velocity v is the same at every t, the
+# target is simple, and an ODE solver follows it in few steps. DDPM (Ho et al. 2020) mixes on a variance-preserving
+# path set by a noise schedule; it is the baseline most of the literature starts from, kept here to compare.
 # t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
-# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al.; Lipman et al. 2022)
-# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
-# Both train a network to undo a mix of the data with Gaussian noise e, and sample by starting from pure noise and
-# following the network back to t = 0. Rectified flow (Liu et al. 2022), or flow matching (Lipman et al. 2022), mixes
-# along a straight line: for one image and its noise the velocity v is the same at every t, the target is simple,
-# and an ODE solver follows it in few steps. DDPM mixes on a variance-preserving path set by a noise schedule; it
-# is the baseline most of the literature starts from, kept here to compare.
+# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (or x_0, see DiT.forward)
+# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e
 
 T_DDPM = 1000
 
@@ -424,7 +425,7 @@ def to_model(x):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-def build_optimizers(cfg, raw, device):
+def build_optimizer(cfg, raw):
     """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
     # AdamW alone: Muon on the blocks' matrices was no better per second on the CPU demo (BENCHMARKS.md). Decay,
     # if any (DiT uses none), goes to the attention and MLP matrices. Not to adaLN's, which start at 0 and must
@@ -435,13 +436,13 @@ def build_optimizers(cfg, raw, device):
             decay.append(p)
         else:
             rest.append(p)
-    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
-    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
-    # the loop sets each group's LR every step, as lr_mult of this peak
-    for g in opt.param_groups:
-        g["peak_lr"] = g["lr"]
-    return [opt]
+    groups = [
+        dict(params=decay, weight_decay=cfg.weight_decay),
+        dict(params=rest, weight_decay=0.0),
+    ]
+    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step. The
+    # loop sets the LR of both groups every step, cfg.lr times lr_mult.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine or no decay over progress in [0, 1]."""
@@ -715,51 +716,69 @@ def agree(rows, t0, world_size):
 
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
     """The denoising loss of the weights and their EMA; the EMA's samples, scored."""
-    rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
-    for tag in ("", "ema_") if ema else ("",):
-        if tag:
-            ema.swap()
-        args = (cfg, alpha_bar, K, B, rank, world_size, ctx, cfg.eval_images)
-        rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
-    rows = K or cfg.per_class
-    n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
+    H, W = meta["image_size"]
+    C = meta["channels"]
+    rec = {"step": step}
+    args = (cfg, alpha_bar, K, cfg.batch_size, rank, world_size, ctx, cfg.eval_images)
+    rec["val_loss"], rec["val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
+    # The samples come from the EMA of the weights, as DiT's and EDM's do: an average over roughly the last
+    # 1 / (1 - ema) steps, which smooths out the noise of single updates.
+    if ema:
+        ema.swap()
+        rec["ema_val_loss"], rec["ema_val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
+    rows = K or cfg.per_class  # the grid: a row per class, or a square of unconditional samples
+    n_samples = cfg.final_samples if final else cfg.eval_samples
+    n_samples = max(rows * cfg.per_class, n_samples)  # enough to fill the grid
     t0 = time.perf_counter()
-    samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, B, rank, world_size, ctx)
+    samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, cfg.batch_size, rank, world_size, ctx)
     rec["sample_s"] = time.perf_counter() - t0
     if ema:
         ema.swap()
-    grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
+    name = "samples.png" if final else f"samples_{step:05d}.png"
+    grid = os.path.join(cfg.out_dir, name)
     if rank == 0:
-        side_path("writing the sample grid", write_grid, grid, samples[:rows * cfg.per_class].cpu().numpy(), rows,
-                  meta["classes"] if K else None)
+        labels = meta["classes"] if K else None
+        cells = samples[:rows * cfg.per_class].cpu().numpy()
+        side_path("writing the sample grid", write_grid, grid, cells, rows, labels)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
-    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
-          + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
-          + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
-          + (f" | FD-ViT {rec['fd_vit']:.2f}" if "fd_vit" in rec else "")
-          + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
-          + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
+    line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+    if ema:
+        line += f" | ema val loss {rec['ema_val_loss']:.4f}"
+    if "clf_acc" in rec:
+        line += f" | classifier acc {100 * rec['clf_acc']:.1f}%"
+    if "fd_vit" in rec:
+        line += f" | FD-ViT {rec['fd_vit']:.2f}"
+    if "fid" in rec:
+        line += f" | FID {rec['fid']:.2f}"
+    print(f"{line} | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
     """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
-    cols, gap = n // rows, 2
-    h, w = H * zoom + gap, W * zoom + gap  # a cell and the gap after it
-    margin = 8 + 6 * max(map(len, labels)) if labels else 0
-    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)
-    big = images.repeat(zoom, 1).repeat(zoom, 2)
-    big = big.repeat(3, 3) if C == 1 else big
+    cols = n // rows
+    gap = 2
+    h = H * zoom + gap  # a cell and the gap after it
+    w = W * zoom + gap
+    margin = 0  # room for the labels, left of the rows
+    if labels:
+        margin = 8 + 6 * max(map(len, labels))
+    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)  # white
+    big = images.repeat(zoom, 1).repeat(zoom, 2)  # (n, H * zoom, W * zoom, C): a pixel, a zoom x zoom square
+    if C == 1:
+        big = big.repeat(3, 3)  # grey as RGB
     for r in range(rows):
         for j in range(cols):
-            y0, x0 = gap + r * h, margin + gap + j * w
+            y0 = gap + r * h
+            x0 = margin + gap + j * w
             canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
     im = Image.fromarray(canvas)
     draw = ImageDraw.Draw(im)
     for r, name in enumerate(labels or ()):
         draw.text((4, gap + r * h + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+    # written whole, then renamed: a reader never sees half a PNG
     im.save(f"{path}.tmp", format="PNG")
     os.replace(f"{path}.tmp", path)
 
@@ -768,13 +787,15 @@ def conditioning(cfg, meta):
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
-    return 0 if cfg.num_classes == 0 or K == 1 else K
+    if cfg.num_classes == 0 or K == 1:
+        return 0
+    return K
 
 def done_line(step, epochs, train_time, rec, out_dir):
     """The run's last line: steps, epochs, time, and the final scores: the denoising loss of the
     weights (and of their EMA), and the samples' classifier accuracy and Frechet distances."""
-    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
-                        if k in rec)
+    keys = ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
+    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in keys if k in rec)
     return (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | {scores} | checkpoint and "
             f"samples.png in {out_dir}")
 
@@ -787,56 +808,79 @@ def main(cfg):
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0, master = time.perf_counter(), rank == 0
+    wall0 = time.perf_counter()
+    master = rank == 0
     # data: both splits held whole on the device as uint8; random images for --benchmark
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device,
                                             "the upright shapes dataset", "--rotate=off")
-    (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
+    H, W = meta["image_size"]
+    C = meta["channels"]
+    K = conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
-    alpha_bar, scored = cosine_alpha_bar(), cfg.eval_classifier and master and not cfg.benchmark
-    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
+    alpha_bar = cosine_alpha_bar()  # (T + 1,): ddpm's schedule
+    judge = None  # scores the samples on rank 0, which holds them all
+    if cfg.eval_classifier and master and not cfg.benchmark:
+        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
+    ckpt, path = None, None  # --benchmark starts afresh
+    if not cfg.benchmark:
+        ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    B, accum, images_per_step = cfg.batch_size, cfg.grad_accum, cfg.batch_size * cfg.grad_accum * world_size
+    B = cfg.batch_size
+    accum = cfg.grad_accum
+    G = B * world_size  # the global micro-batch
+    images_per_step = G * accum
 
-    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
+    # model, optimizer, EMA, guard
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opts = build_optimizers(cfg, raw, device)
+    opt = build_optimizer(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
-    steps_per_epoch = len(loader.y) // (B * world_size) / accum
+    # the budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
+    steps_per_epoch = len(loader.y) // G / accum
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = 0.0
+    if not (cfg.max_steps or cfg.epochs):
+        time_budget = cfg.time_budget
     bench = Benchmark(cfg.bench_steps, cfg.profile)
-    max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
+    if cfg.benchmark:
+        max_steps = bench.total
+        time_budget = 0.0
     # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
-    step, train_time, history = 0, 0.0, []
+    step = 0
+    train_time = 0.0
+    history = []
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            step, train_time, history = apply_checkpoint(ckpt, raw, [opt], scaler, guard, ema)
             loader.load_state(ckpt["data"])
-        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
-                             cfg.out_dir)
+        done = train_time >= time_budget if time_budget else step >= max_steps
+        print_resume_or_exit(path, step, done, cfg.out_dir)
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
-    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, "
-          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches"
-          + f" | {cfg.objective}" + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
-          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
-          + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+    budget = f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    if time_budget:
+        budget = f"{time_budget:.0f} s"
+    classes = f"{K} classes" if K else "unconditional"
+    objective = cfg.objective
+    if cfg.objective == "flow":
+        objective += f", {cfg.predict}-prediction"
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {classes}"
+          f" | {(H // cfg.patch_size) ** 2} patches | {objective}"
+          f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
+          f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
@@ -844,82 +888,102 @@ def train(cfg, stop):
     # counts the reads). Time has three names: train_time, the seconds of training up to the
     # last sync; t0, when the clock last started; step_time, a step's seconds over the last
     # interval, which estimates the time between syncs.
-    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
+    first = step  # where this run (re)starts
+    synced = step  # the last step the host has read
+    step_time = 0.0
+    stopped = False
     trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
     t0 = time.perf_counter()  # start the clock
     while True:
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
         if step == synced and step > first:  # a sync has just read this step: report it
             if step % cfg.log_every == 0 or last_step:
+                epoch = loader.epoch + loader.pos / len(loader.y)
                 log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
+                         train_time, epoch=epoch)
                 history.append({"step": step, "loss": loss})
             if cfg.benchmark:
                 bench.mark(step, train_time)
         # Evals (one at step 0: the samples of an untrained model are noise) and saves, but not
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
-        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        evals = (
+            (last_step and not stopped)
+            or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        )
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals and not cfg.benchmark:
+            final = last_step and not stopped
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank,
-                                world_size, step, last_step and not stopped)
+                                world_size, step, final)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
         if saves and not cfg.benchmark:
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
-                         "step": step, "guard": guard.state(), "train_time": train_time,
-                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                         "world_size": world_size, "data": loader.state(), "num_classes": K,
-                         "data_meta": data_meta})
+            writer.save({
+                **model_state(raw, [opt], ema, full=not sharded),
+                "scaler": scaler.state_dict(),
+                "step": step,
+                "guard": guard.state(),
+                "train_time": train_time,
+                "history": history,
+                "data_info": data_info,
+                "config": dataclasses.asdict(cfg),
+                "world_size": world_size,
+                "data": loader.state(),
+                "num_classes": K,
+                "data_meta": data_meta,
+            })
         if last_step:
             break
         if evals or saves:
             t0 = time.perf_counter()  # start the clock again
 
-        # one optimizer step. Noise, t, label dropout and flips are drawn for the global batch
-        # from a generator seeded by (seed, step), a slice a rank: a resumed run draws the same
-        # numbers, for any number of ranks
+        # One optimizer step. Noise, t, label dropout and flips are drawn for the global batch
+        # from a generator seeded by (seed, step), and each rank keeps its slice: a resumed run
+        # draws the same numbers, for any number of ranks.
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
         if time_budget:  # the schedule follows the time, estimated since the sync
             progress = (train_time + (step - synced) * step_time) / time_budget
         else:
             progress = step / max_steps
         mult = lr_mult(cfg, step, progress)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        loss_sum, mine = torch.zeros((), device=device), slice(rank * B, (rank + 1) * B)
+        opt.zero_grad(set_to_none=True)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * mult
+        loss_sum = torch.zeros((), device=device)
+        mine = slice(rank * B, (rank + 1) * B)
         for micro in range(accum):
-            x, y = loader.next()
+            x, y = loader.next()  # (B, H, W, C) uint8, (B,)
             x0 = to_model(x)
-            noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
-            t = sample_t(B * world_size, cfg, gen)[mine]
-            u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
+            noise = torch.randn((G, H, W, C), generator=gen, device=device)[mine]
+            t = sample_t(G, cfg, gen)[mine]  # (B,)
+            u = torch.rand((2, G), generator=gen, device=device)[:, mine]  # a coin for the flip, one for the label
             if flip:
                 x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
-            y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None  # label K: none
+            if K:  # label K is "no label": the unconditional model that guidance needs
+                y = torch.where(u[1] < cfg.class_dropout, K, y)
+            else:
+                y = None
             x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
             # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     out = model(x_t, t, y).float()
                 mse = (out - target).square().mean((1, 2, 3))  # (B,)
-                loss = (mse * weight if weight is not None else mse).mean() / accum
+                if weight is not None:  # ddpm's min-SNR weights
+                    mse = mse * weight
+                loss = mse.mean() / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        for opt in opts:
-            scaler.unscale_(opt)
+        scaler.unscale_(opt)
         gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
         # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
-        # the host would stall the device every step. Where skip is 1, fused AdamW and Muon
-        # leave the weights and their state as they were (fused AdamW's fp16-overflow path).
+        # the host would stall the device every step. Where skip is 1, fused AdamW leaves the
+        # weights and their state as they were (its fp16-overflow path).
         row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
         trace[step - synced] = row
-        for opt in opts:
-            opt.found_inf = skip
-            opt.step()
+        opt.found_inf = skip
+        opt.step()
         if ema:  # a skipped step left the weights as they were
             ema.update()
         scaler.update()
@@ -932,8 +996,15 @@ def train(cfg, stop):
             near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
         else:
             near_end = step >= max_steps
-        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
-        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+        sync = (
+            near_end
+            or stopped
+            or every(step, cfg.log_every)
+            or every(step, cfg.eval_every)
+            or every(step, cfg.save_every)
+            or (cfg.benchmark and bench.due(step))
+        )
+        if not sync:
             continue
         rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
         t0 = time.perf_counter()
@@ -945,25 +1016,37 @@ def train(cfg, stop):
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
             writer.wait()
             ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            first = synced = step  # the batches read since are skipped, not read again
+            step, train_time, history = apply_checkpoint(ckpt, raw, [opt], scaler, guard, ema)
+            first = step  # the batches read since are skipped, not read again
+            synced = step
             t0 = time.perf_counter()
 
     # the end: how to resume after a signal, or the benchmark's figures, or the results
     writer.wait()
-    result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
-              "peak_mem_gb": peak_memory_gb(device), "params": n_params}
+    result = {
+        "steps": step,
+        "train_time": train_time,
+        "wall_time": time.perf_counter() - wall0,
+        "peak_mem_gb": peak_memory_gb(device),
+        "params": n_params,
+    }
     if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
         print(preempted_line(stop.received, step, cfg.out_dir))
         result = {"preempted": True, "steps": step, "train_time": train_time}
     elif cfg.benchmark:
-        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
+        signal = stopped and (stop.received or "a signal to another rank")
+        timings, text = bench.timings(rate, signal, step)
         bench.print_profile(cfg.out_dir, device, master)
         result |= timings
         what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W}/{cfg.patch_size} | {device} {dtype}"
         print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
-        key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
+        # results.tsv ranks runs by the best score there is: the classifier's, else the denoising loss
+        key = "val_loss"
+        if "clf_acc" in rec:
+            key = "clf_acc"
+        elif ema:
+            key = "ema_val_loss"
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
         if master:
             append_result(cfg.out_dir, key, result, cfg.description)
