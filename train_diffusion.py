@@ -134,20 +134,36 @@ class Config:
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
-    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured. A 2x2 patch holds 12
-    # numbers, far fewer than a token's width, so the network can predict the velocity (Li & He 2025), and t is
-    # SD3's logit-normal(0, 1)
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10",
-                    patch_size=2, n_layer=12, n_head=6, n_embd=384,
-                    predict="v", t_mean=0.0, t_std=1.0,
-                    time_budget=0.0, epochs=400, batch_size=256,
-                    lr=3e-4, warmup_steps=1000, ema=0.9999,
-                    eval_every=10000, eval_images=10000, eval_samples=1000, final_samples=10000,
-                    sample_steps=50, cfg_scale=1.5),
+    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
+    "cifar10": dict(
+        data_dir="data/cifar10",
+        out_dir="out/diffusion_cifar10",
+        # DiT-S/2: 12 blocks of width 384 in 6 heads, on 2x2 patches (256 tokens)
+        patch_size=2,
+        n_layer=12,
+        n_head=6,
+        n_embd=384,
+        # a 2x2 patch holds 12 numbers, far fewer than a token's width: the network can predict the velocity
+        # itself (Li & He 2025). t is SD3's logit-normal(0, 1).
+        predict="v",
+        t_mean=0.0,
+        t_std=1.0,
+        time_budget=0.0,
+        epochs=400,
+        batch_size=256,  # DiT's
+        lr=3e-4,
+        warmup_steps=1000,
+        ema=0.9999,  # DiT's
+        eval_every=10000,
+        eval_images=10000,
+        eval_samples=1000,
+        final_samples=10000,  # FID is biased upward at few samples (Chong & Forsyth 2020)
+        sample_steps=50,
+        cfg_scale=1.5,  # DiT's guidance for its best FID
+    ),
 }
 # the fields that shape the weights and their meaning: a resumed run must match its checkpoint's
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm",
-               "objective", "predict")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 # A trainer trains (STYLE.md: one job per file). Sampling from a finished checkpoint is
 # sample_diffusion.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
@@ -156,12 +172,16 @@ MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
 
 # -----------------------------------------------------------------------------
 # Model
+# A diffusion transformer (DiT, Peebles & Xie 2023): the ViT's recipe (patches as tokens, pre-norm blocks of
+# attention and an MLP) applied to a noisy image, with the timestep and the class entering every block through
+# adaLN-Zero (Block). DiT works on a VAE's latents of 256x256 images; these images are 32x32, small enough to take
+# as pixels, which is what lets the network predict the clean image itself (DiT.forward, Li & He 2025).
 
 def timestep_embedding(t, dim=256):
     """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1], scaled to 0..1000."""
     # The Transformer's sinusoids (Vaswani et al. 2017) as DDPM and DiT embed their step: cos and sin of t at
     # frequencies from 1 down to 1/10000, which an MLP then reads. Their range was set for integer steps up to
-    # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by under a radian over all t.
+    # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by at most a radian over all t.
     half = dim // 2
     i = torch.arange(half, device=t.device, dtype=torch.float32)
     freqs = torch.exp(-math.log(10000) * i / half)  # (half,)
@@ -195,7 +215,8 @@ class Attention(nn.Module):
             q = kernels.rms_norm(q, self.q_norm)
             k = kernels.rms_norm(k, self.k_norm)
         y = kernels.attention(q, k, v, causal=False)  # (B, nh, T, hd): an image has no order
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again
+        return self.proj(y)
 
 class Block(nn.Module):
     """A DiT block, adaLN-Zero (Peebles & Xie 2023): c sets each branch's shift, scale and gate (0 at first)."""
@@ -234,8 +255,13 @@ class DiT(nn.Module):
         self.grid = image_size // p
         # patches in as the ViT's are (a stride-p convolution, as one matmul), with fixed 2-D sin-cos positions
         self.patch = nn.Linear(p * p * channels, d)
-        self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)  # (N, d), set in init_weights
+        # t's 256 sinusoids to a token's width, through DiT's two-layer MLP
+        self.t_mlp = nn.Sequential(
+            nn.Linear(256, d),
+            nn.SiLU(),
+            nn.Linear(d, d),
+        )
         # A row per class and one more, K, for "no label": training drops labels to K at rate class_dropout, so one
         # network learns both the conditional and the unconditional model that guidance combines. No rows at all
         # if unconditional.
@@ -260,14 +286,15 @@ class DiT(nn.Module):
                 nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
         self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
 
-    def forward(self, x, t, y=None):
-        """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
-        B, H, W, C = x.shape
+    def forward(self, x_t, t, y=None):
+        """x_t (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
+        B, H, W, C = x_t.shape
         p = self.cfg.patch_size
         g = self.grid
-        x_t = x
-        x = x.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
-        x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # (B, N, p*p*C)
+        # cut the image into a g x g grid of p x p patches, each flattened to one row of pixels
+        x = x_t.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, g, p, p, C)
+        x = x.reshape(B, g * g, -1)  # (B, N, p*p*C)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         c = self.t_mlp(timestep_embedding(t))  # (B, d): every block's conditioning
         if self.y_emb is not None:
@@ -275,9 +302,11 @@ class DiT(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)  # each (B, d)
-        x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
+        x = modulate(kernels.rms_norm(x), shift, scale)
+        x = self.out(x)  # (B, N, p*p*C)
         # the patches back into an image: the inverse of the cut above
-        x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5)  # (B, g, p, g, p, C)
+        x = x.view(B, g, g, p, p, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, p, g, p, C)
         x = x.reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
             # x-prediction (Li & He 2025): a clean image lies near a low-dimensional manifold that a
@@ -377,9 +406,11 @@ def guided(model, x, t, y, scale, null):
     tt = torch.full((x.size(0),), float(t), device=x.device)  # (B,)
     if y is None:
         return model(x, tt, None).float()
-    yy = torch.cat((y, torch.full_like(y, null)))  # (2B,): labels and null labels, in one batch
-    out = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float()  # (2B, H, W, C)
-    cond, uncond = out.chunk(2)
+    # both outputs from one forward of twice the batch: each image once with its label, once with the null label
+    x2 = torch.cat((x, x))  # (2B, H, W, C)
+    t2 = torch.cat((tt, tt))
+    y2 = torch.cat((y, torch.full_like(y, null)))  # (2B,)
+    cond, uncond = model(x2, t2, y2).float().chunk(2)
     return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
@@ -416,6 +447,9 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 
 # -----------------------------------------------------------------------------
 # Data
+# The images and their loader are train_vit.py's, in the images fence below: both splits held whole on the device
+# as uint8 (a small set fits, and a step then never waits for the disk), read in an order seeded per epoch, which a
+# checkpoint records so a resume goes on with the same batches. Here they only change scale.
 
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
@@ -425,8 +459,8 @@ def to_model(x):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-def build_optimizer(cfg, raw):
-    """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
+def build_optimizers(cfg, raw):
+    """[AdamW], with weight decay on the blocks' matrices only (not adaLN's)."""
     # AdamW alone: Muon on the blocks' matrices was no better per second on the CPU demo (BENCHMARKS.md). Decay,
     # if any (DiT uses none), goes to the attention and MLP matrices. Not to adaLN's, which start at 0 and must
     # grow to carry t and the class; not to embeddings, norm gains or biases.
@@ -440,34 +474,43 @@ def build_optimizer(cfg, raw):
         dict(params=decay, weight_decay=cfg.weight_decay),
         dict(params=rest, weight_decay=0.0),
     ]
-    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step. The
-    # loop sets the LR of both groups every step, cfg.lr times lr_mult.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    # the loop sets the LR of both groups every step, cfg.lr times lr_mult
+    opt = torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=True,  # one kernel for all the parameters; it reads found_inf, which is how the guard skips a step
+    )
+    return [opt]  # a list, as the other trainers' (the checkpoint functions take one)
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine or no decay over progress in [0, 1]."""
     # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
     # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget.
     # DiT holds its LR constant; cosine decay (Loshchilov & Hutter 2017) did no better on the CPU demo.
-    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    warm = 1.0
+    if cfg.warmup_steps:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    if cfg.schedule == "constant":
+        return warm
     p = min(max(progress, 0.0), 1.0)
     f = cfg.final_lr_frac
-    if cfg.schedule == "cosine":
-        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    return warm
+    decay = (1 - f) * 0.5 * (1 + math.cos(math.pi * p))  # from 1 - f down to 0
+    return warm * (f + decay)
 
 # -----------------------------------------------------------------------------
 # Quality: the held-out denoising loss, and samples scored by a classifier
 
 @torch.no_grad()
-def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
-    """(mean, per-t) error on n_images val images (0: all) at 8 fixed t and noise."""
+def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx):
+    """(mean, per-t) error on cfg.eval_images val images (0: all) at 8 fixed t and noise."""
     # The training loss draws t and the noise at random, so it jumps from step to step. Here both are fixed: the
     # midpoints of 8 equal bins of t and one noise per image from seed 0, so any two evals, of any two runs on this
     # data, compare. The loss per t shows where along the path the model is weak.
     model.eval()
-    n = min(n_images or len(y_all), len(y_all))
-    ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
+    B = cfg.batch_size
+    n = min(cfg.eval_images or len(y_all), len(y_all))
+    ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8  # (8,): 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
@@ -508,9 +551,11 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
+        z = noise[i:j].to(device)  # (b, H, W, C)
         with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
-            x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
-        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
+            x = sample(model, z, y, cfg, alpha_bar, cfg.cfg_scale, null=K)
+        x = ((x + 1) * 127.5).round().clamp(0, 255)  # back from [-1, 1] to pixels
+        out.append(x.to(torch.uint8))  # as a PNG stores them
     model.train()
     mine = torch.cat(out)
     # every rank ends with the whole set, in the order of the labels
@@ -532,7 +577,8 @@ def frechet_distance(a, b):
     sb = torch.cov(b.T)
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
-    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # = tr (S_a S_b)^1/2
+    eig = torch.linalg.eigvalsh(ra @ sb @ ra)  # those of S_a S_b; rounding can make tiny ones negative
+    cross = eig.clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
     means = (a.mean(0) - b.mean(0)).square().sum()
     return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
@@ -544,10 +590,8 @@ class Judge:
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
-        ckpt, where = None, path
-        if os.path.exists(path):
-            ckpt, where = load_checkpoint(path)
-        with reading(where, "pass a checkpoint written by train_vit.py"):
+        ckpt, where = load_checkpoint(path)  # (None, None) if path holds no checkpoint; main checked that it exists
+        with reading(where or path, "pass a checkpoint written by train_vit.py"):
             if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
                 die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
             m = ckpt["data_meta"]
@@ -557,8 +601,10 @@ class Judge:
             known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
             self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
-        with reading(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
-            self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
+        self.inception = None
+        if fid_weights:
+            with reading(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
+                self.inception = torch.jit.load(fid_weights, map_location=device).eval()
         self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
@@ -571,7 +617,8 @@ class Judge:
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
             if self.inception is not None:  # takes NCHW in 0..255, resized to 299 inside
-                img = xb.permute(0, 3, 1, 2).expand(-1, 3, -1, -1) * 255
+                img = xb.permute(0, 3, 1, 2)  # (b, C, H, W)
+                img = img.expand(-1, 3, -1, -1) * 255  # grey images as RGB
                 out["inception"].append(self.inception(img, return_features=True).flatten(1))
         return {k: torch.cat(v).float() for k, v in out.items() if v}
 
@@ -580,8 +627,9 @@ class Judge:
         f = self.features(samples)
         res = {"fd_vit": frechet_distance(self.real["vit"], f["vit"])}
         if K:
-            # clf_acc: how often the classifier names the class that each sample was drawn for (i % K)
-            right = f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K
+            # clf_acc: how often the classifier names the class that each sample was drawn for
+            drawn_for = torch.arange(len(samples)) % K
+            right = f["logits"].argmax(-1).cpu() == drawn_for
             res["clf_acc"] = right.float().mean().item()
         if self.inception is not None:
             res["fid"] = frechet_distance(self.real["inception"], f["inception"])
@@ -714,23 +762,24 @@ def agree(rows, t0, world_size):
 # -----------------------------------------------------------------------------
 # Training loop
 
-def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
+def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
+                  ctx, rank, world_size, step, final):
     """The denoising loss of the weights and their EMA; the EMA's samples, scored."""
-    H, W = meta["image_size"]
-    C = meta["channels"]
     rec = {"step": step}
-    args = (cfg, alpha_bar, K, cfg.batch_size, rank, world_size, ctx, cfg.eval_images)
-    rec["val_loss"], rec["val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
+    args = (model, val_x, val_y, K, cfg, alpha_bar, rank, world_size, ctx)
+    rec["val_loss"], rec["val_loss_t"] = denoising_loss(*args)
     # The samples come from the EMA of the weights, as DiT's and EDM's do: an average over roughly the last
     # 1 / (1 - ema) steps, which smooths out the noise of single updates.
     if ema:
         ema.swap()
-        rec["ema_val_loss"], rec["ema_val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
+        rec["ema_val_loss"], rec["ema_val_loss_t"] = denoising_loss(*args)
     rows = K or cfg.per_class  # the grid: a row per class, or a square of unconditional samples
     n_samples = cfg.final_samples if final else cfg.eval_samples
     n_samples = max(rows * cfg.per_class, n_samples)  # enough to fill the grid
     t0 = time.perf_counter()
-    samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, cfg.batch_size, rank, world_size, ctx)
+    shape = val_x.shape[1:]  # (H, W, C)
+    samples = draw_samples(model, n_samples, shape, K, cfg, alpha_bar,
+                           cfg.batch_size, rank, world_size, ctx)
     rec["sample_s"] = time.perf_counter() - t0
     if ema:
         ema.swap()
@@ -765,7 +814,7 @@ def write_grid(path, images, rows, labels=None, zoom=2):
     margin = 0  # room for the labels, left of the rows
     if labels:
         margin = 8 + 6 * max(map(len, labels))
-    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)  # white
+    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)  # white, (height, width, RGB)
     big = images.repeat(zoom, 1).repeat(zoom, 2)  # (n, H * zoom, W * zoom, C): a pixel, a zoom x zoom square
     if C == 1:
         big = big.repeat(3, 3)  # grey as RGB
@@ -777,7 +826,8 @@ def write_grid(path, images, rows, labels=None, zoom=2):
     im = Image.fromarray(canvas)
     draw = ImageDraw.Draw(im)
     for r, name in enumerate(labels or ()):
-        draw.text((4, gap + r * h + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+        top = gap + r * h + H * zoom // 2 - 5  # the text, about 10 pixels high, centred on its row
+        draw.text((4, top), name, fill=(0, 0, 0))
     # written whole, then renamed: a reader never sees half a PNG
     im.save(f"{path}.tmp", format="PNG")
     os.replace(f"{path}.tmp", path)
@@ -787,9 +837,7 @@ def conditioning(cfg, meta):
     K = meta["num_classes"]
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
-    if cfg.num_classes == 0 or K == 1:
-        return 0
-    return K
+    return 0 if cfg.num_classes == 0 or K == 1 else K
 
 def done_line(step, epochs, train_time, rec, out_dir):
     """The run's last line: steps, epochs, time, and the final scores: the denoising loss of the
@@ -820,15 +868,13 @@ def train(cfg, stop):
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
     alpha_bar = cosine_alpha_bar()  # (T + 1,): ddpm's schedule
-    judge = None  # scores the samples on rank 0, which holds them all
+    judge = None  # the classifier that scores the samples, on rank 0 alone
     if cfg.eval_classifier and master and not cfg.benchmark:
         judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
-    ckpt, path = None, None  # --benchmark starts afresh
-    if not cfg.benchmark:
-        ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, master)
+    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     B = cfg.batch_size
@@ -839,22 +885,28 @@ def train(cfg, stop):
     # model, optimizer, EMA, guard
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opt = build_optimizer(cfg, raw)
+    opts = build_optimizers(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
-    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
+    guard = Guard(
+        cfg.loss_spike,
+        cfg.gnorm_spike,
+        cfg.guard_window,
+        cfg.rollback_after,
+        cfg.clip_mult,
+        device,
+    )
     n_params = sum(p.numel() for p in raw.parameters())
     # the budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
     steps_per_epoch = len(loader.y) // G / accum
     max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = 0.0
-    if not (cfg.max_steps or cfg.epochs):
-        time_budget = cfg.time_budget
+    time_budget = 0.0 if cfg.max_steps or cfg.epochs else cfg.time_budget
     bench = Benchmark(cfg.bench_steps, cfg.profile)
-    if cfg.benchmark:
+    if cfg.benchmark:  # a fixed number of steps, to time
         max_steps = bench.total
         time_budget = 0.0
     # per step: images, and its seconds at the GPU's peak (for MFU)
-    rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
+    flops_per_step = raw.flops_per_image() * images_per_step
+    rate = (images_per_step, "img", peak_seconds(flops_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
     step = 0
@@ -862,16 +914,24 @@ def train(cfg, stop):
     history = []
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-            step, train_time, history = apply_checkpoint(ckpt, raw, [opt], scaler, guard, ema)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
         done = train_time >= time_budget if time_budget else step >= max_steps
         print_resume_or_exit(path, step, done, cfg.out_dir)
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    budget = f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    writer = CheckpointWriter(
+        cfg.out_dir,
+        cfg.keep_last,
+        cfg.milestone_every,
+        cfg.async_save,
+        sharded,
+        master,
+    )
     if time_budget:
         budget = f"{time_budget:.0f} s"
+    else:
+        budget = f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     classes = f"{K} classes" if K else "unconditional"
     objective = cfg.objective
     if cfg.objective == "flow":
@@ -898,29 +958,25 @@ def train(cfg, stop):
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
         if step == synced and step > first:  # a sync has just read this step: report it
             if step % cfg.log_every == 0 or last_step:
-                epoch = loader.epoch + loader.pos / len(loader.y)
                 log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time, epoch=epoch)
+                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
                 history.append({"step": step, "loss": loss})
             if cfg.benchmark:
                 bench.mark(step, train_time)
         # Evals (one at step 0: the samples of an untrained model are noise) and saves, but not
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
-        evals = (
-            (last_step and not stopped)
-            or (every(step, cfg.eval_every) and (step == 0 or step > first))
-        )
+        final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals and not cfg.benchmark:
-            final = last_step and not stopped
-            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank,
-                                world_size, step, final)
+            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
+                                ctx, rank, world_size, step, final)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
         if saves and not cfg.benchmark:
             writer.save({
-                **model_state(raw, [opt], ema, full=not sharded),
+                **model_state(raw, opts, ema, full=not sharded),
                 "scaler": scaler.state_dict(),
                 "step": step,
                 "guard": guard.state(),
@@ -941,15 +997,16 @@ def train(cfg, stop):
         # One optimizer step. Noise, t, label dropout and flips are drawn for the global batch
         # from a generator seeded by (seed, step), and each rank keeps its slice: a resumed run
         # draws the same numbers, for any number of ranks.
-        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
+        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))  # a seed per (seed, step)
         if time_budget:  # the schedule follows the time, estimated since the sync
             progress = (train_time + (step - synced) * step_time) / time_budget
         else:
             progress = step / max_steps
         mult = lr_mult(cfg, step, progress)
-        opt.zero_grad(set_to_none=True)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * mult
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * mult
         loss_sum = torch.zeros((), device=device)
         mine = slice(rank * B, (rank + 1) * B)
         for micro in range(accum):
@@ -958,9 +1015,12 @@ def train(cfg, stop):
             noise = torch.randn((G, H, W, C), generator=gen, device=device)[mine]
             t = sample_t(G, cfg, gen)[mine]  # (B,)
             u = torch.rand((2, G), generator=gen, device=device)[:, mine]  # a coin for the flip, one for the label
-            if flip:
-                x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
-            if K:  # label K is "no label": the unconditional model that guidance needs
+            if flip:  # mirror half the images left to right (dim 2 is W)
+                mirrored = u[0].view(B, 1, 1, 1) < 0.5
+                x0 = torch.where(mirrored, x0.flip(2), x0)
+            # Label dropout: a share class_dropout of the labels becomes K, "no label", so that one network also
+            # learns the unconditional model that guidance needs (Ho & Salimans 2022; DiT drops 10%).
+            if K:
                 y = torch.where(u[1] < cfg.class_dropout, K, y)
             else:
                 y = None
@@ -969,22 +1029,32 @@ def train(cfg, stop):
             with grad_sync(model, micro == accum - 1):
                 with ctx:
                     out = model(x_t, t, y).float()
+                # The loss is the mean squared error of each image's velocity (flow) or noise (ddpm), averaged
+                # over its pixels. With x-prediction, DiT.forward has already turned the clean image into a
+                # velocity: Li & He's x-prediction with a v-loss.
                 mse = (out - target).square().mean((1, 2, 3))  # (B,)
                 if weight is not None:  # ddpm's min-SNR weights
                     mse = mse * weight
                 loss = mse.mean() / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        scaler.unscale_(opt)
+        for opt in opts:
+            scaler.unscale_(opt)
+        # clip the global norm of the gradients at grad_clip (or, with --clip_mult, at a multiple of its running
+        # mean), a guard against a rare batch with an outsized gradient; gnorm is the norm before clipping
         gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
         # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
         # the host would stall the device every step. Where skip is 1, fused AdamW leaves the
         # weights and their state as they were (its fp16-overflow path).
         row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
         trace[step - synced] = row
-        opt.found_inf = skip
-        opt.step()
-        if ema:  # a skipped step left the weights as they were
+        for opt in opts:
+            opt.found_inf = skip
+            opt.step()
+        # The EMA of the weights, which evals sample from: decay 0.999 averages over about the last 1,000 steps of
+        # the demo's ~5,000; DiT's 0.9999 suits its 400k. A skipped step left the weights, and so the EMA, as they
+        # were.
+        if ema:
             ema.update()
         scaler.update()
         step += 1
@@ -1016,7 +1086,7 @@ def train(cfg, stop):
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
             writer.wait()
             ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, [opt], scaler, guard, ema)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             first = step  # the batches read since are skipped, not read again
             synced = step
             t0 = time.perf_counter()
@@ -1058,31 +1128,41 @@ def train(cfg, stop):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
-                          "sample_steps per_class log_every bench_steps"),  # before the check that divides by them
-                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
-                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
-                      (-1, "num_classes")):
+    # sizes and counts first, since the checks below divide by them
+    at_least_1 = ("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps per_class "
+                  "log_every bench_steps")
+    at_least_0 = ("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
+                  "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
+    bounds = (
+        (1, at_least_1),
+        (0, at_least_0),
+        (-1, "num_classes"),
+    )
+    for low, keys in bounds:
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        fit = [h for h in range(1, cfg.n_embd + 1) if cfg.n_embd % h == 0 and (cfg.n_embd // h) % 2 == 0]
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; "
+    d = cfg.n_embd
+    if d % cfg.n_head or (d // cfg.n_head) % 2:
+        fit = [h for h in range(1, d + 1) if d % h == 0 and (d // h) % 2 == 0]
+        die(f"--n_embd={d} must split into {cfg.n_head} heads of even size; "
             f"--n_head={'|'.join(map(str, fit))} would, or change --n_embd")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    if not (0 <= cfg.ema < 1 and 0 <= cfg.class_dropout < 1 and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1
-            and cfg.t_std > 0 and cfg.mlp_ratio > 0):
+    fractions = (cfg.ema, cfg.class_dropout, cfg.beta1, cfg.beta2)
+    in_range = all(0 <= v < 1 for v in fractions)
+    if not (in_range and cfg.t_std > 0 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
+    # euler and heun integrate flow's ODE; ddim steps through ddpm's chain
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
     if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
-        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
-            die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+        path = getattr(cfg, k)
+        if path and not os.path.exists(path):
+            die(f"--{k}={path}: no such file or directory")
 
 # -----------------------------------------------------------------------------
 # Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
