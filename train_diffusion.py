@@ -208,6 +208,7 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(self.hd))
 
     def forward(self, x):
+        """x (B, T, d) -> (B, T, d)."""
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, -1, self.hd)  # (B, T, 3, nh, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
@@ -236,6 +237,7 @@ class Block(nn.Module):
         self.ada = nn.Linear(d, 6 * d)
 
     def forward(self, x, c):
+        """x (B, T, d), the conditioning c (B, d) -> (B, T, d)."""
         ada = self.ada(F.silu(c))  # (B, 6d): this block's six vectors of the conditioning
         shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, d)
         h = modulate(kernels.rms_norm(x), shift1, scale1)  # (B, T, d), a norm without a gain of its own
@@ -283,7 +285,7 @@ class DiT(nn.Module):
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)  # no weight beyond 2 std
         self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
 
     def forward(self, x_t, t, y=None):
@@ -436,7 +438,8 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     ab = alpha_bar.to(x.device)
     signal = ab.sqrt()  # (T + 1,) float64: x_t = signal x_0 + sigma e at each step
     sigma = (1 - ab).sqrt()
-    steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
+    steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1)  # T down to 0 in equal strides
+    steps = steps.round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = guided(model, x, i / T_DDPM, y, scale, null)
         x0 = (x - sigma[i] * eps) / signal[i]  # the clean image that this noise implies
@@ -510,7 +513,7 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
     model.eval()
     B = cfg.batch_size
     n = min(cfg.eval_images or len(y_all), len(y_all))
-    ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8  # (8,): 1/16, 3/16, ..., 15/16
+    ts = [(k + 0.5) / 8 for k in range(8)]  # 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
@@ -524,7 +527,7 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
         x0 = to_model(x_all[i:j])
         noise = noise_all[i:j].to(x0.device)
         y = y_all[i:j] if K else None
-        for k, t in enumerate(ts.tolist()):
+        for k, t in enumerate(ts):
             tt = torch.full((j - i,), t, device=x0.device)
             x_t, target, _ = corrupt(x0, noise, tt, cfg, alpha_bar)
             with ctx:
@@ -598,6 +601,7 @@ class Judge:
             if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
                 die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
                     f"{m['image_size']}); train it with train_vit.py on this --data_dir")
+            # build it from the fields of its config that train_vit.py has today; flags it has dropped are left out
             known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
             self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
@@ -761,6 +765,11 @@ def agree(rows, t0, world_size):
 
 # -----------------------------------------------------------------------------
 # Training loop
+# main() checks the flags and catches the stop signals; train() sets up, resumes, and runs the loop. Each pass of
+# the loop first reports, evaluates and saves what the last step left (so step 0 evaluates the untrained model and
+# the last pass saves the finished one), then takes one optimizer step: micro-batches, clip, guard, update, EMA.
+# Evals score the model twice: the held-out denoising loss, a number that moves smoothly, and samples, which are
+# what a diffusion model is for but take many forwards each.
 
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                   ctx, rank, world_size, step, final):
@@ -805,6 +814,7 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
 
 def write_grid(path, images, rows, labels=None, zoom=2):
     """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
+    # column-major: draw_samples gives sample i the class i % K, so with a row per class, row r holds that class
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
     cols = n // rows
@@ -835,6 +845,7 @@ def write_grid(path, images, rows, labels=None, zoom=2):
 def conditioning(cfg, meta):
     """Classes to condition on: 0 (none) for one class or --num_classes=0."""
     K = meta["num_classes"]
+    # a single class needs no label; a positive --num_classes only confirms the data's count
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
     return 0 if cfg.num_classes == 0 or K == 1 else K
@@ -879,7 +890,9 @@ def train(cfg, stop):
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     B = cfg.batch_size
     accum = cfg.grad_accum
-    G = B * world_size  # the global micro-batch
+    # G, the global micro-batch: each step draws the noise, t and coins of all G images and every rank keeps its
+    # slice, so a global batch gets the same numbers however many ranks share it
+    G = B * world_size
     images_per_step = G * accum
 
     # model, optimizer, EMA, guard
@@ -958,8 +971,10 @@ def train(cfg, stop):
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
         if step == synced and step > first:  # a sync has just read this step: report it
             if step % cfg.log_every == 0 or last_step:
-                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
+                log_step(metrics, step, (max_steps, time_budget),
+                         loss, cfg.lr * mult, gnorm,
+                         step_time, rate, train_time,
+                         epoch=loader.epoch + loader.pos / len(loader.y))
                 history.append({"step": step, "loss": loss})
             if cfg.benchmark:
                 bench.mark(step, train_time)
@@ -967,13 +982,19 @@ def train(cfg, stop):
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
         final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
-        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
-        saves = last_step or (every(step, cfg.save_every) and step > first)
+        evals = (
+            final
+            or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        )
+        saves = (
+            last_step
+            or (every(step, cfg.save_every) and step > first)
+        )
         if evals and not cfg.benchmark:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                                 ctx, rank, world_size, step, final)
             record(metrics, **rec)
-            history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
+            history.append({k: v for k, v in rec.items() if not k.endswith("_t")})  # scores, not the per-t losses
         if saves and not cfg.benchmark:
             writer.save({
                 **model_state(raw, opts, ema, full=not sharded),
@@ -1120,7 +1141,8 @@ def train(cfg, stop):
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
         if master:
             append_result(cfg.out_dir, key, result, cfg.description)
-        print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, cfg.out_dir))
+        epochs = step * images_per_step / len(loader.y)
+        print(done_line(step, epochs, train_time, rec, cfg.out_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
