@@ -183,8 +183,7 @@ def timestep_embedding(t, dim=256):
     # frequencies from 1 down to 1/10000, which an MLP then reads. Their range was set for integer steps up to
     # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by at most a radian over all t.
     half = dim // 2
-    i = torch.arange(half, device=t.device, dtype=torch.float32)
-    freqs = torch.exp(-math.log(10000) * i / half)  # (half,)
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)  # (half,)
     args = 1000 * t.float()[:, None] * freqs[None]  # (B, half)
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
@@ -367,8 +366,8 @@ def cosine_alpha_bar(T=T_DDPM, s=0.008):
     steps = torch.arange(T + 1, dtype=torch.float64) / T  # (T + 1,): t of each step
     f = torch.cos((steps + s) / (1 + s) * math.pi / 2) ** 2
     beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)  # (T,)
-    alpha_bar = torch.cumprod(1 - beta, 0)
-    return torch.cat((torch.ones(1, dtype=torch.float64), alpha_bar))  # step 0 is the data: alpha_bar 1
+    # step 0 is the data: alpha_bar 1
+    return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
 
 def sample_t(B, cfg, gen):
     """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
@@ -376,11 +375,9 @@ def sample_t(B, cfg, gen):
     # image or the noise is almost in plain view); the logit-normal spends the steps in between. t_mean > 0 leans
     # toward noise, where an image's layout is decided.
     if cfg.objective == "flow":
-        logit = cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device)  # (B,)
-        return torch.sigmoid(logit)
+        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))  # (B,)
     # ddpm: a step in 1..T, uniform as in Ho et al., as a fraction of T
-    step = torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device)  # (B,)
-    return step.float() / T_DDPM
+    return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM  # (B,)
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
     """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
@@ -409,10 +406,8 @@ def guided(model, x, t, y, scale, null):
     if y is None:
         return model(x, tt, None).float()
     # both outputs from one forward of twice the batch: each image once with its label, once with the null label
-    x2 = torch.cat((x, x))  # (2B, H, W, C)
-    t2 = torch.cat((tt, tt))
-    y2 = torch.cat((y, torch.full_like(y, null)))  # (2B,)
-    cond, uncond = model(x2, t2, y2).float().chunk(2)
+    yy = torch.cat((y, torch.full_like(y, null)))  # (2B,)
+    cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
     return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
@@ -438,8 +433,8 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     ab = alpha_bar.to(x.device)
     signal = ab.sqrt()  # (T + 1,) float64: x_t = signal x_0 + sigma e at each step
     sigma = (1 - ab).sqrt()
-    steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1)  # T down to 0 in equal strides
-    steps = steps.round().long().tolist()
+    # T down to 0 in equal strides
+    steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = guided(model, x, i / T_DDPM, y, scale, null)
         x0 = (x - sigma[i] * eps) / signal[i]  # the clean image that this noise implies
@@ -491,15 +486,12 @@ def lr_mult(cfg, step, progress):
     # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
     # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget.
     # DiT holds its LR constant; cosine decay (Loshchilov & Hutter 2017) did no better on the CPU demo.
-    warm = 1.0
-    if cfg.warmup_steps:
-        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     if cfg.schedule == "constant":
         return warm
     p = min(max(progress, 0.0), 1.0)
     f = cfg.final_lr_frac
-    decay = (1 - f) * 0.5 * (1 + math.cos(math.pi * p))  # from 1 - f down to 0
-    return warm * (f + decay)
+    return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))  # from 1 down to f
 
 # -----------------------------------------------------------------------------
 # Quality: the held-out denoising loss, and samples scored by a classifier
@@ -515,8 +507,7 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
     n = min(cfg.eval_images or len(y_all), len(y_all))
     ts = [(k + 0.5) / 8 for k in range(8)]  # 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # (n, H, W, C)
     # every rank runs as many forwards, since FSDP gathers each block's weights with all ranks together
     for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
@@ -554,9 +545,8 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         y = labels[i:j].to(device) if K else None
-        z = noise[i:j].to(device)  # (b, H, W, C)
         with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
-            x = sample(model, z, y, cfg, alpha_bar, cfg.cfg_scale, null=K)
+            x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
         x = ((x + 1) * 127.5).round().clamp(0, 255)  # back from [-1, 1] to pixels
         out.append(x.to(torch.uint8))  # as a PNG stores them
     model.train()
@@ -580,8 +570,8 @@ def frechet_distance(a, b):
     sb = torch.cov(b.T)
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
-    eig = torch.linalg.eigvalsh(ra @ sb @ ra)  # those of S_a S_b; rounding can make tiny ones negative
-    cross = eig.clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
+    # the eigenvalues of S_a S_b; rounding can make tiny ones negative
+    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
     means = (a.mean(0) - b.mean(0)).square().sum()
     return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
@@ -786,8 +776,7 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
     n_samples = cfg.final_samples if final else cfg.eval_samples
     n_samples = max(rows * cfg.per_class, n_samples)  # enough to fill the grid
     t0 = time.perf_counter()
-    shape = val_x.shape[1:]  # (H, W, C)
-    samples = draw_samples(model, n_samples, shape, K, cfg, alpha_bar,
+    samples = draw_samples(model, n_samples, val_x.shape[1:], K, cfg, alpha_bar,  # shape (H, W, C)
                            cfg.batch_size, rank, world_size, ctx)
     rec["sample_s"] = time.perf_counter() - t0
     if ema:
@@ -853,10 +842,37 @@ def conditioning(cfg, meta):
 def done_line(step, epochs, train_time, rec, out_dir):
     """The run's last line: steps, epochs, time, and the final scores: the denoising loss of the
     weights (and of their EMA), and the samples' classifier accuracy and Frechet distances."""
-    keys = ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
-    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in keys if k in rec)
+    scores = " | ".join(f"{k} {rec[k]:.4f}" for k in ("val_loss", "ema_val_loss", "clf_acc", "fd_vit", "fid")
+                        if k in rec)
     return (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | {scores} | checkpoint and "
             f"samples.png in {out_dir}")
+
+def training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx):
+    """The loss of this rank's micro-batch: uint8 images x (B, H, W, C), labels y (B,)."""
+    # Noise, t and the coins are drawn for the global micro-batch of G images and each rank keeps its slice, so a
+    # global batch gets the same numbers however many ranks share it.
+    B = len(x)
+    G = B * world_size
+    mine = slice(rank * B, (rank + 1) * B)
+    x0 = to_model(x)
+    noise = torch.randn((G, *x.shape[1:]), generator=gen, device=x.device)[mine]
+    t = sample_t(G, cfg, gen)[mine]  # (B,)
+    u = torch.rand((2, G), generator=gen, device=x.device)[:, mine]  # a coin for the flip, one for the label
+    if flip:  # mirror half the images left to right (dim 2 is W)
+        x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
+    # Label dropout: a share class_dropout of the labels becomes K, "no label", so that one network also learns
+    # the unconditional model that guidance needs (Ho & Salimans 2022; DiT drops 10%).
+    y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None
+    x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
+    with ctx:
+        out = model(x_t, t, y).float()
+    # The loss is the mean squared error of each image's velocity (flow) or noise (ddpm), averaged over its
+    # pixels. With x-prediction, DiT.forward has already turned the clean image into a velocity: Li & He's
+    # x-prediction with a v-loss.
+    mse = (out - target).square().mean((1, 2, 3))  # (B,)
+    if weight is not None:  # ddpm's min-SNR weights
+        mse = mse * weight
+    return mse.mean()
 
 def main(cfg):
     """Train (or --benchmark) per cfg; returns a dict of final metrics."""
@@ -867,50 +883,35 @@ def main(cfg):
 def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0 = time.perf_counter()
-    master = rank == 0
+    wall0, master = time.perf_counter(), rank == 0
     # data: both splits held whole on the device as uint8; random images for --benchmark
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device,
                                             "the upright shapes dataset", "--rotate=off")
-    H, W = meta["image_size"]
-    C = meta["channels"]
-    K = conditioning(cfg, meta)
+    (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
     alpha_bar = cosine_alpha_bar()  # (T + 1,): ddpm's schedule
-    judge = None  # the classifier that scores the samples, on rank 0 alone
-    if cfg.eval_classifier and master and not cfg.benchmark:
-        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
+    scored = cfg.eval_classifier and master and not cfg.benchmark  # the samples are scored on rank 0 alone
+    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    B = cfg.batch_size
-    accum = cfg.grad_accum
-    # G, the global micro-batch: each step draws the noise, t and coins of all G images and every rank keeps its
-    # slice, so a global batch gets the same numbers however many ranks share it
-    G = B * world_size
-    images_per_step = G * accum
+    B, accum = cfg.batch_size, cfg.grad_accum
+    images_per_step = B * accum * world_size
 
     # model, optimizer, EMA, guard
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
-    guard = Guard(
-        cfg.loss_spike,
-        cfg.gnorm_spike,
-        cfg.guard_window,
-        cfg.rollback_after,
-        cfg.clip_mult,
-        device,
-    )
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
     # the budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
-    steps_per_epoch = len(loader.y) // G / accum
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
     max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     time_budget = 0.0 if cfg.max_steps or cfg.epochs else cfg.time_budget
     bench = Benchmark(cfg.bench_steps, cfg.profile)
@@ -918,37 +919,22 @@ def train(cfg, stop):
         max_steps = bench.total
         time_budget = 0.0
     # per step: images, and its seconds at the GPU's peak (for MFU)
-    flops_per_step = raw.flops_per_image() * images_per_step
-    rate = (images_per_step, "img", peak_seconds(flops_per_step, device, dtype))
+    rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
-    step = 0
-    train_time = 0.0
-    history = []
+    step, train_time, history = 0, 0.0, []  # the step to take next, seconds trained, logged records
     if ckpt:
         with reading(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
-        done = train_time >= time_budget if time_budget else step >= max_steps
-        print_resume_or_exit(path, step, done, cfg.out_dir)
+        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
+                             cfg.out_dir)
     metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
-    writer = CheckpointWriter(
-        cfg.out_dir,
-        cfg.keep_last,
-        cfg.milestone_every,
-        cfg.async_save,
-        sharded,
-        master,
-    )
-    if time_budget:
-        budget = f"{time_budget:.0f} s"
-    else:
-        budget = f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
+    budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     classes = f"{K} classes" if K else "unconditional"
-    objective = cfg.objective
-    if cfg.objective == "flow":
-        objective += f", {cfg.predict}-prediction"
+    objective = f"{cfg.objective}, {cfg.predict}-prediction" if cfg.objective == "flow" else cfg.objective
     print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {classes}"
           f" | {(H // cfg.patch_size) ** 2} patches | {objective}"
           f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
@@ -961,20 +947,16 @@ def train(cfg, stop):
     # counts the reads). Time has three names: train_time, the seconds of training up to the
     # last sync; t0, when the clock last started; step_time, a step's seconds over the last
     # interval, which estimates the time between syncs.
-    first = step  # where this run (re)starts
-    synced = step  # the last step the host has read
-    step_time = 0.0
-    stopped = False
+    # first: where this run (re)starts; synced: the last step the host has read
+    first, synced, step_time, stopped = step, step, 0.0, False
     trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
     t0 = time.perf_counter()  # start the clock
     while True:
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
         if step == synced and step > first:  # a sync has just read this step: report it
             if step % cfg.log_every == 0 or last_step:
-                log_step(metrics, step, (max_steps, time_budget),
-                         loss, cfg.lr * mult, gnorm,
-                         step_time, rate, train_time,
-                         epoch=loader.epoch + loader.pos / len(loader.y))
+                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
+                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
                 history.append({"step": step, "loss": loss})
             if cfg.benchmark:
                 bench.mark(step, train_time)
@@ -982,34 +964,19 @@ def train(cfg, stop):
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
         final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
-        evals = (
-            final
-            or (every(step, cfg.eval_every) and (step == 0 or step > first))
-        )
-        saves = (
-            last_step
-            or (every(step, cfg.save_every) and step > first)
-        )
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals and not cfg.benchmark:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                                 ctx, rank, world_size, step, final)
             record(metrics, **rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})  # scores, not the per-t losses
         if saves and not cfg.benchmark:
-            writer.save({
-                **model_state(raw, opts, ema, full=not sharded),
-                "scaler": scaler.state_dict(),
-                "step": step,
-                "guard": guard.state(),
-                "train_time": train_time,
-                "history": history,
-                "data_info": data_info,
-                "config": dataclasses.asdict(cfg),
-                "world_size": world_size,
-                "data": loader.state(),
-                "num_classes": K,
-                "data_meta": data_meta,
-            })
+            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time,
+                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                         "world_size": world_size, "data": loader.state(), "num_classes": K,
+                         "data_meta": data_meta})
         if last_step:
             break
         if evals or saves:
@@ -1029,34 +996,11 @@ def train(cfg, stop):
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * mult
         loss_sum = torch.zeros((), device=device)
-        mine = slice(rank * B, (rank + 1) * B)
         for micro in range(accum):
             x, y = loader.next()  # (B, H, W, C) uint8, (B,)
-            x0 = to_model(x)
-            noise = torch.randn((G, H, W, C), generator=gen, device=device)[mine]
-            t = sample_t(G, cfg, gen)[mine]  # (B,)
-            u = torch.rand((2, G), generator=gen, device=device)[:, mine]  # a coin for the flip, one for the label
-            if flip:  # mirror half the images left to right (dim 2 is W)
-                mirrored = u[0].view(B, 1, 1, 1) < 0.5
-                x0 = torch.where(mirrored, x0.flip(2), x0)
-            # Label dropout: a share class_dropout of the labels becomes K, "no label", so that one network also
-            # learns the unconditional model that guidance needs (Ho & Salimans 2022; DiT drops 10%).
-            if K:
-                y = torch.where(u[1] < cfg.class_dropout, K, y)
-            else:
-                y = None
-            x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
             # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
-                with ctx:
-                    out = model(x_t, t, y).float()
-                # The loss is the mean squared error of each image's velocity (flow) or noise (ddpm), averaged
-                # over its pixels. With x-prediction, DiT.forward has already turned the clean image into a
-                # velocity: Li & He's x-prediction with a v-loss.
-                mse = (out - target).square().mean((1, 2, 3))  # (B,)
-                if weight is not None:  # ddpm's min-SNR weights
-                    mse = mse * weight
-                loss = mse.mean() / accum
+                loss = training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
@@ -1087,15 +1031,8 @@ def train(cfg, stop):
             near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
         else:
             near_end = step >= max_steps
-        sync = (
-            near_end
-            or stopped
-            or every(step, cfg.log_every)
-            or every(step, cfg.eval_every)
-            or every(step, cfg.save_every)
-            or (cfg.benchmark and bench.due(step))
-        )
-        if not sync:
+        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
+        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
             continue
         rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
         t0 = time.perf_counter()
@@ -1114,19 +1051,13 @@ def train(cfg, stop):
 
     # the end: how to resume after a signal, or the benchmark's figures, or the results
     writer.wait()
-    result = {
-        "steps": step,
-        "train_time": train_time,
-        "wall_time": time.perf_counter() - wall0,
-        "peak_mem_gb": peak_memory_gb(device),
-        "params": n_params,
-    }
+    result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
+              "peak_mem_gb": peak_memory_gb(device), "params": n_params}
     if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
         print(preempted_line(stop.received, step, cfg.out_dir))
         result = {"preempted": True, "steps": step, "train_time": train_time}
     elif cfg.benchmark:
-        signal = stopped and (stop.received or "a signal to another rank")
-        timings, text = bench.timings(rate, signal, step)
+        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
         bench.print_profile(cfg.out_dir, device, master)
         result |= timings
         what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W}/{cfg.patch_size} | {device} {dtype}"
@@ -1141,8 +1072,7 @@ def train(cfg, stop):
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
         if master:
             append_result(cfg.out_dir, key, result, cfg.description)
-        epochs = step * images_per_step / len(loader.y)
-        print(done_line(step, epochs, train_time, rec, cfg.out_dir))
+        print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, cfg.out_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
@@ -1155,12 +1085,7 @@ def check_config(cfg):
                   "log_every bench_steps")
     at_least_0 = ("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
                   "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
-    bounds = (
-        (1, at_least_1),
-        (0, at_least_0),
-        (-1, "num_classes"),
-    )
-    for low, keys in bounds:
+    for low, keys in ((1, at_least_1), (0, at_least_0), (-1, "num_classes")):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
@@ -1171,8 +1096,7 @@ def check_config(cfg):
             f"--n_head={'|'.join(map(str, fit))} would, or change --n_embd")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    fractions = (cfg.ema, cfg.class_dropout, cfg.beta1, cfg.beta2)
-    in_range = all(0 <= v < 1 for v in fractions)
+    in_range = all(0 <= v < 1 for v in (cfg.ema, cfg.class_dropout, cfg.beta1, cfg.beta2))
     if not (in_range and cfg.t_std > 0 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
     # euler and heun integrate flow's ODE; ddim steps through ddpm's chain
