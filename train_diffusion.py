@@ -135,20 +135,36 @@ class Config:
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
-    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured. A 2x2 patch holds 12
-    # numbers, far fewer than a token's width, so the network can predict the velocity (Li & He 2025), and t is
-    # SD3's logit-normal(0, 1)
-    "cifar10": dict(data_dir="data/cifar10", out_dir="out/diffusion_cifar10",
-                    patch_size=2, n_layer=12, n_head=6, n_embd=384,
-                    predict="v", t_mean=0.0, t_std=1.0,
-                    time_budget=0.0, epochs=400, batch_size=256,
-                    lr=3e-4, warmup_steps=1000, ema=0.9999,
-                    eval_every=10000, eval_images=10000, eval_samples=1000, final_samples=10000,
-                    sample_steps=50, cfg_scale=1.5),
+    # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
+    "cifar10": dict(
+        data_dir="data/cifar10",
+        out_dir="out/diffusion_cifar10",
+        # DiT-S/2: 12 blocks of width 384 in 6 heads, on 2x2 patches (256 tokens)
+        patch_size=2,
+        n_layer=12,
+        n_head=6,
+        n_embd=384,
+        # a 2x2 patch holds 12 numbers, far fewer than a token's width: the network can predict the velocity
+        # itself (Li & He 2025). t is SD3's logit-normal(0, 1).
+        predict="v",
+        t_mean=0.0,
+        t_std=1.0,
+        time_budget=0.0,
+        epochs=400,
+        batch_size=256,  # DiT's
+        lr=3e-4,
+        warmup_steps=1000,
+        ema=0.9999,  # DiT's
+        eval_every=10000,
+        eval_images=10000,
+        eval_samples=1000,
+        final_samples=10000,  # FID is biased upward at few samples (Chong & Forsyth 2020)
+        sample_steps=50,
+        cfg_scale=1.5,  # DiT's guidance for its best FID
+    ),
 }
 # the fields that shape the weights and their meaning: a resumed run must match its checkpoint's
-ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm",
-               "objective", "predict")
+ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_norm", "objective", "predict")
 # A trainer trains (STYLE.md: one job per file). Sampling from a finished checkpoint is
 # sample_diffusion.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
@@ -157,15 +173,18 @@ MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
 
 # -----------------------------------------------------------------------------
 # Model
+# A diffusion transformer (DiT, Peebles & Xie 2023): the ViT's recipe (patches as tokens, pre-norm blocks of
+# attention and an MLP) applied to a noisy image, with the timestep and the class entering every block through
+# adaLN-Zero (Block). DiT works on a VAE's latents of 256x256 images; these images are 32x32, small enough to take
+# as pixels, which is what lets the network predict the clean image itself (DiT.forward, Li & He 2025).
 
 def timestep_embedding(t, dim=256):
     """Sinusoidal features (B, dim), fp32, of t (B,) in [0, 1], scaled to 0..1000."""
     # The Transformer's sinusoids (Vaswani et al. 2017) as DDPM and DiT embed their step: cos and sin of t at
     # frequencies from 1 down to 1/10000, which an MLP then reads. Their range was set for integer steps up to
-    # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by under a radian over all t.
+    # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by at most a radian over all t.
     half = dim // 2
-    i = torch.arange(half, device=t.device, dtype=torch.float32)
-    freqs = torch.exp(-math.log(10000) * i / half)  # (half,)
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)  # (half,)
     args = 1000 * t.float()[:, None] * freqs[None]  # (B, half)
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
@@ -189,6 +208,7 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(self.hd))
 
     def forward(self, x):
+        """x (B, T, d) -> (B, T, d)."""
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, -1, self.hd)  # (B, T, 3, nh, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hd)
@@ -196,7 +216,8 @@ class Attention(nn.Module):
             q = kernels.rms_norm(q, self.q_norm)
             k = kernels.rms_norm(k, self.k_norm)
         y = kernels.attention(q, k, v, causal=False)  # (B, nh, T, hd): an image has no order
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again
+        return self.proj(y)
 
 class Block(nn.Module):
     """A DiT block, adaLN-Zero (Peebles & Xie 2023): c sets each branch's shift, scale and gate (0 at first)."""
@@ -216,6 +237,7 @@ class Block(nn.Module):
         self.ada = nn.Linear(d, 6 * d)
 
     def forward(self, x, c):
+        """x (B, T, d), the conditioning c (B, d) -> (B, T, d)."""
         ada = self.ada(F.silu(c))  # (B, 6d): this block's six vectors of the conditioning
         shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, d)
         h = modulate(kernels.rms_norm(x), shift1, scale1)  # (B, T, d), a norm without a gain of its own
@@ -235,8 +257,13 @@ class DiT(nn.Module):
         self.grid = image_size // p
         # patches in as the ViT's are (a stride-p convolution, as one matmul), with fixed 2-D sin-cos positions
         self.patch = nn.Linear(p * p * channels, d)
-        self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)
-        self.t_mlp = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        self.register_buffer("pos", torch.zeros(self.grid ** 2, d), persistent=False)  # (N, d), set in init_weights
+        # t's 256 sinusoids to a token's width, through DiT's two-layer MLP
+        self.t_mlp = nn.Sequential(
+            nn.Linear(256, d),
+            nn.SiLU(),
+            nn.Linear(d, d),
+        )
         # A row per class and one more, K, for "no label": training drops labels to K at rate class_dropout, so one
         # network learns both the conditional and the unconditional model that guidance combines. No rows at all
         # if unconditional.
@@ -249,8 +276,7 @@ class DiT(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """Initialise it in place (it was built on the meta device)."""
-        c = self.cfg
-        s = c.init_std
+        s = self.cfg.init_std
         for name, p in self.named_parameters():
             if "ada." in name or name.startswith("out."):
                 # adaLN-Zero: every gate 0, so each block starts as the identity, and the output layer 0, so the
@@ -259,17 +285,18 @@ class DiT(nn.Module):
             elif p.ndim == 1:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             else:
-                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)
-        self.pos.copy_(sincos_2d(self.grid, self.grid, c.n_embd))
+                nn.init.trunc_normal_(p, std=s, a=-2 * s, b=2 * s)  # no weight beyond 2 std
+        self.pos.copy_(sincos_2d(self.grid, self.grid, self.cfg.n_embd))
 
-    def forward(self, x, t, y=None):
-        """x (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
-        B, H, W, C = x.shape
+    def forward(self, x_t, t, y=None):
+        """x_t (B, H, W, C) noisy, t (B,) in [0, 1], y (B,) labels or None -> (B, H, W, C)."""
+        B, H, W, C = x_t.shape
         p = self.cfg.patch_size
         g = self.grid
-        x_t = x
-        x = x.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
-        x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, -1)  # (B, N, p*p*C)
+        # cut the image into a g x g grid of p x p patches, each flattened to one row of pixels
+        x = x_t.view(B, g, p, g, p, C)  # (B, grid row, row in patch, grid column, column in patch, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, g, p, p, C)
+        x = x.reshape(B, g * g, -1)  # (B, N, p*p*C)
         x = self.patch(x) + self.pos.to(x.dtype)  # (B, N, d)
         c = self.t_mlp(timestep_embedding(t))  # (B, d): every block's conditioning
         if self.y_emb is not None:
@@ -277,9 +304,11 @@ class DiT(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)  # each (B, d)
-        x = self.out(modulate(kernels.rms_norm(x), shift, scale))  # (B, N, p*p*C)
+        x = modulate(kernels.rms_norm(x), shift, scale)
+        x = self.out(x)  # (B, N, p*p*C)
         # the patches back into an image: the inverse of the cut above
-        x = x.view(B, g, g, p, p, C).permute(0, 1, 3, 2, 4, 5)  # (B, g, p, g, p, C)
+        x = x.view(B, g, g, p, p, C)
+        x = x.permute(0, 1, 3, 2, 4, 5)  # (B, g, p, g, p, C)
         x = x.reshape(B, H, W, C)
         if self.cfg.predict == "x" and self.cfg.objective == "flow":
             # x-prediction (Li & He 2025): a clean image lies near a low-dimensional manifold that a
@@ -297,9 +326,11 @@ class DiT(nn.Module):
         once = 0  # matrix weights used once an image: the conditioning
         n = 0  # matrix weights used once a token: attention, MLPs and the output layer
         for k, p in self.named_parameters():
-            if p.ndim == 2 and ("ada." in k or k.startswith("t_mlp.")):
+            if p.ndim != 2:  # biases and norm gains: a few FLOPs, not counted
+                continue
+            if "ada." in k or k.startswith("t_mlp."):
                 once += p.numel()
-            elif p.ndim == 2 and k.startswith(("blocks.", "out.")):
+            elif k.startswith(("blocks.", "out.")):
                 n += p.numel()
         attention = 12 * self.cfg.n_layer * self.cfg.n_embd * T  # scores and their mix of the values
         per_token = 6 * n + 4 * self.patch.weight.numel() + attention
@@ -317,14 +348,14 @@ def build_model(cfg, image_size, channels, num_classes, device):
 
 # -----------------------------------------------------------------------------
 # Diffusion: noising, training target and samplers
+# Both objectives train a network to undo a mix of the data with Gaussian noise e, and sample by starting from pure
+# noise and following the network back to the data. Rectified flow (Liu et al. 2022), or flow matching (Lipman et
+# al. 2022), mixes along a straight line: for one image and its noise the velocity v is the same at every t, the
+# target is simple, and an ODE solver follows it in few steps. DDPM (Ho et al. 2020) mixes on a variance-preserving
+# path set by a noise schedule; it is the baseline most of the literature starts from, kept here to compare.
 # t in [0, 1] for both objectives: t = 0 the data, t = 1 pure noise.
-# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (Liu et al.; Lipman et al. 2022)
-# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e (Ho et al. 2020)
-# Both train a network to undo a mix of the data with Gaussian noise e, and sample by starting from pure noise and
-# following the network back to t = 0. Rectified flow (Liu et al. 2022), or flow matching (Lipman et al. 2022), mixes
-# along a straight line: for one image and its noise the velocity v is the same at every t, the target is simple,
-# and an ODE solver follows it in few steps. DDPM mixes on a variance-preserving path set by a noise schedule; it
-# is the baseline most of the literature starts from, kept here to compare.
+# flow: x_t = (1 - t) x_0 + t e; the model predicts v = e - x_0 (or x_0, see DiT.forward)
+# ddpm: x_t = sqrt(ab) x_0 + sqrt(1 - ab) e at step t * 1000; the model predicts e
 
 T_DDPM = 1000
 
@@ -336,8 +367,8 @@ def cosine_alpha_bar(T=T_DDPM, s=0.008):
     steps = torch.arange(T + 1, dtype=torch.float64) / T  # (T + 1,): t of each step
     f = torch.cos((steps + s) / (1 + s) * math.pi / 2) ** 2
     beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)  # (T,)
-    alpha_bar = torch.cumprod(1 - beta, 0)
-    return torch.cat((torch.ones(1, dtype=torch.float64), alpha_bar))  # step 0 is the data: alpha_bar 1
+    # step 0 is the data: alpha_bar 1
+    return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
 
 def sample_t(B, cfg, gen):
     """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
@@ -345,11 +376,9 @@ def sample_t(B, cfg, gen):
     # image or the noise is almost in plain view); the logit-normal spends the steps in between. t_mean > 0 leans
     # toward noise, where an image's layout is decided.
     if cfg.objective == "flow":
-        logit = cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device)  # (B,)
-        return torch.sigmoid(logit)
+        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))  # (B,)
     # ddpm: a step in 1..T, uniform as in Ho et al., as a fraction of T
-    step = torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device)  # (B,)
-    return step.float() / T_DDPM
+    return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM  # (B,)
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
     """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
@@ -377,9 +406,9 @@ def guided(model, x, t, y, scale, null):
     tt = torch.full((x.size(0),), float(t), device=x.device)  # (B,)
     if y is None:
         return model(x, tt, None).float()
-    yy = torch.cat((y, torch.full_like(y, null)))  # (2B,): labels and null labels, in one batch
-    out = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float()  # (2B, H, W, C)
-    cond, uncond = out.chunk(2)
+    # both outputs from one forward of twice the batch: each image once with its label, once with the null label
+    yy = torch.cat((y, torch.full_like(y, null)))  # (2B,)
+    cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
     return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
@@ -405,6 +434,7 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     ab = alpha_bar.to(x.device)
     signal = ab.sqrt()  # (T + 1,) float64: x_t = signal x_0 + sigma e at each step
     sigma = (1 - ab).sqrt()
+    # T down to 0 in equal strides
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = guided(model, x, i / T_DDPM, y, scale, null)
@@ -416,6 +446,9 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 
 # -----------------------------------------------------------------------------
 # Data
+# The images and their loader are train_vit.py's, in the images fence below: both splits held whole on the device
+# as uint8 (a small set fits, and a step then never waits for the disk), read in an order seeded per epoch, which a
+# checkpoint records so a resume goes on with the same batches. Here they only change scale.
 
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
@@ -425,8 +458,8 @@ def to_model(x):
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
 
-def build_optimizers(cfg, raw, device):
-    """AdamW, with weight decay on the blocks' matrices only (not adaLN's)."""
+def build_optimizers(cfg, raw):
+    """[AdamW], with weight decay on the blocks' matrices only (not adaLN's)."""
     # AdamW alone: Muon on the blocks' matrices was no better per second on the CPU demo (BENCHMARKS.md). Decay,
     # if any (DiT uses none), goes to the attention and MLP matrices. Not to adaLN's, which start at 0 and must
     # grow to carry t and the class; not to embeddings, norm gains or biases.
@@ -436,13 +469,18 @@ def build_optimizers(cfg, raw, device):
             decay.append(p)
         else:
             rest.append(p)
-    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
-    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
-    # the loop sets each group's LR every step, as lr_mult of this peak
-    for g in opt.param_groups:
-        g["peak_lr"] = g["lr"]
-    return [opt]
+    groups = [
+        dict(params=decay, weight_decay=cfg.weight_decay),
+        dict(params=rest, weight_decay=0.0),
+    ]
+    # the loop sets the LR of both groups every step, cfg.lr times lr_mult
+    opt = torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=True,  # one kernel for all the parameters; it reads found_inf, which is how the guard skips a step
+    )
+    return [opt]  # a list, as the other trainers' (the checkpoint functions take one)
 
 def lr_mult(cfg, step, progress):
     """Linear warmup, then cosine or no decay over progress in [0, 1]."""
@@ -450,27 +488,27 @@ def lr_mult(cfg, step, progress):
     # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget.
     # DiT holds its LR constant; cosine decay (Loshchilov & Hutter 2017) did no better on the CPU demo.
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if cfg.schedule == "constant":
+        return warm
     p = min(max(progress, 0.0), 1.0)
     f = cfg.final_lr_frac
-    if cfg.schedule == "cosine":
-        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    return warm
+    return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))  # from 1 down to f
 
 # -----------------------------------------------------------------------------
 # Quality: the held-out denoising loss, and samples scored by a classifier
 
 @torch.no_grad()
-def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, ctx, n_images):
-    """(mean, per-t) error on n_images val images (0: all) at 8 fixed t and noise."""
+def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx):
+    """(mean, per-t) error on cfg.eval_images val images (0: all) at 8 fixed t and noise."""
     # The training loss draws t and the noise at random, so it jumps from step to step. Here both are fixed: the
     # midpoints of 8 equal bins of t and one noise per image from seed 0, so any two evals, of any two runs on this
     # data, compare. The loss per t shows where along the path the model is weak.
     model.eval()
-    n = min(n_images or len(y_all), len(y_all))
-    ts = (torch.arange(8, dtype=torch.float32) + 0.5) / 8
+    B = cfg.batch_size
+    n = min(cfg.eval_images or len(y_all), len(y_all))
+    ts = [(k + 0.5) / 8 for k in range(8)]  # 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # (n, H, W, C)
     # every rank runs as many forwards, since FSDP gathers each block's weights with all ranks together
     for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
@@ -481,7 +519,7 @@ def denoising_loss(model, x_all, y_all, cfg, alpha_bar, K, B, rank, world_size, 
         x0 = to_model(x_all[i:j])
         noise = noise_all[i:j].to(x0.device)
         y = y_all[i:j] if K else None
-        for k, t in enumerate(ts.tolist()):
+        for k, t in enumerate(ts):
             tt = torch.full((j - i,), t, device=x0.device)
             x_t, target, _ = corrupt(x0, noise, tt, cfg, alpha_bar)
             with ctx:
@@ -510,7 +548,8 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
         y = labels[i:j].to(device) if K else None
         with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
             x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
-        out.append(((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))  # as a PNG stores them
+        x = ((x + 1) * 127.5).round().clamp(0, 255)  # back from [-1, 1] to pixels
+        out.append(x.to(torch.uint8))  # as a PNG stores them
     model.train()
     mine = torch.cat(out)
     # every rank ends with the whole set, in the order of the labels
@@ -532,7 +571,8 @@ def frechet_distance(a, b):
     sb = torch.cov(b.T)
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
-    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # = tr (S_a S_b)^1/2
+    # the eigenvalues of S_a S_b; rounding can make tiny ones negative
+    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
     means = (a.mean(0) - b.mean(0)).square().sum()
     return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
@@ -544,21 +584,22 @@ class Judge:
 
     def __init__(self, path, meta, fid_weights, device, val_x):
         import train_vit as tv  # only this metric needs the classifier's code
-        ckpt, where = None, path
-        if os.path.exists(path):
-            ckpt, where = load_checkpoint(path)
-        with exit_if_unreadable(where, "pass a checkpoint written by train_vit.py"):
+        ckpt, where = load_checkpoint(path)  # (None, None) if path holds no checkpoint; main checked that it exists
+        with exit_if_unreadable(where or path, "pass a checkpoint written by train_vit.py"):
             if ckpt is None or "pool" not in ckpt["config"]:  # a ViT's pooling: train_vit.py's
                 die(f"--eval_classifier={path}: no complete train_vit.py checkpoint there; train one")
             m = ckpt["data_meta"]
             if any(m[k] != meta[k] for k in ("classes", "image_size", "channels")):
                 die(f"--eval_classifier={path}: trained on other data ({m['num_classes']} classes of "
                     f"{m['image_size']}); train it with train_vit.py on this --data_dir")
+            # build it from the fields of its config that train_vit.py has today; flags it has dropped are left out
             known = {k: v for k, v in ckpt["config"].items() if k in tv.Config.__dataclass_fields__}
             self.clf = tv.build_model(tv.Config(**known), m, device).eval()
             self.clf.load_state_dict(ckpt["ema"] or ckpt["model"])
-        with exit_if_unreadable(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
-            self.inception = torch.jit.load(fid_weights, map_location=device).eval() if fid_weights else None
+        self.inception = None
+        if fid_weights:
+            with exit_if_unreadable(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
+                self.inception = torch.jit.load(fid_weights, map_location=device).eval()
         self.real = self.features(val_x[:10000])  # once
 
     @torch.no_grad()
@@ -571,7 +612,8 @@ class Judge:
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
             if self.inception is not None:  # takes NCHW in 0..255, resized to 299 inside
-                img = xb.permute(0, 3, 1, 2).expand(-1, 3, -1, -1) * 255
+                img = xb.permute(0, 3, 1, 2)  # (b, C, H, W)
+                img = img.expand(-1, 3, -1, -1) * 255  # grey images as RGB
                 out["inception"].append(self.inception(img, return_features=True).flatten(1))
         return {k: torch.cat(v).float() for k, v in out.items() if v}
 
@@ -580,8 +622,9 @@ class Judge:
         f = self.features(samples)
         res = {"fd_vit": frechet_distance(self.real["vit"], f["vit"])}
         if K:
-            # clf_acc: how often the classifier names the class that each sample was drawn for (i % K)
-            right = f["logits"].argmax(-1).cpu() == torch.arange(len(samples)) % K
+            # clf_acc: how often the classifier names the class that each sample was drawn for
+            drawn_for = torch.arange(len(samples)) % K
+            right = f["logits"].argmax(-1).cpu() == drawn_for
             res["clf_acc"] = right.float().mean().item()
         if self.inception is not None:
             res["fid"] = frechet_distance(self.real["inception"], f["inception"])
@@ -753,60 +796,86 @@ def agree(rows, t0, world_size):
 
 # -----------------------------------------------------------------------------
 # Training loop
+# main() checks the flags and catches the stop signals; train() sets up, resumes, and runs the loop. Each pass of
+# the loop first reports, evaluates and saves what the last step left (so step 0 evaluates the untrained model and
+# the last pass saves the finished one), then takes one optimizer step: micro-batches, clip, guard, update, EMA.
+# Evals score the model twice: the held-out denoising loss, a number that moves smoothly, and samples, which are
+# what a diffusion model is for but take many forwards each.
 
-def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank, world_size, step, final):
+def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
+                  ctx, rank, world_size, step, final):
     """The denoising loss of the weights and their EMA; the EMA's samples, scored."""
-    rec, (H, W), C, B = {"step": step}, meta["image_size"], meta["channels"], cfg.batch_size
-    for tag in ("", "ema_") if ema else ("",):
-        if tag:
-            ema.swap()
-        args = (cfg, alpha_bar, K, B, rank, world_size, ctx, cfg.eval_images)
-        rec[f"{tag}val_loss"], rec[f"{tag}val_loss_t"] = denoising_loss(model, val_x, val_y, *args)
-    rows = K or cfg.per_class
-    n_samples = max(rows * cfg.per_class, cfg.final_samples if final else cfg.eval_samples)
+    rec = {"step": step}
+    args = (model, val_x, val_y, K, cfg, alpha_bar, rank, world_size, ctx)
+    rec["val_loss"], rec["val_loss_t"] = denoising_loss(*args)
+    # The samples come from the EMA of the weights, as DiT's and EDM's do: an average over roughly the last
+    # 1 / (1 - ema) steps, which smooths out the noise of single updates.
+    if ema:
+        ema.swap()
+        rec["ema_val_loss"], rec["ema_val_loss_t"] = denoising_loss(*args)
+    rows = K or cfg.per_class  # the grid: a row per class, or a square of unconditional samples
+    n_samples = cfg.final_samples if final else cfg.eval_samples
+    n_samples = max(rows * cfg.per_class, n_samples)  # enough to fill the grid
     t0 = time.perf_counter()
-    samples = draw_samples(model, n_samples, (H, W, C), K, cfg, alpha_bar, B, rank, world_size, ctx)
+    samples = draw_samples(model, n_samples, val_x.shape[1:], K, cfg, alpha_bar,  # shape (H, W, C)
+                           cfg.batch_size, rank, world_size, ctx)
     rec["sample_s"] = time.perf_counter() - t0
     if ema:
         ema.swap()
-    grid = os.path.join(cfg.out_dir, "samples.png" if final else f"samples_{step:05d}.png")
+    name = "samples.png" if final else f"samples_{step:05d}.png"
+    grid = os.path.join(cfg.out_dir, name)
     if rank == 0:
-        side_path("writing the sample grid", write_grid, grid, samples[:rows * cfg.per_class].cpu().numpy(), rows,
-                  meta["classes"] if K else None)
+        labels = meta["classes"] if K else None
+        cells = samples[:rows * cfg.per_class].cpu().numpy()
+        side_path("writing the sample grid", write_grid, grid, cells, rows, labels)
     if judge:
         rec.update(side_path("scoring the samples", judge.score, samples, K) or {})
-    print(f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
-          + (f" | ema val loss {rec['ema_val_loss']:.4f}" if ema else "")
-          + (f" | classifier acc {100 * rec['clf_acc']:.1f}%" if "clf_acc" in rec else "")
-          + (f" | FD-ViT {rec['fd_vit']:.2f}" if "fd_vit" in rec else "")
-          + (f" | FID {rec['fid']:.2f}" if "fid" in rec else "")
-          + f" | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
+    line = f"eval {step:05d} | val loss {rec['val_loss']:.4f}"
+    if ema:
+        line += f" | ema val loss {rec['ema_val_loss']:.4f}"
+    if "clf_acc" in rec:
+        line += f" | classifier acc {100 * rec['clf_acc']:.1f}%"
+    if "fd_vit" in rec:
+        line += f" | FD-ViT {rec['fd_vit']:.2f}"
+    if "fid" in rec:
+        line += f" | FID {rec['fid']:.2f}"
+    print(f"{line} | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
 
 def write_grid(path, images, rows, labels=None, zoom=2):
     """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
+    # column-major: draw_samples gives sample i the class i % K, so with a row per class, row r holds that class
     from PIL import Image, ImageDraw
     n, H, W, C = images.shape
-    cols, gap = n // rows, 2
-    h, w = H * zoom + gap, W * zoom + gap  # a cell and the gap after it
-    margin = 8 + 6 * max(map(len, labels)) if labels else 0
-    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)
-    big = images.repeat(zoom, 1).repeat(zoom, 2)
-    big = big.repeat(3, 3) if C == 1 else big
+    cols = n // rows
+    gap = 2
+    h = H * zoom + gap  # a cell and the gap after it
+    w = W * zoom + gap
+    margin = 0  # room for the labels, left of the rows
+    if labels:
+        margin = 8 + 6 * max(map(len, labels))
+    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)  # white, (height, width, RGB)
+    big = images.repeat(zoom, 1).repeat(zoom, 2)  # (n, H * zoom, W * zoom, C): a pixel, a zoom x zoom square
+    if C == 1:
+        big = big.repeat(3, 3)  # grey as RGB
     for r in range(rows):
         for j in range(cols):
-            y0, x0 = gap + r * h, margin + gap + j * w
+            y0 = gap + r * h
+            x0 = margin + gap + j * w
             canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
     im = Image.fromarray(canvas)
     draw = ImageDraw.Draw(im)
     for r, name in enumerate(labels or ()):
-        draw.text((4, gap + r * h + H * zoom // 2 - 5), name, fill=(0, 0, 0))
+        top = gap + r * h + H * zoom // 2 - 5  # the text, about 10 pixels high, centred on its row
+        draw.text((4, top), name, fill=(0, 0, 0))
+    # written whole, then renamed: a reader never sees half a PNG
     im.save(f"{path}.tmp", format="PNG")
     os.replace(f"{path}.tmp", path)
 
 def conditioning(cfg, meta):
     """Classes to condition on: 0 (none) for one class or --num_classes=0."""
     K = meta["num_classes"]
+    # a single class needs no label; a positive --num_classes only confirms the data's count
     if cfg.num_classes > 0 and cfg.num_classes != K:
         die(f"--num_classes={cfg.num_classes} but {cfg.data_dir} has {K} classes; use -1 (the data's) or 0")
     return 0 if cfg.num_classes == 0 or K == 1 else K
@@ -818,6 +887,33 @@ def done_line(step, epochs, train_time, rec, out_dir):
                         if k in rec)
     return (f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s | {scores} | checkpoint and "
             f"samples.png in {out_dir}")
+
+def training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx):
+    """The loss of this rank's micro-batch: uint8 images x (B, H, W, C), labels y (B,)."""
+    # Noise, t and the coins are drawn for the global micro-batch of G images and each rank keeps its slice, so a
+    # global batch gets the same numbers however many ranks share it.
+    B = len(x)
+    G = B * world_size
+    mine = slice(rank * B, (rank + 1) * B)
+    x0 = to_model(x)
+    noise = torch.randn((G, *x.shape[1:]), generator=gen, device=x.device)[mine]
+    t = sample_t(G, cfg, gen)[mine]  # (B,)
+    u = torch.rand((2, G), generator=gen, device=x.device)[:, mine]  # a coin for the flip, one for the label
+    if flip:  # mirror half the images left to right (dim 2 is W)
+        x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
+    # Label dropout: a share class_dropout of the labels becomes K, "no label", so that one network also learns
+    # the unconditional model that guidance needs (Ho & Salimans 2022; DiT drops 10%).
+    y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None
+    x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
+    with ctx:
+        out = model(x_t, t, y).float()
+    # The loss is the mean squared error of each image's velocity (flow) or noise (ddpm), averaged over its
+    # pixels. With x-prediction, DiT.forward has already turned the clean image into a velocity: Li & He's
+    # x-prediction with a v-loss.
+    mse = (out - target).square().mean((1, 2, 3))  # (B,)
+    if weight is not None:  # ddpm's min-SNR weights
+        mse = mse * weight
+    return mse.mean()
 
 def main(cfg):
     """Train (or --benchmark) per cfg; returns a dict of final metrics."""
@@ -836,7 +932,8 @@ def train(cfg, stop):
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
-    alpha_bar, scored = cosine_alpha_bar(), cfg.eval_classifier and master and not cfg.benchmark
+    alpha_bar = cosine_alpha_bar()  # (T + 1,): ddpm's schedule
+    scored = cfg.eval_classifier and master and not cfg.benchmark  # the samples are scored on rank 0 alone
     judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
@@ -844,24 +941,29 @@ def train(cfg, stop):
     ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    B, accum, images_per_step = cfg.batch_size, cfg.grad_accum, cfg.batch_size * cfg.grad_accum * world_size
+    B, accum = cfg.batch_size, cfg.grad_accum
+    images_per_step = B * accum * world_size
 
-    # model, optimizers, EMA, guard; the budget: steps (--max_steps, --epochs) or seconds
+    # model, optimizer, EMA, guard
     raw = build_model(cfg, H, C, K, device)
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opts = build_optimizers(cfg, raw, device)
+    opts = build_optimizers(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
+    # the budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
     steps_per_epoch = len(loader.y) // (B * world_size) / accum
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = 0.0 if cfg.max_steps or cfg.epochs else cfg.time_budget
     bench = Benchmark(cfg.bench_steps, cfg.profile)
-    max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or cfg.epochs else cfg.time_budget
+    if cfg.benchmark:  # a fixed number of steps, to time
+        max_steps = bench.total
+        time_budget = 0.0
     # per step: images, and its seconds at the GPU's peak (for MFU)
     rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
     # the loop's state is these locals; a resume sets them, and the loader's place
-    step, train_time, history = 0, 0.0, []
+    step, train_time, history = 0, 0.0, []  # the step to take next, seconds trained, logged records
     if ckpt:
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
@@ -872,12 +974,13 @@ def train(cfg, stop):
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
     writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
     budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
-    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, "
-          + (f"{K} classes" if K else "unconditional") + f" | {(H // cfg.patch_size) ** 2} patches"
-          + f" | {cfg.objective}" + (f", {cfg.predict}-prediction" if cfg.objective == "flow" else "")
-          + f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
-          + f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
-          + f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+    classes = f"{K} classes" if K else "unconditional"
+    objective = f"{cfg.objective}, {cfg.predict}-prediction" if cfg.objective == "flow" else cfg.objective
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {classes}"
+          f" | {(H // cfg.patch_size) ** 2} patches | {objective}"
+          f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
+          f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
 
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
@@ -885,7 +988,8 @@ def train(cfg, stop):
     # counts the reads). Time has three names: train_time, the seconds of training up to the
     # last sync; t0, when the clock last started; step_time, a step's seconds over the last
     # interval, which estimates the time between syncs.
-    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
+    # first: where this run (re)starts; synced: the last step the host has read
+    first, synced, step_time, stopped = step, step, 0.0, False
     trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
     t0 = time.perf_counter()  # start the clock
     while True:
@@ -900,13 +1004,14 @@ def train(cfg, stop):
         # Evals (one at step 0: the samples of an untrained model are noise) and saves, but not
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
-        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals and not cfg.benchmark:
-            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta, ctx, rank,
-                                world_size, step, last_step and not stopped)
+            rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
+                                ctx, rank, world_size, step, final)
             record(metrics, **rec)
-            history.append({k: v for k, v in rec.items() if not k.endswith("_t")})
+            history.append({k: v for k, v in rec.items() if not k.endswith("_t")})  # scores, not the per-t losses
         if saves and not cfg.benchmark:
             writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time,
@@ -918,10 +1023,10 @@ def train(cfg, stop):
         if evals or saves:
             t0 = time.perf_counter()  # start the clock again
 
-        # one optimizer step. Noise, t, label dropout and flips are drawn for the global batch
-        # from a generator seeded by (seed, step), a slice a rank: a resumed run draws the same
-        # numbers, for any number of ranks
-        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))
+        # One optimizer step. Noise, t, label dropout and flips are drawn for the global batch
+        # from a generator seeded by (seed, step), and each rank keeps its slice: a resumed run
+        # draws the same numbers, for any number of ranks.
+        gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))  # a seed per (seed, step)
         if time_budget:  # the schedule follows the time, estimated since the sync
             progress = (train_time + (step - synced) * step_time) / time_budget
         else:
@@ -930,38 +1035,32 @@ def train(cfg, stop):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
-        loss_sum, mine = torch.zeros((), device=device), slice(rank * B, (rank + 1) * B)
+                g["lr"] = cfg.lr * mult
+        loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = loader.next()
-            x0 = to_model(x)
-            noise = torch.randn((B * world_size, H, W, C), generator=gen, device=device)[mine]
-            t = sample_t(B * world_size, cfg, gen)[mine]
-            u = torch.rand((2, B * world_size), generator=gen, device=device)[:, mine]
-            if flip:
-                x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
-            y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None  # label K: none
-            x_t, target, weight = corrupt(x0, noise, t, cfg, alpha_bar)
+            x, y = loader.next()  # (B, H, W, C) uint8, (B,)
             # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
-                with ctx:
-                    out = model(x_t, t, y).float()
-                mse = (out - target).square().mean((1, 2, 3))  # (B,)
-                loss = (mse * weight if weight is not None else mse).mean() / accum
+                loss = training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx) / accum
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
+        # clip the global norm of the gradients at grad_clip (or, with --clip_mult, at a multiple of its running
+        # mean), a guard against a rare batch with an outsized gradient; gnorm is the norm before clipping
         gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
         # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
-        # the host would stall the device every step. Where skip is 1, fused AdamW and Muon
-        # leave the weights and their state as they were (fused AdamW's fp16-overflow path).
+        # the host would stall the device every step. Where skip is 1, fused AdamW leaves the
+        # weights and their state as they were (its fp16-overflow path).
         row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
         trace[step - synced] = row
         for opt in opts:
             opt.found_inf = skip
             opt.step()
-        if ema:  # a skipped step left the weights as they were
+        # The EMA of the weights, which evals sample from: decay 0.999 averages over about the last 1,000 steps of
+        # the demo's ~5,000; DiT's 0.9999 suits its 400k. A skipped step left the weights, and so the EMA, as they
+        # were.
+        if ema:
             ema.update()
         scaler.update()
         step += 1
@@ -987,7 +1086,8 @@ def train(cfg, stop):
             writer.wait()
             ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            first = synced = step  # the batches read since are skipped, not read again
+            first = step  # the batches read since are skipped, not read again
+            synced = step
             t0 = time.perf_counter()
 
     # the end: how to resume after a signal, or the benchmark's figures, or the results
@@ -1004,7 +1104,12 @@ def train(cfg, stop):
         what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W}/{cfg.patch_size} | {device} {dtype}"
         print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
-        key = "clf_acc" if "clf_acc" in rec else "ema_val_loss" if ema else "val_loss"
+        # results.tsv ranks runs by the best score there is: the classifier's, else the denoising loss
+        key = "val_loss"
+        if "clf_acc" in rec:
+            key = "clf_acc"
+        elif ema:
+            key = "ema_val_loss"
         result |= {**rec, "train_loss": loss, "images": step * images_per_step}
         if master:
             append_result(cfg.out_dir, key, result, cfg.description)
@@ -1016,31 +1121,35 @@ def train(cfg, stop):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    for low, keys in ((1, "patch_size n_layer n_head n_embd batch_size grad_accum guard_window "
-                          "sample_steps per_class log_every bench_steps"),  # before the check that divides by them
-                      (0, "min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
-                          "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget"),
-                      (-1, "num_classes")):
+    # sizes and counts first, since the checks below divide by them
+    at_least_1 = ("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps per_class "
+                  "log_every bench_steps")
+    at_least_0 = ("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
+                  "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
+    for low, keys in ((1, at_least_1), (0, at_least_0), (-1, "num_classes")):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        fit = [h for h in range(1, cfg.n_embd + 1) if cfg.n_embd % h == 0 and (cfg.n_embd // h) % 2 == 0]
-        die(f"--n_embd={cfg.n_embd} must split into {cfg.n_head} heads of even size; "
+    d = cfg.n_embd
+    if d % cfg.n_head or (d // cfg.n_head) % 2:
+        fit = [h for h in range(1, d + 1) if d % h == 0 and (d // h) % 2 == 0]
+        die(f"--n_embd={d} must split into {cfg.n_head} heads of even size; "
             f"--n_head={'|'.join(map(str, fit))} would, or change --n_embd")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or not 0 <= cfg.final_lr_frac <= 1:
         die("need --lr > 0, --warmup_steps >= 0 and 0 <= --final_lr_frac <= 1")
-    if not (0 <= cfg.ema < 1 and 0 <= cfg.class_dropout < 1 and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1
-            and cfg.t_std > 0 and cfg.mlp_ratio > 0):
+    in_range = all(0 <= v < 1 for v in (cfg.ema, cfg.class_dropout, cfg.beta1, cfg.beta2))
+    if not (in_range and cfg.t_std > 0 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
+    # euler and heun integrate flow's ODE; ddim steps through ddpm's chain
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
     if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
-        if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
-            die(f"--{k}={getattr(cfg, k)}: no such file or directory")
+        path = getattr(cfg, k)
+        if path and not os.path.exists(path):
+            die(f"--{k}={path}: no such file or directory")
 
 # -----------------------------------------------------------------------------
 # Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
