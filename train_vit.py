@@ -303,7 +303,9 @@ class ViT(nn.Module):
         # (--pool=cls, BERT's and the first ViT's way), and registers (Darcet et al. 2024). Without registers, large
         # ViTs repurpose background patches as scratch space, which shows as artefacts in their attention maps.
         self.n_extra = int(cfg.pool == "cls") + cfg.registers
-        self.extra = nn.Parameter(torch.zeros(self.n_extra, d)) if self.n_extra else None
+        self.extra = None
+        if self.n_extra:
+            self.extra = nn.Parameter(torch.zeros(self.n_extra, d))
         # the drop rate grows linearly with depth, 0 at the first block (Huang et al. 2016)
         rates = [cfg.drop_path * i / max(cfg.n_layer - 1, 1) for i in range(cfg.n_layer)]
         self.blocks = nn.ModuleList(Block(cfg, r) for r in rates)
@@ -320,15 +322,13 @@ class ViT(nn.Module):
         c = self.cfg
         s = c.init_std
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.startswith("head."):
+            if name.endswith(("proj.weight", ".bias")) or name.startswith("head."):
                 # Each residual branch ends in a proj that starts at zero, so every block starts as the identity
                 # and the signal passes straight through; the zero head starts every class at the same logit,
-                # the loss at ln(classes)
+                # the loss at ln(classes). The biases (patch embedding, head) start at zero too.
                 nn.init.zeros_(p)
             elif name.endswith((".ls1", ".ls2")):
                 nn.init.constant_(p, c.layer_scale)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
             elif p.ndim == 1:  # the norms' gains
                 nn.init.ones_(p)
             else:
@@ -774,7 +774,9 @@ def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
         j = min(i + B, n)
         w = 1.0
         if i >= n:
-            i, j, w = 0, 1, 0.0
+            i = 0
+            j = 1
+            w = 0.0
         x = x_all[i:j].float() / 255  # (b, H, W, C) in [0, 1]
         y = y_all[i:j]
         with ctx:
@@ -782,7 +784,8 @@ def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
             if tta_flip:
                 # test-time augmentation: the log of the mean of the two views' probabilities (up to a constant,
                 # which the softmax below cancels)
-                both = torch.stack((logits, model(x.flip(2)).float()))  # (2, b, K)
+                mirrored = model(x.flip(2)).float()  # (b, K): the mirror images' logits
+                both = torch.stack((logits, mirrored))  # (2, b, K)
                 logits = both.log_softmax(-1).logsumexp(0)
         top = logits.topk(min(5, K), dim=-1).indices  # (b, 5): the classes in order of their logits
         top1 = (top[:, 0] == y).sum()
@@ -816,9 +819,11 @@ def evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_si
         if ema_scores["val_acc"] > scores["val_acc"]:
             best = "ema_"
             conf = ema_conf
-    # each class's accuracy: its val images predicted right, over its val images (a class with none scores 0);
-    # the final line names the three weakest, so a class the model keeps confusing is not averaged away
-    rec["per_class_acc"] = (conf.diagonal() / np.maximum(conf.sum(1), 1)).round(4).tolist()
+    # each class's accuracy: the final line names the three weakest, so a class the model keeps confusing is not
+    # averaged away
+    right = conf.diagonal()  # (K,): each class's val images predicted right
+    seen = np.maximum(conf.sum(1), 1)  # (K,): its val images, at least 1 so that a class with none scores 0
+    rec["per_class_acc"] = (right / seen).round(4).tolist()
     line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
     line += f" | loss {rec['val_loss']:.4f}"
     if ema:
@@ -839,7 +844,8 @@ def plot_results(out_dir, history, confusion, classes):
     # history holds the log steps' train losses and the evals' records, in the order they happened
     fig1, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
-        if pts := [(h["step"], 100 * h[key]) for h in history if key in h]:
+        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
+        if pts:
             ax.plot(*zip(*pts), style, label=key.replace("_", " "))
     ax.set(
         xlabel="step",
@@ -848,7 +854,8 @@ def plot_results(out_dir, history, confusion, classes):
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
-    if losses := [(h["step"], h["loss"]) for h in history if "loss" in h]:
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    if losses:
         ax2 = ax.twinx()  # the loss on its own axis, at the right
         ax2.plot(*zip(*losses), color="gray", alpha=0.5)
         ax2.set_ylabel("train loss")
