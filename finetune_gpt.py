@@ -566,7 +566,16 @@ def load_model(where, device, flag="--ckpt", fix=""):
     if is_gpt2(where):
         return from_pretrained(where, device), GPT2_TOKENIZER, "pretrained", where
     check_weights(flag, where, fix)
-    return tg.load_model(where, device, plain_weights)
+    ckpt, path = tg.load_checkpoint(where)
+    if ckpt is None:
+        tg.die(f"{flag}={where}: no complete checkpoint there; train first (python train_gpt.py)")
+    with tg.exit_if_unreadable(path, "pass a checkpoint of train_gpt.py"):
+        # the fields of its config that train_gpt.py has today; flags it has dropped since are left out
+        fields = {k: v for k, v in ckpt["config"].items() if k in tg.Config.__dataclass_fields__}
+        model = tg.build_model(tg.Config(**fields), ckpt["data_info"]["vocab_size"], device)
+        model.load_state_dict(plain_weights(ckpt))
+        tg.load_tokenizer(ckpt["tokenizer"])
+    return model.eval(), ckpt["tokenizer"], ckpt["step"], path
 
 # -----------------------------------------------------------------------------
 # After training: merge, export

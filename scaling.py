@@ -45,6 +45,7 @@ import time
 import numpy as np
 import torch
 
+import finetune_gpt as ft
 import train_gpt as tg
 
 # Published fits of L(N, D) = E + A / N^alpha + B / D^beta, in nats per token. E is the loss of a perfect model (the
@@ -1144,7 +1145,7 @@ def cmd_sharpness(args):
     # gives its own estimate, and how far they spread says how much one batch can be trusted.
     device = tg.setup_dist(args.device)[2]
     # fp32: a finite difference of bf16 gradients is noise
-    model, tok, step, path = tg.load_model(args.ckpt, device)
+    model, tok, step, path = ft.load_model(args.ckpt, device)
     c = model.cfg
     data_dir = args.data_dir or c.data_dir
     B = args.batch_size or c.batch_size

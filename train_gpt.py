@@ -1433,18 +1433,6 @@ def train(cfg, stop, start=None):
         dist.destroy_process_group()
     return result
 
-def load_model(where, device, weights=None):
-    """(model in eval mode, tokenizer, step, path); weights(ckpt): the state dict."""
-    ckpt, path = load_checkpoint(where) if os.path.exists(where) else (None, None)
-    if ckpt is None:
-        die(f"no complete checkpoint at {where!r}; train first (python train_gpt.py), or pass --ckpt=PATH")
-    with exit_if_unreadable(path, "pass a checkpoint of train_gpt.py (LoRA, int8: finetune_gpt.load_model)"):
-        fields = {k: v for k, v in ckpt["config"].items() if k in Config.__dataclass_fields__}
-        model = build_model(Config(**fields), ckpt["data_info"]["vocab_size"], device)
-        model.load_state_dict(weights(ckpt) if weights else ckpt["model"])
-        load_tokenizer(ckpt["tokenizer"])
-    return model.eval(), ckpt["tokenizer"], ckpt["step"], path
-
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import eval_gpt
+import finetune_gpt as ft
 import train_gpt as tg
 from conftest import hellaswag_items, write_corpus
 
@@ -91,7 +92,7 @@ def test_a_run_scored_on_its_checkpoints_and_on_two_ranks(tmp_path):
                     sample_tokens=0, device="cpu", dtype="float32", compile="false", data_dir=str(data),
                     out_dir=str(out), save_every=3)
     tg.main(cfg)
-    model, tok, _, _ = tg.load_model(str(out), torch.device("cpu"))
+    model, tok, _, _ = ft.load_model(str(out), torch.device("cpu"))
     encode = tg.load_tokenizer(tok)[0]
     items = [(encode(it["ctx"]), [encode(" " + e) for e in it["endings"]], it["label"]) for it in hellaswag_items(37)]
     acc, acc_norm, _ = reference(model, items)

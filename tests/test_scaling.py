@@ -276,7 +276,7 @@ def test_bad_input_fails_with_one_line(tmp_path, corpus):
              (["coord_check", "--bogus=1"], "unrecognized arguments"),
              (["sharpness"], "the following arguments are required: --ckpt"),
              (["sharpness", f"--ckpt={tmp_path}", "--iters=0"], "must be at least 1"),
-             (["sharpness", f"--ckpt={tmp_path / 'none'}"], "no complete checkpoint"),
+             (["sharpness", f"--ckpt={tmp_path / 'none'}"], "no checkpoint there"),
              (["compare", str(tmp_path)], "metrics.jsonl not found")]
     for argv, msg in cases:
         with pytest.raises(SystemExit, match=msg):

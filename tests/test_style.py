@@ -62,7 +62,7 @@ def test_every_flag_of_the_image_scripts_has_help():
 # fence, one statement a line, added 34 to each, which the image recipes' own simplification is to win back;
 # train_vit.py's 9,398 holds 3,098 tokens of the shared images, system and Muon fences, which it cannot shrink alone,
 # and at 10 tokens a code line a cut that removes short lines breaks the density goal)
-TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 11010), "train_vit.py": (7500, 9398),
+TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 10869), "train_vit.py": (7500, 9398),
                             "train_diffusion.py": (7500, 9970)}
 # the shared machinery fence of each trainer (issue 61's stop flag, read every step, added 80; issue 59's helpers
 # that return values instead of printing behind a return, -h groups and the source copy, 180)
