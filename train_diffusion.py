@@ -378,7 +378,8 @@ def sample_t(B, cfg, gen):
     # image or the noise is almost in plain view); the logit-normal spends the steps in between. t_mean > 0 leans
     # toward noise, where an image's layout is decided.
     if cfg.objective == "flow":
-        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))  # (B,)
+        n = torch.randn(B, generator=gen, device=gen.device)  # (B,)
+        return torch.sigmoid(cfg.t_mean + cfg.t_std * n)
     # ddpm: a step in 1..T, uniform as in Ho et al., as a fraction of T
     steps = torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device)  # (B,)
     return steps.float() / T_DDPM
@@ -513,7 +514,8 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
     n = min(cfg.eval_images or len(y_all), len(y_all))
     ts = [(k + 0.5) / 8 for k in range(8)]  # 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # (n, H, W, C)
+    g = torch.Generator().manual_seed(0)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
     # every rank runs as many forwards, since FSDP gathers each block's weights with all ranks together
     for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
@@ -576,7 +578,8 @@ def frechet_distance(a, b):
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
     # the eigenvalues of S_a S_b; rounding can make tiny ones negative
-    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
+    lam = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0)  # (d,)
+    cross = lam.sqrt().sum()  # tr (S_a S_b)^1/2
     means = (a.mean(0) - b.mean(0)).square().sum()
     return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
@@ -610,8 +613,8 @@ class Judge:
     def features(self, x):
         """{name: features (n, d)} of uint8 images (n, H, W, C), and the logits."""
         out = {"logits": [], "vit": [], "inception": []}
-        for i in range(0, len(x), 500):  # 500 images at a time, to bound the memory
-            xb = x[i:i + 500].float() / 255  # (b, H, W, C) in [0, 1], as the ViT takes them
+        for xb in x.split(500):  # 500 images at a time, to bound the memory
+            xb = xb.float() / 255  # (b, H, W, C) in [0, 1], as the ViT takes them
             f = self.clf(xb, features=True)  # (b, d), the pooled tokens its head reads
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
