@@ -184,7 +184,8 @@ def timestep_embedding(t, dim=256):
     # frequencies from 1 down to 1/10000, which an MLP then reads. Their range was set for integer steps up to
     # 1000, so t in [0, 1] is scaled to it; unscaled, even the fastest would turn by at most a radian over all t.
     half = dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)  # (half,)
+    k = torch.arange(half, device=t.device, dtype=torch.float32)  # (half,)
+    freqs = torch.exp(-math.log(10000) * k / half)  # 1 down to 1/10000
     args = 1000 * t.float()[:, None] * freqs[None]  # (B, half)
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
@@ -367,8 +368,9 @@ def cosine_alpha_bar(T=T_DDPM, s=0.008):
     steps = torch.arange(T + 1, dtype=torch.float64) / T  # (T + 1,): t of each step
     f = torch.cos((steps + s) / (1 + s) * math.pi / 2) ** 2
     beta = (1 - f[1:] / f[:-1]).clamp(max=0.999)  # (T,)
+    alpha_bar = torch.cumprod(1 - beta, 0)  # (T,): steps 1..T
     # step 0 is the data: alpha_bar 1
-    return torch.cat((torch.ones(1, dtype=torch.float64), torch.cumprod(1 - beta, 0)))
+    return torch.cat((torch.ones(1, dtype=torch.float64), alpha_bar))
 
 def sample_t(B, cfg, gen):
     """B training timesteps: logit-normal for flow (Esser et al. 2024), uniform for ddpm."""
@@ -376,9 +378,11 @@ def sample_t(B, cfg, gen):
     # image or the noise is almost in plain view); the logit-normal spends the steps in between. t_mean > 0 leans
     # toward noise, where an image's layout is decided.
     if cfg.objective == "flow":
-        return torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, generator=gen, device=gen.device))  # (B,)
+        n = torch.randn(B, generator=gen, device=gen.device)  # (B,)
+        return torch.sigmoid(cfg.t_mean + cfg.t_std * n)
     # ddpm: a step in 1..T, uniform as in Ho et al., as a fraction of T
-    return torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device).float() / T_DDPM  # (B,)
+    steps = torch.randint(1, T_DDPM + 1, (B,), generator=gen, device=gen.device)  # (B,)
+    return steps.float() / T_DDPM
 
 def corrupt(x0, noise, t, cfg, alpha_bar):
     """(x_t, the target, loss weight (B,) or None) of clean x0 (B, H, W, C) at t (B,)."""
@@ -408,7 +412,8 @@ def guided(model, x, t, y, scale, null):
         return model(x, tt, None).float()
     # both outputs from one forward of twice the batch: each image once with its label, once with the null label
     yy = torch.cat((y, torch.full_like(y, null)))  # (2B,)
-    cond, uncond = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float().chunk(2)
+    out = model(torch.cat((x, x)), torch.cat((tt, tt)), yy).float()  # (2B, H, W, C)
+    cond, uncond = out.chunk(2)
     return uncond + scale * (cond - uncond)
 
 @torch.no_grad()
@@ -431,17 +436,18 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
         return x
     # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps. Each step estimates the
     # clean image and the noise from the model's e, then jumps to step j along the same pair.
+    # the schedule's float64 square roots, rounded once to the sampler's fp32
     ab = alpha_bar.to(x.device)
-    signal = ab.sqrt()  # (T + 1,) float64: x_t = signal x_0 + sigma e at each step
-    sigma = (1 - ab).sqrt()
+    signal = ab.sqrt().float()  # (T + 1,): x_t = signal x_0 + sigma e at each step
+    sigma = (1 - ab).sqrt().float()
     # T down to 0 in equal strides
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1).round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
         eps = guided(model, x, i / T_DDPM, y, scale, null)
         x0 = (x - sigma[i] * eps) / signal[i]  # the clean image that this noise implies
-        x0 = x0.clamp(-1, 1).float()  # kept in the data's range
-        eps = ((x - signal[i] * x0) / sigma[i]).float()  # the noise that fits the clamped x0
-        x = signal[j].float() * x0 + sigma[j].float() * eps
+        x0 = x0.clamp(-1, 1)  # kept in the data's range
+        eps = (x - signal[i] * x0) / sigma[i]  # the noise that fits the clamped x0
+        x = signal[j] * x0 + sigma[j] * eps
     return x
 
 # -----------------------------------------------------------------------------
@@ -508,7 +514,8 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
     n = min(cfg.eval_images or len(y_all), len(y_all))
     ts = [(k + 0.5) / 8 for k in range(8)]  # 1/16, 3/16, ..., 15/16
     sums = torch.zeros(8, device=y_all.device, dtype=torch.float64)
-    noise_all = torch.randn((n, *x_all.shape[1:]), generator=torch.Generator().manual_seed(0))  # (n, H, W, C)
+    g = torch.Generator().manual_seed(0)
+    noise_all = torch.randn((n, *x_all.shape[1:]), generator=g)  # (n, H, W, C)
     # every rank runs as many forwards, since FSDP gathers each block's weights with all ranks together
     for it in range(math.ceil(n / (B * world_size))):
         i = (it * world_size + rank) * B
@@ -538,14 +545,13 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     share = math.ceil(n / world_size)
     g = torch.Generator().manual_seed(cfg.sample_seed)
     noise = torch.randn(share * world_size, *shape, generator=g)  # on the CPU: the same numbers on any device
-    # sample i is of class i % K: every class gets as many, and the grid's rows are the classes
-    labels = torch.arange(share * world_size) % max(K, 1)
     device = next(model.parameters()).device
     model.eval()
     out = []
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
-        y = labels[i:j].to(device) if K else None
+        # sample i is of class i % K: every class gets as many, and the grid's rows are the classes
+        y = torch.arange(i, j, device=device) % K if K else None
         with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
             x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
         x = ((x + 1) * 127.5).round().clamp(0, 255)  # back from [-1, 1] to pixels
@@ -572,7 +578,8 @@ def frechet_distance(a, b):
     w, V = torch.linalg.eigh(sa)
     ra = V @ torch.diag(w.clamp(min=0).sqrt()) @ V.T  # S_a^1/2
     # the eigenvalues of S_a S_b; rounding can make tiny ones negative
-    cross = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0).sqrt().sum()  # tr (S_a S_b)^1/2
+    lam = torch.linalg.eigvalsh(ra @ sb @ ra).clamp(min=0)  # (d,)
+    cross = lam.sqrt().sum()  # tr (S_a S_b)^1/2
     means = (a.mean(0) - b.mean(0)).square().sum()
     return (means + sa.trace() + sb.trace() - 2 * cross).item()
 
@@ -606,8 +613,8 @@ class Judge:
     def features(self, x):
         """{name: features (n, d)} of uint8 images (n, H, W, C), and the logits."""
         out = {"logits": [], "vit": [], "inception": []}
-        for i in range(0, len(x), 500):  # 500 images at a time, to bound the memory
-            xb = x[i:i + 500].float() / 255  # (b, H, W, C) in [0, 1], as the ViT takes them
+        for xb in x.split(500):  # 500 images at a time, to bound the memory
+            xb = xb.float() / 255  # (b, H, W, C) in [0, 1], as the ViT takes them
             f = self.clf(xb, features=True)  # (b, d), the pooled tokens its head reads
             out["vit"].append(f)
             out["logits"].append(self.clf.head(f))
@@ -846,24 +853,18 @@ def write_grid(path, images, rows, labels=None, zoom=2):
     """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
     # column-major: draw_samples gives sample i the class i % K, so with a row per class, row r holds that class
     from PIL import Image, ImageDraw
-    n, H, W, C = images.shape
-    cols = n // rows
+    n, H, W, _ = images.shape  # (n, H, W, C)
     gap = 2
     h = H * zoom + gap  # a cell and the gap after it
     w = W * zoom + gap
     margin = 0  # room for the labels, left of the rows
     if labels:
         margin = 8 + 6 * max(map(len, labels))
-    canvas = np.full((rows * h + gap, margin + cols * w + gap, 3), 255, np.uint8)  # white, (height, width, RGB)
-    big = images.repeat(zoom, 1).repeat(zoom, 2)  # (n, H * zoom, W * zoom, C): a pixel, a zoom x zoom square
-    if C == 1:
-        big = big.repeat(3, 3)  # grey as RGB
-    for r in range(rows):
-        for j in range(cols):
-            y0 = gap + r * h
-            x0 = margin + gap + j * w
-            canvas[y0:y0 + H * zoom, x0:x0 + W * zoom] = big[r + j * rows]
-    im = Image.fromarray(canvas)
+    im = Image.new("RGB", (margin + n // rows * w + gap, rows * h + gap), "white")
+    for i, image in enumerate(images):
+        cell = Image.fromarray(image.squeeze())  # (H, W, 3) RGB, or (H, W) grey, which paste turns into RGB
+        cell = cell.resize((W * zoom, H * zoom), Image.NEAREST)  # a pixel becomes a zoom x zoom square
+        im.paste(cell, (margin + gap + i // rows * w, gap + i % rows * h))  # row i % rows, column i // rows
     draw = ImageDraw.Draw(im)
     for r, name in enumerate(labels or ()):
         top = gap + r * h + H * zoom // 2 - 5  # the text, about 10 pixels high, centred on its row
@@ -900,7 +901,8 @@ def training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, c
     t = sample_t(G, cfg, gen)[mine]  # (B,)
     u = torch.rand((2, G), generator=gen, device=x.device)[:, mine]  # a coin for the flip, one for the label
     if flip:  # mirror half the images left to right (dim 2 is W)
-        x0 = torch.where(u[0].view(B, 1, 1, 1) < 0.5, x0.flip(2), x0)
+        heads = u[0].view(B, 1, 1, 1) < 0.5
+        x0 = torch.where(heads, x0.flip(2), x0)
     # Label dropout: a share class_dropout of the labels becomes K, "no label", so that one network also learns
     # the unconditional model that guidance needs (Ho & Salimans 2022; DiT drops 10%).
     y = torch.where(u[1] < cfg.class_dropout, K, y) if K else None
