@@ -417,8 +417,9 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
 
 CHUNK_LOGITS = 1 << 27  # logits per chunk of rows (256 MB in bf16): matmuls large enough to run at full speed
 # On a CPU the softmax's passes over a chunk (max, exp, sum, the grads in place) run at the speed of the memory that
-# holds it. 2M logits, 8 MB in fp32, stay in a laptop's L3 cache; at the GPT's default (4,096 rows of 4,416) the head
-# and its loss ran 1.3x as fast in chunks of 256 rows as in one chunk of 72 MB (BENCHMARKS.md)
+# holds it. 2M logits, 8 MB in fp32, stay in a laptop's L3 cache. At the GPT's default (4,096 rows of 4,416) the
+# head and its loss ran 1.1x as fast in fp32, and 1.6x in bf16, in chunks of 256 rows as in one chunk of 72 MB
+# (BENCHMARKS.md)
 CPU_CHUNK_LOGITS = 1 << 21
 
 
