@@ -416,11 +416,6 @@ def _ce_rows_torch(z, t, ignore_index, softcap, z_loss, dloss, classes):
 
 
 CHUNK_LOGITS = 1 << 27  # logits per chunk of rows (256 MB in bf16): matmuls large enough to run at full speed
-# On a CPU the softmax's passes over a chunk (max, exp, sum, the grads in place) run at the speed of the memory that
-# holds it. 2M logits, 8 MB in fp32, stay in a laptop's L3 cache. At the GPT's default (4,096 rows of 4,416) the
-# head and its loss ran 1.1x as fast in fp32, and 1.6x in bf16, in chunks of 256 rows as in one chunk of 72 MB
-# (BENCHMARKS.md)
-CPU_CHUNK_LOGITS = 1 << 21
 
 
 def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
@@ -429,10 +424,7 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
     in place (addmm_, as Liger's kernel). The matmuls keep w's padded width: on a CPU too a width of 4,353 runs
     1.35x slower than 4,416."""
     N, d = x.shape
-    budget = CHUNK_LOGITS
-    if x.device.type == "cpu":
-        budget = min(CHUNK_LOGITS, CPU_CHUNK_LOGITS)
-    chunk = 1 << max(0, (budget // w.shape[0]).bit_length() - 1)  # a power of two of rows
+    chunk = 1 << max(0, (CHUNK_LOGITS // w.shape[0]).bit_length() - 1)  # a power of two of rows
     use_triton = _use_triton(x)
     loss = torch.empty(N, device=x.device, dtype=torch.float32)
     dx, dw = (torch.empty_like(x), torch.zeros_like(w)) if row_grad is not None else (None, None)
