@@ -200,7 +200,9 @@ class Norm(nn.Module):
         self.kind = cfg.norm
         self.eps = cfg.norm_eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias and cfg.norm == "layernorm" else None
+        self.bias = None  # RMSNorm has none, and LayerNorm has one only with --bias
+        if cfg.bias and cfg.norm == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
         if self.kind == "rmsnorm":
@@ -216,7 +218,8 @@ class Norm(nn.Module):
 def rope_tables(seq_len, head_dim, base, device):
     """RoPE's cos and signed sin (Su et al. 2021), (T, D) fp32."""
     f32 = dict(device=device, dtype=torch.float32)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, **f32) / head_dim)  # (D/2,)
+    exponents = torch.arange(0, head_dim, 2, **f32) / head_dim  # 2j / D
+    inv_freq = 1.0 / base ** exponents  # (D/2,)
     # (T, D/2): the angle of pair j at position t, in fp32: bf16 would round position 1,000 to a multiple of 4
     freqs = torch.outer(torch.arange(seq_len, **f32), inv_freq)
     # both halves of a pair turn by the same angle; the sign of sin differs: -sin for the first half, +sin for the
@@ -297,7 +300,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape  # x (B, T, n_embd)
-        qkv = self.qkv(x).view(B, T, -1, self.hd).transpose(1, 2)  # (B, n_head + 2 n_kv, T, hd)
+        qkv = self.qkv(x).view(B, T, -1, self.hd)  # (B, T, n_head + 2 n_kv, hd)
+        qkv = qkv.transpose(1, 2)  # (B, n_head + 2 n_kv, T, hd)
         q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)  # (B, n_head | n_kv | n_kv, T, hd)
         q = self.q_norm(q)
         k = self.k_norm(k)
@@ -309,7 +313,8 @@ class Attention(nn.Module):
             # causal mask is aligned bottom-right
             k, v = cache.update(self.layer, k, v)
         y = kernels.attention(q, k, v, causal=True, scale=self.scale, window=self.window)  # (B, n_head, T, hd)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # heads side by side: (B, T, n_embd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # heads side by side: (B, T, n_embd)
+        return self.proj(y)
 
 class MLP(nn.Module):
     """The per-position feed-forward layer, (B, T, n_embd) -> (B, T, n_embd): up to a wider hidden layer, a
@@ -450,7 +455,8 @@ class GPT(nn.Module):
     def logits(self, x, w):
         """fp32 logits (..., vocab_size) of hidden states x."""
         # the matmul keeps the padding rows (a fast shape); the result drops them, so they are never sampled
-        logits = F.linear(x, w)[..., :self.vocab_size].float()
+        logits = F.linear(x, w)  # (..., rows)
+        logits = logits[..., :self.vocab_size].float()
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
@@ -511,7 +517,8 @@ class GPT(nn.Module):
                 else:
                     logits = logits / temperature
                     if top_k:  # only the k likeliest stay; the rest get probability 0
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                        k = min(top_k, logits.size(-1))
+                        kth = torch.topk(logits, k).values[:, -1:]  # (B, 1): the k-th largest
                         logits = logits.masked_fill(logits < kth, -math.inf)
                     nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)  # (B, 1)
                 out = torch.cat((out, nxt), dim=1)
@@ -560,7 +567,8 @@ def open_shard(path):
 
 def find_shards(data_dir, split):
     """A split's files: prepare_data.py's *{split}_NNNNNN.bin or nanoGPT's {split}.bin."""
-    files = sorted(glob.glob(os.path.join(data_dir, f"*{split}_[0-9]*.bin")))
+    pattern = os.path.join(data_dir, f"*{split}_[0-9]*.bin")  # train_000001.bin, ...
+    files = sorted(glob.glob(pattern))
     raw = os.path.join(data_dir, f"{split}.bin")
     return files or ([raw] if os.path.exists(raw) else [])
 
@@ -601,9 +609,10 @@ def load_meta(data_dir):
                 m = PlainUnpickler(f).load()
                 itos = m.get("itos") or None
                 n = m["vocab_size"]
+                pairs = (itos or {}).items()
                 if not (isinstance(n, int)
                         and n > 0
-                        and all(isinstance(i, int) and isinstance(c, str) for i, c in (itos or {}).items())):
+                        and all(isinstance(i, int) and isinstance(c, str) for i, c in pairs)):
                     raise ValueError("need vocab_size > 0 and itos of integers to strings")
                 kind = "ids"  # neither characters nor bytes: the ids' text is unknown, and samples show numbers
                 if itos:
@@ -647,7 +656,12 @@ class TokenLoader:
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
-        return {"epoch": self.epoch, "shard": self.shard, "pos": list(self.pos), "lane": self.lane}
+        return {
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "pos": list(self.pos),  # each lane's next token
+            "lane": self.lane  # the lane the next row reads
+        }
 
     def load_state(self, s):
         """Go to a saved position; without "pos", to the start of the shard."""
@@ -816,10 +830,12 @@ class Muon(torch.optim.Optimizer):
                 # decoupled weight decay, then the step: an orthogonal x has an RMS of about
                 # 1/sqrt(max(rows, cols)), so this scale gives it AdamW's RMS of about 0.2
                 scale = 0.2 * math.sqrt(max(w.shape[1:]))
-                new_w = torch.add(w * (1 - lr * group["weight_decay"]), x, alpha=-lr * scale)
+                decayed = w * (1 - lr * group["weight_decay"])
+                new_w = torch.add(decayed, x, alpha=-lr * scale)
                 new_w = unless(skip, w, new_w)
                 # one copy a tensor, back into the parameters and buffers (DTensor has no _foreach_copy_)
-                for t, new in zip(bufs + ps, [*new_b.unbind(0), *new_w.unbind(0)]):
+                news = [*new_b.unbind(0), *new_w.unbind(0)]
+                for t, new in zip(bufs + ps, news):
                     t.copy_(new)
 
 def unless(skip, old, new):
@@ -835,7 +851,8 @@ def orthogonalise(x):
     tall = x.size(-2) > x.size(-1)
     if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # the Frobenius norm bounds the spectral: s <= 1
+    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
+    x = x / norm.clamp(min=1e-7)
     for _ in range(5):
         gram = x @ x.mT  # (..., rows, rows)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
@@ -1031,7 +1048,8 @@ def setup_precision(device, dtype_arg="auto", ckpt=None):
     ctx = contextlib.nullcontext()
     if dtype != torch.float32:
         ctx = torch.autocast(device.type, dtype=dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    fp16 = dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
     return dtype, ctx, scaler
 
 def wrap_model(raw, cfg, device, dtype, world_size):
@@ -1086,7 +1104,8 @@ def clip_grads(params, max_norm):
     """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = full(nn.utils.get_total_norm(grads))
-    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
+    torch._foreach_mul_(grads, scale)
     return norm
 
 def agree(rows, t0, world_size):
@@ -1096,7 +1115,8 @@ def agree(rows, t0, world_size):
     rows = rows.tolist()  # the one host read of device values, at a sync only
     seconds = time.perf_counter() - t0
     if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
-        t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
         seconds = all_mean(t, world_size).item()
     return rows, seconds
 # === end shared ===
@@ -1242,8 +1262,11 @@ def run_layout(c, world_size, data_info):
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
     rows = B * accum * world_size
-    return {**{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS}, "batch_size x grad_accum x ranks": rows,
-            **data_info}
+    return {
+        **{k: c[k] for k in ARCH_FIELDS + ADAPT_FIELDS},
+        "batch_size x grad_accum x ranks": rows,
+        **data_info
+    }
 
 def train(cfg, stop, start=None):
     """Set up, resume, then the loop (log, eval, save; micro-steps, clip, check, step, sync)."""
@@ -1679,7 +1702,8 @@ def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **ext
     """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
     max_steps, time_budget = budget
     rates, tput, mfu = speed(rate, dt)
-    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time, **extra)
+    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time,
+           **extra)
     if time_budget:
         of = f"{train_time:.0f}/{time_budget:.0f}s"
     else:
@@ -1764,7 +1788,8 @@ def append_result(out_dir, metric, result, description):
            f"{result['wall_time']:.0f}",
            description.replace("\t", " ")]
     try:
-        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+        tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
+        with open(tsv, "a") as f:
             if f.tell() == 0:
                 f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
             f.write("\t".join(row) + "\n")
@@ -2108,13 +2133,19 @@ class Guard:
     def state(self):
         """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
         n, *mean_var = self.stats.tolist()
-        return {"n": int(n), "mean": mean_var[:2], "var": mean_var[2:], "bad": list(self.bad)}
+        return {
+            "n": int(n),
+            "mean": mean_var[:2],  # the loss's and the grad norm's
+            "var": mean_var[2:],
+            "bad": list(self.bad)
+        }
 
     def load_state(self, s):
         self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
         # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
-        stats = [int(s["n"]), *map(float, [*s["mean"][:2], *s["var"][:2]])]
-        self.stats = self.sigma.new_tensor(stats)
+        mean = [float(m) for m in s["mean"][:2]]
+        var = [float(v) for v in s["var"][:2]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
 
     def clip(self, max_norm):
         """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
@@ -2122,7 +2153,9 @@ class Guard:
         limit = max_norm if max_norm > 0 else float("inf")
         if not self.clip_mult:
             return limit
-        return torch.where(self.stats[0] >= 10, self.clip_mult * self.stats[2], limit).clamp(max=limit)
+        warm = self.stats[0] >= 10
+        mean_gnorm = self.stats[2]
+        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
 
     def check(self, loss, gnorm, fp16=False):
         """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
@@ -2142,9 +2175,13 @@ class Guard:
         # the statistics of good steps: a running mean for the first window steps, then an EMA
         a = (1 / (n + 1)).clamp(min=1 / self.window)
         d = v - mean
-        new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
+        new_mean = mean + a * d
+        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
+        new = torch.cat([n + 1, new_mean, new_var])
         self.stats = torch.where(verdict == 0, new, self.stats)
-        return torch.stack([v[0], v[1], verdict.float()]), (verdict > 0).float()
+        row = torch.stack([v[0], v[1], verdict.float()])
+        skip = (verdict > 0).float()
+        return row, skip
 
     def log_skips(self, rows, step, metrics):
         """At a sync, the rows of the steps after step: prints and records the skipped ones, and
@@ -2205,7 +2242,8 @@ class StopSignal:
 def prepare_default_data(cfg, rank, world_size, command, what, *flags):
     """A first run with the default --data_dir and nothing in it: rank 0 prepares the demo's data
     with prepare_data.py (no network needed), and the other ranks wait for it."""
-    if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+    theirs = cfg.data_dir != type(cfg).data_dir  # a data dir the user chose is theirs to prepare
+    if theirs or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
         print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)

@@ -494,10 +494,12 @@ class Muon(torch.optim.Optimizer):
                 # decoupled weight decay, then the step: an orthogonal x has an RMS of about
                 # 1/sqrt(max(rows, cols)), so this scale gives it AdamW's RMS of about 0.2
                 scale = 0.2 * math.sqrt(max(w.shape[1:]))
-                new_w = torch.add(w * (1 - lr * group["weight_decay"]), x, alpha=-lr * scale)
+                decayed = w * (1 - lr * group["weight_decay"])
+                new_w = torch.add(decayed, x, alpha=-lr * scale)
                 new_w = unless(skip, w, new_w)
                 # one copy a tensor, back into the parameters and buffers (DTensor has no _foreach_copy_)
-                for t, new in zip(bufs + ps, [*new_b.unbind(0), *new_w.unbind(0)]):
+                news = [*new_b.unbind(0), *new_w.unbind(0)]
+                for t, new in zip(bufs + ps, news):
                     t.copy_(new)
 
 def unless(skip, old, new):
@@ -513,7 +515,8 @@ def orthogonalise(x):
     tall = x.size(-2) > x.size(-1)
     if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # the Frobenius norm bounds the spectral: s <= 1
+    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
+    x = x / norm.clamp(min=1e-7)
     for _ in range(5):
         gram = x @ x.mT  # (..., rows, rows)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
@@ -687,7 +690,8 @@ def setup_precision(device, dtype_arg="auto", ckpt=None):
     ctx = contextlib.nullcontext()
     if dtype != torch.float32:
         ctx = torch.autocast(device.type, dtype=dtype)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16, growth_interval=2000)
+    fp16 = dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
     return dtype, ctx, scaler
 
 def wrap_model(raw, cfg, device, dtype, world_size):
@@ -742,7 +746,8 @@ def clip_grads(params, max_norm):
     """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = full(nn.utils.get_total_norm(grads))
-    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
+    torch._foreach_mul_(grads, scale)
     return norm
 
 def agree(rows, t0, world_size):
@@ -752,7 +757,8 @@ def agree(rows, t0, world_size):
     rows = rows.tolist()  # the one host read of device values, at a sync only
     seconds = time.perf_counter() - t0
     if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
-        t = torch.tensor([seconds], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
         seconds = all_mean(t, world_size).item()
     return rows, seconds
 # === end shared ===
@@ -1148,20 +1154,32 @@ def check_config(cfg):
 # === shared: images ===
 def run_layout(c, world_size, data_info):
     """What a resumed run must share with the run of its checkpoint's config dict c."""
-    return {**{k: c[k] for k in ARCH_FIELDS}, "ema": c["ema"] > 0, "batch_size": c["batch_size"],
-            "grad_accum": c["grad_accum"], "world_size": world_size, "dtype": c["dtype"], **data_info}
+    return {
+        **{k: c[k] for k in ARCH_FIELDS},
+        "ema": c["ema"] > 0,
+        "batch_size": c["batch_size"],
+        "grad_accum": c["grad_accum"],
+        "world_size": world_size,
+        "dtype": c["dtype"],
+        **data_info
+    }
 
 def sincos_2d(h, w, dim):
     """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
-    # half the channels encode the row, half the column, as sin, cos at dim/4 frequencies
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
-    parts = [f(pos.flatten()[:, None] * omega) for pos in (ys, xs) for f in (torch.sin, torch.cos)]
+    # half the channels encode the row, half the column, each as sin and cos at dim/4 frequencies
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")  # (h, w) each
+    parts = []
+    for pos in (rows, cols):
+        angle = pos.flatten()[:, None] * omega  # (h * w, dim/4)
+        parts += [torch.sin(angle), torch.cos(angle)]
     return torch.cat(parts, dim=1)
 
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
-    path, fix = os.path.join(data_dir, "meta.json"), "re-run prepare_data.py for this data dir"
+    path = os.path.join(data_dir, "meta.json")
+    fix = "re-run prepare_data.py for this data dir"
     if not os.path.exists(path):
         die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
             f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
@@ -1172,15 +1190,22 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f"dir, e.g. python prepare_data.py shapes --data_dir=data/shapes")
         if meta["format"] != "trainsuite-image-1":
             raise ValueError(f"format {meta['format']!r} is not an image dataset")
-        (H, W), C, K = meta["image_size"], meta["channels"], meta["num_classes"]
-        if not (all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K and all(
-                len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k]) for k in ("mean", "std"))):
+        H, W = meta["image_size"]
+        C = meta["channels"]
+        K = meta["num_classes"]
+        fits = all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
+        for k in ("mean", "std"):  # a number a channel
+            fits = fits and len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
+        if not fits:
             raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
+    arrays = {}
     with exit_if_unreadable(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
-        arrays = {s: (np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r"),
-                      np.load(os.path.join(data_dir, f"{s}_labels.npy"))) for s in splits}
+        for s in splits:
+            images = np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r")  # read when indexed
+            labels = np.load(os.path.join(data_dir, f"{s}_labels.npy"))
+            arrays[s] = (images, labels)
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
@@ -1193,23 +1218,36 @@ def load_image_data(data_dir, splits=("train", "val")):
 def image_data(cfg, rank, world_size, device, what, *flags):
     """meta, the train split's loader, and the val images and labels on the device."""
     if cfg.benchmark:  # random images, no val split
-        size, n, g = cfg.image_size or 32, 4 * cfg.batch_size, torch.Generator().manual_seed(0)
-        meta = {"classes": [str(i) for i in range(10)], "num_classes": 10, "image_size": [size, size],
-                "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3, "flip_ok": True}
+        size = cfg.image_size or 32
+        n = 4 * cfg.batch_size
+        g = torch.Generator().manual_seed(0)
+        meta = {
+            "classes": [str(i) for i in range(10)],
+            "num_classes": 10,
+            "image_size": [size, size],
+            "channels": 3,
+            "mean": [0.5] * 3,
+            "std": [0.25] * 3,
+            "flip_ok": True
+        }
         x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
-        arrays = {"train": (x.numpy(), torch.randint(0, 10, (n,), generator=g).numpy())}
+        labels = torch.randint(0, 10, (n,), generator=g)
+        arrays = {"train": (x.numpy(), labels.numpy())}
     else:
         prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
         meta, arrays = load_image_data(cfg.data_dir)
-    (H, W), p = meta["image_size"], cfg.patch_size
+    H, W = meta["image_size"]
+    p = cfg.patch_size
     if cfg.image_size and cfg.image_size != H:
         die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
             f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
     if H != W or H % p:
         die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
     loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
-    val = [torch.from_numpy(np.array(a)).to(device) for a in arrays.get("val", ())]
-    return meta, loader, *(val or [None, None])
+    val_x = val_y = None  # --benchmark has no val split
+    if "val" in arrays:
+        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
+    return meta, loader, val_x, val_y
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
@@ -1226,7 +1264,10 @@ class ImageLoader:
     def __init__(self, images, labels, B, rank, world_size, device, seed=0):
         self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
-        self.B, self.rank, self.world_size, self.seed = B, rank, world_size, seed
+        self.B = B
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
         if len(self.y) < B * world_size:
             die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
                 f"ranks = {B * world_size}; lower --batch_size")
@@ -1236,17 +1277,21 @@ class ImageLoader:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state(self, s):
-        self.epoch, self.pos, self.order = int(s["epoch"]), int(s["pos"]), None
+        self.epoch = int(s["epoch"])
+        self.pos = int(s["pos"])  # where the next global batch starts in the epoch's order
+        self.order = None  # the epoch's permutation, drawn at its first batch
 
     def next(self):
         """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
-        n, step, i = len(self.y), self.B * self.world_size, self.rank * self.B
+        n = len(self.y)
+        step = self.B * self.world_size  # a global batch
         if self.pos + step > n:  # drop the epoch's partial last batch
-            self.epoch, self.pos, self.order = self.epoch + 1, 0, None
+            self.load_state({"epoch": self.epoch + 1, "pos": 0})
         if self.order is None:
             g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
             self.order = torch.randperm(n, generator=g).to(self.x.device)
-        idx = self.order[self.pos + i:self.pos + i + self.B]
+        start = self.pos + self.rank * self.B  # this rank's B of the global batch
+        idx = self.order[start:start + self.B]
         self.pos += step
         return self.x[idx], self.y[idx]
 
@@ -1255,14 +1300,18 @@ class EMA:
     swap() trades it with the live weights, so one model evaluates with either."""
 
     def __init__(self, params, decay, model=None):
-        self.params, self.decay, self.t, self.model = list(params), decay, 0, model
+        self.params = list(params)
+        self.decay = decay
+        self.t = 0  # updates so far
+        self.model = model
         self.shadow = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
     def update(self):
         self.t += 1
         d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - d)
+        live = [p.detach() for p in self.params]
+        torch._foreach_lerp_(self.shadow, live, 1 - d)
 
     @torch.no_grad()
     def swap(self):
@@ -1467,7 +1516,8 @@ def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **ext
     """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
     max_steps, time_budget = budget
     rates, tput, mfu = speed(rate, dt)
-    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time, **extra)
+    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time,
+           **extra)
     if time_budget:
         of = f"{train_time:.0f}/{time_budget:.0f}s"
     else:
@@ -1552,7 +1602,8 @@ def append_result(out_dir, metric, result, description):
            f"{result['wall_time']:.0f}",
            description.replace("\t", " ")]
     try:
-        with open(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv"), "a") as f:
+        tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
+        with open(tsv, "a") as f:
             if f.tell() == 0:
                 f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
             f.write("\t".join(row) + "\n")
@@ -1896,13 +1947,19 @@ class Guard:
     def state(self):
         """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
         n, *mean_var = self.stats.tolist()
-        return {"n": int(n), "mean": mean_var[:2], "var": mean_var[2:], "bad": list(self.bad)}
+        return {
+            "n": int(n),
+            "mean": mean_var[:2],  # the loss's and the grad norm's
+            "var": mean_var[2:],
+            "bad": list(self.bad)
+        }
 
     def load_state(self, s):
         self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
         # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
-        stats = [int(s["n"]), *map(float, [*s["mean"][:2], *s["var"][:2]])]
-        self.stats = self.sigma.new_tensor(stats)
+        mean = [float(m) for m in s["mean"][:2]]
+        var = [float(v) for v in s["var"][:2]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
 
     def clip(self, max_norm):
         """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
@@ -1910,7 +1967,9 @@ class Guard:
         limit = max_norm if max_norm > 0 else float("inf")
         if not self.clip_mult:
             return limit
-        return torch.where(self.stats[0] >= 10, self.clip_mult * self.stats[2], limit).clamp(max=limit)
+        warm = self.stats[0] >= 10
+        mean_gnorm = self.stats[2]
+        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
 
     def check(self, loss, gnorm, fp16=False):
         """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
@@ -1930,9 +1989,13 @@ class Guard:
         # the statistics of good steps: a running mean for the first window steps, then an EMA
         a = (1 / (n + 1)).clamp(min=1 / self.window)
         d = v - mean
-        new = torch.cat([n + 1, mean + a * d, (1 - a) * (var + a * d * d)])
+        new_mean = mean + a * d
+        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
+        new = torch.cat([n + 1, new_mean, new_var])
         self.stats = torch.where(verdict == 0, new, self.stats)
-        return torch.stack([v[0], v[1], verdict.float()]), (verdict > 0).float()
+        row = torch.stack([v[0], v[1], verdict.float()])
+        skip = (verdict > 0).float()
+        return row, skip
 
     def log_skips(self, rows, step, metrics):
         """At a sync, the rows of the steps after step: prints and records the skipped ones, and
@@ -1993,7 +2056,8 @@ class StopSignal:
 def prepare_default_data(cfg, rank, world_size, command, what, *flags):
     """A first run with the default --data_dir and nothing in it: rank 0 prepares the demo's data
     with prepare_data.py (no network needed), and the other ranks wait for it."""
-    if cfg.data_dir != type(cfg).data_dir or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
+    theirs = cfg.data_dir != type(cfg).data_dir  # a data dir the user chose is theirs to prepare
+    if theirs or os.path.exists(os.path.join(cfg.data_dir, "meta.json")):
         return
     if rank == 0:
         print(f"no data in {cfg.data_dir}: preparing {what} (no network needed)", flush=True)

@@ -63,18 +63,20 @@ def test_every_flag_of_the_image_scripts_has_help():
 # train_vit.py's 9,398 holds 3,098 tokens of the shared images, system and Muon fences, which it cannot shrink alone,
 # and at 10 tokens a code line a cut that removes short lines breaks the density goal; train_diffusion.py's
 # simplification of its recipe won back 50, and 2,587 of its tokens are the shared system and images fences;
-# load_model moved from train_gpt.py to finetune_gpt.py, where its callers are)
-TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 10869), "train_vit.py": (7500, 9398),
-                            "train_diffusion.py": (7500, 9920)}
+# load_model moved from train_gpt.py to finetune_gpt.py, where its callers are; packed lines unpacked into named
+# steps, to reach 10 tokens a code line, cost 41, 13 and 17 tokens: a name for each step)
+TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 10910), "train_vit.py": (7500, 9411),
+                            "train_diffusion.py": (7500, 9937)}
 # the shared machinery fence of each trainer (issue 61's stop flag, read every step, added 80; issue 59's helpers
-# that return values instead of printing behind a return, -h groups and the source copy, 180)
-TOKENS_MACHINERY = (3500, 5185)
+# that return values instead of printing behind a return, -h groups and the source copy, 180; the guard's packed
+# lines unpacked into named steps, 37)
+TOKENS_MACHINERY = (3500, 5222)
 # at 35a90f9, every .py outside tests/ held 83,948 code tokens: moving code between files must not copy it
 TOKENS_SUITE = int(83948 * 1.05)
 COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py", "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
 DENSITY_GOAL = (10.0, 0.20)
-DENSITY = {"train_gpt.py": (10.2, 0.225), "train_vit.py": DENSITY_GOAL, "train_diffusion.py": (10.42, 0.22),
+DENSITY = {"train_gpt.py": DENSITY_GOAL, "train_vit.py": DENSITY_GOAL, "train_diffusion.py": DENSITY_GOAL,
            "finetune_gpt.py": DENSITY_GOAL, "chat_gpt.py": DENSITY_GOAL,
            "sample_gpt.py": DENSITY_GOAL, "eval_gpt.py": DENSITY_GOAL,  # issue 59's companions meet the goals
            "predict_vit.py": DENSITY_GOAL, "sample_diffusion.py": DENSITY_GOAL, "prepare_data.py": DENSITY_GOAL,
