@@ -96,7 +96,7 @@ def ce_launches(V, W, N, softcap=0.0):
 
 def access_counts():
     """{case: [vector, scalar 16-bit] global accesses} of every CE kernel launch below, compiled for sm_90, or
-    {"error": why} where Triton cannot compile for CUDA here. Run as a script by fresh_access_counts."""
+    {"error": why} where Triton cannot compile for CUDA here. fresh_access_counts calls it in a child process."""
     error = cuda_compile_error()
     if error:
         return {"error": error}
@@ -136,7 +136,8 @@ def test_ce_kernels_stream_the_logits_with_vector_accesses_at_gpt2s_odd_vocab():
     padded = {case: n for case, n in compiled_counts().items() if "W=50304" in case}
     assert len(padded) == 8
     for case, (vector, scalar16) in padded.items():
-        assert vector >= 2 and scalar16 <= case.startswith("_ce_fwd_kernel"), (case, vector, scalar16)
+        target = 1 if case.startswith("_ce_fwd_kernel") else 0  # the forward's load of the target's logit
+        assert vector >= 2 and scalar16 <= target, (case, vector, scalar16)
 
 
 def test_unpadded_logits_still_compile():
