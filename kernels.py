@@ -249,19 +249,25 @@ def _reduce(loss, valid, reduction):
 
 
 if triton is not None:
+    # A row of logits starts at Z + row * stride and is W wide in memory (W <= stride), of which the first V are classes
+    # and the rest padding (GPT-2's 50,257 classes in a head of 50,304 rows). The loops stream all W columns and mask
+    # by W; the true V enters only through tl.where. Why: Triton proves a load aligned only from integers divisible by
+    # 16 (a launch specializes on W and stride): a mask of `col < V` at an odd V would make every access to the
+    # logits a scalar 16-bit one, where `col < W` gives 16-byte vector accesses (BENCHMARKS.md, issue 64). A row of
+    # an odd W (an unpadded (N, V) tensor) runs too, with scalar accesses.
     @triton.jit
-    def _ce_fwd_kernel(Z, T, LOSS, LSE, V, stride, ignore_index, softcap, z_loss, SOFTCAP: tl.constexpr,
+    def _ce_fwd_kernel(Z, T, LOSS, LSE, V, W, stride, ignore_index, softcap, z_loss, SOFTCAP: tl.constexpr,
                        BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # a row of V logits starts at Z + row * stride (stride >= V)
+        row = tl.program_id(0).to(tl.int64)
         t = tl.load(T + row)
-        cols = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)  # per-lane running max and sum: one reduction at the end
         s = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, V, BLOCK):
-            mask = start + cols < V
-            z = tl.load(Z + row * stride + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        for start in range(0, W, BLOCK):
+            col = start + tl.arange(0, BLOCK)
+            z = tl.load(Z + row * stride + col, mask=col < W, other=0.0).to(tl.float32)
             if SOFTCAP:  # cap * tanh(z / cap), tanh written with exp so it works everywhere
-                z = tl.where(mask, softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0)), float("-inf"))
+                z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+            z = tl.where(col < V, z, float("-inf"))  # padding, and past the row's end: no probability
             m_new = tl.maximum(m, z)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that have seen only padding
             s = s * tl.exp(m - m_safe) + tl.exp(z - m_safe)
@@ -277,45 +283,50 @@ if triton is not None:
         tl.store(LSE + row, lse)
 
     @triton.jit
-    def _ce_bwd_kernel(Z, T, LSE, DLOSS, DZ, V, stride, ignore_index, softcap, z_loss,
+    def _ce_bwd_kernel(Z, T, LSE, DLOSS, DZ, V, W, stride, ignore_index, softcap, z_loss,
                        SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         t = tl.load(T + row)
         lse = tl.load(LSE + row)
         dl = tl.where(t != ignore_index, tl.load(DLOSS + row), 0.0)
-        cols = tl.arange(0, BLOCK)
-        for start in range(0, V, BLOCK):
-            mask = start + cols < V
-            z = tl.load(Z + row * stride + start + cols, mask=mask, other=0.0).to(tl.float32)
+        for start in range(0, W, BLOCK):
+            col = start + tl.arange(0, BLOCK)
+            z = tl.load(Z + row * stride + col, mask=col < W, other=0.0).to(tl.float32)
             if SOFTCAP:
                 z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
             # d(lse - z_t + zl*lse^2)/dz = softmax * (1 + 2*zl*lse) - onehot(t)
-            g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - tl.where(start + cols == t, 1.0, 0.0)
+            g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - tl.where(col == t, 1.0, 0.0)
             if SOFTCAP:  # chain rule through cap*tanh(x/cap): 1 - tanh^2
                 g = g * (1.0 - (z / softcap) * (z / softcap))
-            tl.store(DZ + row * stride + start + cols, (g * dl).to(DZ.dtype.element_ty), mask=mask)
+            # the padding columns get grad 0, written here: the padding rows of the head then get no gradient, with
+            # no separate pass to zero them
+            g = tl.where(col < V, g * dl, 0.0)
+            tl.store(DZ + row * stride + col, g.to(DZ.dtype.element_ty), mask=col < W)
 
 
-def _ce_block(V):
-    return min(triton.next_power_of_2(V), 1024 if _interpret() else 4096)
+def _ce_block(W):
+    return min(triton.next_power_of_2(W), 1024 if _interpret() else 4096)
 
 
-def _ce_fwd(z, t, ignore_index, softcap, z_loss):
-    """Per-row loss and logsumexp (both fp32, (N,)) of (N, V) logits whose rows are contiguous."""
-    N, V = z.shape
+def _ce_fwd(z, t, ignore_index, softcap, z_loss, classes=None):
+    """Per-row loss and logsumexp (both fp32, (N,)) of (N, W) logits whose rows are contiguous; only the first
+    `classes` columns (all by default) are classes, the rest padding."""
+    N, W = z.shape
+    V = W if classes is None else classes
     loss, lse = (torch.empty(N, device=z.device, dtype=torch.float32) for _ in range(2))
-    _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, z.stride(0), ignore_index, softcap, z_loss,
-            SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
+    _launch(_ce_fwd_kernel, (N,), z, t, loss, lse, V, W, z.stride(0), ignore_index, softcap, z_loss,
+            SOFTCAP=softcap > 0, BLOCK=_ce_block(W), num_warps=8)
     return loss, lse
 
 
-def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss, out=None):
-    """dlogits (like z) for per-row upstream grads dloss (N,) fp32; out=z overwrites the logits (each program reads
-    its row's logits before it writes their grads)."""
-    N, V = z.shape
+def _ce_bwd(z, t, lse, dloss, ignore_index, softcap, z_loss, classes=None, out=None):
+    """dlogits (like z, 0 in the padding columns) for per-row upstream grads dloss (N,) fp32; out=z overwrites the
+    logits (each program reads its row's logits before it writes their grads)."""
+    N, W = z.shape
+    V = W if classes is None else classes
     dz = torch.empty_like(z) if out is None else out
-    _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, z.stride(0), ignore_index, softcap, z_loss,
-            SOFTCAP=softcap > 0, BLOCK=_ce_block(V), num_warps=8)
+    _launch(_ce_bwd_kernel, (N,), z, t, lse, dloss, dz, V, W, z.stride(0), ignore_index, softcap, z_loss,
+            SOFTCAP=softcap > 0, BLOCK=_ce_block(W), num_warps=8)
     return dz
 
 
@@ -432,11 +443,10 @@ def _lce_chunks(x, w, t, ignore_index, softcap, z_loss, row_grad, V):
         xc, tc = x[i:i + chunk], t[i:i + chunk]
         z = xc @ w.T  # (chunk, rows of w)
         g = row_grad[i:i + chunk] if row_grad is not None else None
-        if use_triton:  # the kernels read the first V columns of each row
-            loss[i:i + chunk], lse = _ce_fwd(z[:, :V], tc, ignore_index, softcap, z_loss)
-            if g is not None:  # the grads overwrite the logits, and the padding columns become 0
-                _ce_bwd(z[:, :V], tc, lse, g.contiguous(), ignore_index, softcap, z_loss, out=z[:, :V])
-                z[:, V:] = 0.0
+        if use_triton:  # the kernels stream whole rows, padding too, and mask the columns from V on
+            loss[i:i + chunk], lse = _ce_fwd(z, tc, ignore_index, softcap, z_loss, V)
+            if g is not None:  # the grads overwrite the logits, 0 in the padding columns
+                _ce_bwd(z, tc, lse, g.contiguous(), ignore_index, softcap, z_loss, V, out=z)
             dz = z if g is not None else None
         else:
             loss[i:i + chunk], dz = _ce_rows_torch(z, tc, ignore_index, softcap, z_loss, g, V)

@@ -317,12 +317,12 @@ def test_torch_path_dtypes_match_the_refs(torch_path):
 def test_dispatch_reads_env_at_call_time(monkeypatch):
     """Under TRITON_INTERPRET=1 every public function launches Triton and none runs PyTorch's path; without it, each
     runs PyTorch's path, and no reference runs in either (they are oracles only)."""
+    use_interpreter(monkeypatch)  # first: its one-off probe of the interpreter runs under "auto" and is not counted
     calls = []
     for name in ("_attn_torch", "_rms_torch", "_ce_torch", "_ce_rows_torch", "_launch",
                  "attention_ref", "rms_norm_ref", "cross_entropy_ref", "linear_cross_entropy_ref"):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
-    use_interpreter(monkeypatch)
     run_every_kernel()
     assert set(calls) == {"_launch"}
     calls.clear()
@@ -351,8 +351,9 @@ def test_rms_norm_triton_non_contiguous(interpret):
 @needs_triton
 @pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (10.0, 1e-3)])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy_triton(interpret, softcap, z_loss, reduction):
-    z, t = torch.randn(9, 1000) * 3, torch.randint(0, 1000, (9,))
+@pytest.mark.parametrize("V", [1000, 1001, 37])  # even; odd, as GPT-2's 50,257 (rows of no width divisible by 16)
+def test_cross_entropy_triton(interpret, softcap, z_loss, reduction, V):
+    z, t = torch.randn(9, V) * 3, torch.randint(0, V, (9,))
     t[2] = -100
     kw = dict(softcap=softcap, z_loss=z_loss, reduction=reduction)
     close(grads(lambda z: kernels.cross_entropy(z, t, **kw), z),
@@ -367,10 +368,11 @@ def test_cross_entropy_triton_large_vocab_non_contiguous(interpret):
 
 
 @pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_linear_cross_entropy_padding_rows_are_never_classes(path, monkeypatch):
-    """A vocabulary of 1000 padded to 1024 rows (GPT-2's 50,257 pads to 50,304): the padding rows take neither
-    probability nor gradient, though their logits of 0 would dominate real logits far below zero, as a trained
-    model's are. Compared with the reference on the first 1000 rows alone, in chunks of 8 rows."""
+@pytest.mark.parametrize("V", [1000, 1001])
+def test_linear_cross_entropy_padding_rows_are_never_classes(path, V, monkeypatch):
+    """A vocabulary of 1000 or 1001 padded to 1024 rows (GPT-2's 50,257 pads to 50,304): the padding rows take
+    neither probability nor gradient, though their logits of 0 would dominate real logits far below zero, as a
+    trained model's are. Compared with the reference on the first V rows alone, in chunks of 8 rows."""
     if path == "triton":
         use_interpreter(monkeypatch)
     else:
@@ -378,16 +380,51 @@ def test_linear_cross_entropy_padding_rows_are_never_classes(path, monkeypatch):
     kernels.use(path)
     monkeypatch.setattr(kernels, "CHUNK_LOGITS", 8 * 1024)
     g = torch.Generator().manual_seed(0)
-    x, t = torch.randn(40, 32, generator=g), torch.randint(0, 1000, (40,), generator=g)
+    x, t = torch.randn(40, 32, generator=g), torch.randint(0, V, (40,), generator=g)
     x[:, 0] = 8.0
-    w = torch.cat([torch.randn(1000, 32, generator=g) / 4 - 7.5 * torch.eye(32)[0], torch.zeros(24, 32)])  # near -60
+    w = torch.cat([torch.randn(V, 32, generator=g) / 4 - 7.5 * torch.eye(32)[0], torch.zeros(1024 - V, 32)])  # ~-60
     try:
         for kw in (dict(), dict(softcap=80.0, z_loss=1e-4, reduction="none")):
-            ours = grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, classes=1000, **kw), x, w)
-            close(ours, grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w[:1000], t, **kw), x, w), 1e-4)
-            assert ours[2][1000:].abs().max() == 0 and ours[0].mean() < 30  # with the padding in the softmax: ~60
+            ours = grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, classes=V, **kw), x, w)
+            close(ours, grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w[:V], t, **kw), x, w), 1e-4)
+            assert ours[2][V:].abs().max() == 0 and ours[0].mean() < 30  # with the padding in the softmax: ~60
     finally:
         kernels.use("auto")
+
+
+@needs_triton
+@pytest.mark.parametrize("V,W", [(37, 48), (1001, 1024), (50257, 50304)])
+def test_ce_kernels_take_only_the_first_V_columns(interpret, V, W):
+    """The CE kernels stream all W columns of a row, so that Triton can prove its accesses aligned, and take only the
+    first V as classes (issue 64): an odd V in a tile's masked tail (48 of 64), in 1,024, and GPT-2's 50,257 in 50,304.
+    The padding columns hold logits far above every class's, yet get no probability, and the backward, writing the
+    grads over the logits as linear_cross_entropy does, leaves exactly 0 there. Against the reference on the first V
+    columns, with softcap and z-loss, an ignored row and a target in the last class."""
+    g = torch.Generator().manual_seed(0)
+    N = 3 if V > 5000 else 9
+    z, t = torch.randn(N, W, generator=g) * 3, torch.randint(0, V, (N,), generator=g)
+    dloss = torch.randn(N, generator=g)  # (N,) upstream grads
+    z[:, V:], t[0], t[1] = 1e4, V - 1, -100
+    for softcap, z_loss in ((0.0, 0.0), (30.0, 1e-3)):
+        loss, lse = kernels._ce_fwd(z, t, -100, softcap, z_loss, V)
+        dz = kernels._ce_bwd(z.clone(), t, lse, dloss, -100, softcap, z_loss, V, out=z.clone())
+        ref = lambda z: kernels.cross_entropy_ref(z, t, softcap=softcap or None, z_loss=z_loss, reduction="none")
+        close([loss, dz[:, :V]], grads(ref, z[:, :V], g=dloss), 1e-5)
+        assert (dz[:, V:] == 0).all() and lse.isfinite().all()
+
+
+@needs_triton
+def test_linear_cross_entropy_triton_gpt2_vocab(interpret):
+    """GPT-2's head at a few rows: 50,257 classes in 50,304 rows, the padding rows' logits far above the classes', an
+    ignored row, without and with softcap and z-loss; loss and grads as the reference's on the first 50,257 rows,
+    none for the padding rows."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(3, 8, generator=g).abs(), torch.tensor([50256, -100, 7])
+    w = torch.cat([torch.randn(50257, 8, generator=g), torch.ones(47, 8) * 50])  # padding logits ~ 300, classes' ~ 3
+    for kw in (dict(), dict(softcap=30.0, z_loss=1e-4, reduction="none")):  # the cap saturates the padding's grads
+        ours = grads(lambda x, w: kernels.linear_cross_entropy(x, w, t, classes=50257, **kw), x, w)
+        close(ours, grads(lambda x, w: kernels.linear_cross_entropy_ref(x, w[:50257], t, **kw), x, w), 1e-4)
+        assert ours[2][50257:].abs().max() == 0
 
 
 @needs_triton
