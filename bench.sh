@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python} DRY=0 ROWS=() FAILED=0 STAGE_END=0
 [ "${1:-}" = --dry-run ] && DRY=1
 LOGS=$(mkdir -p "${LOGS:-/tmp/bench}" && cd "${LOGS:-/tmp/bench}" && pwd)
-TESTS=${TESTS:-tests/test_kernels.py tests/test_compile.py}  # the tests that run otherwise on a GPU
+TESTS=${TESTS:-tests/test_kernels.py tests/test_kernels_ptx.py tests/test_compile.py}  # run otherwise on a GPU
 KERNELS=${KERNELS:-auto} BUDGET=${BUDGET:-570}
 GPT_STEPS=${GPT_STEPS:-5} IMG_STEPS=${IMG_STEPS:-20}  # timed steps, after 5 warm-up ones
 GPT=() IMG=() NANO=() NTOKENS=$((1 << 22))  # what --dry-run appends to shrink each command
