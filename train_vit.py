@@ -49,7 +49,9 @@ import kernels  # Triton attention and RMSNorm on CUDA; PyTorch elsewhere
 # trailing comment as its help. The defaults are the CPU demo: a 0.8M-parameter ViT on 50,000 generated 32x32
 # shapes, 200 s of training on two cores. That data is plentiful and clean for so small a model, so the regularisers
 # a ViT needs on a small set of natural images (stochastic depth, mixup, cutmix; DeiT, Touvron et al. 2021) stay off.
-# 8x8 patches make 16 tokens an image: attention is cheap, and most of the time goes to the matrix products.
+# 8x8 patches make 16 tokens an image: attention is cheap, and most of the time goes to the matrix products. A slow
+# laptop makes about 800 steps in the 200 s, a fast CPU 1,500: the LR (4e-3) and the short warmup (30 steps) are set
+# for the slow one, where they reach 98.6% against 88.6% for 2e-3 and 100, and they lose nothing on the fast one.
 @dataclass
 class Config:
     # data and output
@@ -80,13 +82,13 @@ class Config:
     grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
     optimizer: Literal["muon", "adamw"] = "muon"  # muon: Muon on the blocks' matrices, AdamW on the rest
-    lr: float = 2e-3  # peak learning rate of both optimizers (Muon's update is scaled to AdamW's size)
+    lr: float = 4e-3  # peak learning rate of both optimizers (Muon's update is scaled to AdamW's size)
     weight_decay: float = 0.05  # decoupled weight decay of the 2-D weight matrices; none on the other parameters
     beta1: float = 0.9  # AdamW's decay of the gradient's running mean (its momentum)
     beta2: float = 0.95  # AdamW's decay of the squared gradient's running mean
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the LR after warmup (wsd: hold, then decay)
-    warmup_steps: int = 100  # steps of linear warmup up to the peak LR
+    warmup_steps: int = 30  # steps of linear warmup up to the peak LR
     cooldown_frac: float = 0.2  # wsd: the share of the run spent decaying, at its end
     final_lr_frac: float = 0.0  # the LR at the end of the decay, as a fraction of the peak
     ema: float = 0.999  # decay of a moving average of the weights, evaluated beside them; 0 = off
