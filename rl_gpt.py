@@ -354,8 +354,11 @@ def evaluate(cfg, model, items, end, decode, rank, world_size):
         sums[1] = torch.tensor(right).view(-1, k).amax(1).sum()
     if world_size > 1:
         dist.all_reduce(sums)
-    shares = (sums[:3] / sums[3].clamp(min=1)).tolist()
-    return dict(zip(("pass1", f"pass{k}", "eval_len"), shares))
+    pass1, passk, length = (sums[:3] / sums[3].clamp(min=1)).tolist()
+    rec = {"pass1": pass1, "eval_len": length}
+    if k:
+        rec[f"pass{k}"] = passk
+    return rec
 
 def eval_line(step, rec, n):
     """The eval's log line."""
