@@ -44,6 +44,7 @@ class Config(ft.Config):
     prompts: str = "arithmetic"        # arithmetic (chat_gpt.py's dialogues, made here) or a JSONL of prompts
     conversations: int = 4000          # --prompts=arithmetic: how many dialogues (as chat_gpt.py --prepare makes)
     val_percent: int = 10              # prompts held out for the evals, as chat_gpt.py holds them out
+    data_seed: int = 1337              # of the dialogues and the held-out split: chat_gpt.py --prepare's --seed
     answer_regex: str = r"-?\d+(?:\.\d+)?"  # a reply's final answer: its last match; empty: the whole reply
     samples: int = 8                   # answers sampled for each prompt: the group whose mean is the baseline
     max_new_tokens: int = 32           # tokens of an answer at most; it ends earlier at <|end|>
@@ -122,8 +123,8 @@ def prompt_ids(messages, tpl, encode):
 def arithmetic_items(cfg, tpl, encode):
     """(train, val) items of chat_gpt.py's arithmetic dialogues, held out as its --prepare holds them out: every
     answer of a train dialogue is a prompt, and the last answer of each val dialogue, as SFT's evals score it."""
-    dialogues = chat.arithmetic(cfg.conversations, cfg.seed)
-    val, train = chat.held_out(len(dialogues), cfg.val_percent, cfg.seed)
+    dialogues = chat.arithmetic(cfg.conversations, cfg.data_seed)
+    val, train = chat.held_out(len(dialogues), cfg.val_percent, cfg.data_seed)
     out = ([], [])
     for part, indices in zip(out, (train, val)):
         for i in indices:
@@ -178,7 +179,7 @@ def load_items(cfg, tpl, encode):
         train, val = arithmetic_items(cfg, tpl, encode)
     else:
         items = read_items(cfg.prompts, tpl, encode, room)
-        val, train = chat.held_out(len(items), cfg.val_percent, cfg.seed)
+        val, train = chat.held_out(len(items), cfg.val_percent, cfg.data_seed)
         train = [items[i] for i in train]
         val = [items[i] for i in val]
     longest = max(len(p) for p, _ in train + val)

@@ -236,3 +236,19 @@ def test_a_bad_prompt_line_stops_in_one_line(sft, tmp_path, line, error):
     with pytest.raises(SystemExit) as e:
         run_rl([f"--init_from={sft / 'sft'}", f"--prompts={src}", f"--out_dir={tmp_path / 'out'}"])
     assert f"{src}{error}" in str(e.value) and "\n" not in str(e.value), e.value  # the file, its line, the fix
+
+
+def test_the_arithmetic_prompts_are_the_ones_sft_held_out(sft, tmp_path):
+    """--prompts=arithmetic holds out what chat_gpt.py --prepare=arithmetic held out, whatever RL's --seed: the
+    held-out prompts are the val dialogues up to their last answer, in the val split's order."""
+    data = tmp_path / "arith"
+    chat.main(tg.parse_args(chat.Config, ["--prepare=arithmetic", "--conversations=40", f"--init_from={sft / 'base'}",
+                                          f"--data_dir={data}", "--seq_len=256"]))
+    meta = json.loads((data / "meta.json").read_text())
+    val = chat.load_conversations(str(data), meta, "val", "answers")
+    aid = TPL["specials"]["<|assistant|>"]
+    want = [ids[:max(i for i, t in enumerate(ids) if t == aid) + 1].tolist() for ids, _ in val]
+    cfg = rl.Config(conversations=40, seq_len=256, seed=7)
+    train, held = rl.load_items(cfg, TPL, encode)
+    assert [p for p, _ in held] == want and len(train) > len(held)
+    assert all(a.lstrip("-").isdigit() for _, a in train + held)  # each reference's final answer, a number
