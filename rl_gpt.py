@@ -451,6 +451,8 @@ def train(cfg, stop):
         history.append(dict(step=0, **rec))
         print(eval_line(0, history[-1], len(val)))
     if cfg.score_only:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return history[-1]
     stopped = False
     last_step = (max_steps and step >= max_steps) or (time_budget and train_time >= time_budget)

@@ -252,3 +252,17 @@ def test_the_arithmetic_prompts_are_the_ones_sft_held_out(sft, tmp_path):
     train, held = rl.load_items(cfg, TPL, encode)
     assert [p for p, _ in held] == want and len(train) > len(held)
     assert all(a.lstrip("-").isdigit() for _, a in train + held)  # each reference's final answer, a number
+
+
+def test_the_kl_penalty_is_zero_at_the_reference_and_pulls_back_elsewhere():
+    """--kl: towards a copy of the model itself, k3 and its gradient are 0 (the policy gradient alone); towards
+    another model, the gradient changes."""
+    import copy
+    batches = [rows()]
+    alone = step_grads(tiny_model(261), batches)[1]
+    model = tiny_model(261)
+    for ref, same in ((copy.deepcopy(model), True), (tiny_model(261, seed=1), False)):
+        model.zero_grad()
+        rl.backward(model, batches, PLAIN, NO_SCALER, 1, kl=0.5, ref=ref.requires_grad_(False))
+        close = all(torch.allclose(p.grad, alone[n], atol=1e-7) for n, p in model.named_parameters())
+        assert close == same
