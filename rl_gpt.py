@@ -232,11 +232,13 @@ def decode_rows(model, prompts, end, max_new, temperature, top_k, gens):
     logits = model(idx, cache=cache)[:, -1]  # (B, V): the first answer token's
     new = []
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    while len(new) < max_new and not ended.all():  # the host reads `ended` once a token: a small sync on a CPU
+    while True:
         nxt = pick(logits.float(), temperature, top_k, gens)  # (B,)
         new.append(nxt)
         ended |= nxt == end
-        logits = model(nxt[:, None], cache=cache)[:, -1]
+        if len(new) == max_new or ended.all():  # the host reads `ended` once a token: a small sync on a CPU
+            break
+        logits = model(nxt[:, None], cache=cache)[:, -1]  # the next token's, through the cache
     rows = torch.stack(new, 1).tolist()  # (B, n)
     for r in rows:
         if end in r:  # what follows <|end|> was sampled while other rows went on: it is no part of the answer

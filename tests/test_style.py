@@ -70,8 +70,8 @@ TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 10869), "train_vit.py": (7500
 # that return values instead of printing behind a return, -h groups and the source copy, 180)
 TOKENS_MACHINERY = (3500, 5185)
 # at 35a90f9, every .py outside tests/ held 83,948 code tokens: moving code between files must not copy it. Issue 62's
-# new job, rl_gpt.py (RL after SFT, 4,003 tokens of its own; it imports the rest), comes on top
-TOKENS_SUITE = int(83948 * 1.05) + 4003
+# new job, rl_gpt.py (RL after SFT, 4,006 tokens of its own; it imports the rest), comes on top
+TOKENS_SUITE = int(83948 * 1.05) + 4006
 COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "rl_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py", "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
 DENSITY_GOAL = (10.0, 0.20)
