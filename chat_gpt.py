@@ -190,6 +190,14 @@ def read_conversations(path, tpl, encode, seq_len):
         out.append((ids, mask))
     return out
 
+def held_out(n, val_percent, seed):
+    """(val, train) indices of n conversations: val_percent of them (at least one) held out at random, in the order
+    drawn; the rest in order. rl_gpt.py holds out the same ones."""
+    # whole conversations are held out, drawn at random: val then asks questions that training never saw
+    order = random.Random(seed).sample(range(n), n)
+    n_val = max(1, n * val_percent // 100)  # at least one, so that there is a val loss
+    return order[:n_val], sorted(order[n_val:])
+
 def source_tokenizer(where):
     """(tokenizer, vocab size) of --init_from: GPT-2's, or a checkpoint's."""
     if ft.is_gpt2(where):
@@ -221,13 +229,11 @@ def prepare(cfg):
             dialogues = arithmetic(cfg.conversations, cfg.seed)
             Path(src).write_text("".join(json.dumps(c) + "\n" for c in dialogues))
         convs = read_conversations(src, tpl, encode, cfg.seq_len)
-        # whole conversations are held out, drawn at random: val then asks questions that training never saw
-        order = random.Random(cfg.seed).sample(range(len(convs)), len(convs))
-        n_val = max(1, len(convs) * cfg.val_percent // 100)  # at least one, so that there is a val loss
-        if n_val >= len(convs):
+        val, train = held_out(len(convs), cfg.val_percent, cfg.seed)
+        if not train:
             tg.die(f"{cfg.prepare}: {len(convs)} conversations leave none to train on; add more or lower --val_percent")
         splits = {}
-        for split, part in (("val", order[:n_val]), ("train", sorted(order[n_val:]))):
+        for split, part in (("val", val), ("train", train)):
             ids = np.concatenate([convs[i][0] for i in part])
             mask = np.concatenate([convs[i][1] for i in part])
             prepare_data.write_shard(os.path.join(stage, f"{split}_000000.bin"), ids)

@@ -18,6 +18,7 @@ import finetune_gpt
 import kernels
 import predict_vit
 import prepare_data
+import rl_gpt
 import sample_diffusion
 import sample_gpt
 import scaling
@@ -29,10 +30,12 @@ from faults import inject, parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = {"train_gpt.py": train_gpt, "finetune_gpt.py": finetune_gpt, "chat_gpt.py": chat_gpt,
+            "rl_gpt.py": rl_gpt,
             "sample_gpt.py": sample_gpt, "eval_gpt.py": eval_gpt, "train_vit.py": train_vit,
             "train_diffusion.py": train_diffusion, "predict_vit.py": predict_vit, "sample_diffusion.py": sample_diffusion}
 # a companion: the trainer whose CLI shim and loop (where faults go) it uses
-RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt, sample_gpt: train_gpt, eval_gpt: train_gpt,
+RUNS_ON = {finetune_gpt: train_gpt, chat_gpt: train_gpt, rl_gpt: train_gpt, sample_gpt: train_gpt,
+           eval_gpt: train_gpt,
            predict_vit: train_vit, sample_diffusion: train_diffusion}
 # appended to each command, so they win over its own flags; the steps and eval cadences of GPT commands are kept
 # (the fault experiment fires at step 100), on a model small enough that 150 steps take a second or two
@@ -41,6 +44,9 @@ TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=
         # a chat model keeps its base's shape; 60 dialogues of bytes, a few steps, 4 answers sampled
         sample_gpt: "--max_new_tokens=16 --device=cpu", eval_gpt: "--device=cpu",
         chat_gpt: "--batch_size=4 --max_steps=6 --conversations=60 --eval_turns=4 --max_new_tokens=16 --device=cpu",
+        # RL from such a chat model: 2 prompts a step, 2 answers each, 4 held out; bytes make long prompts
+        rl_gpt: "--batch_size=2 --samples=2 --max_steps=3 --conversations=60 --eval_items=4 --pass_k=2 "
+                "--max_new_tokens=8 --seq_len=256 --device=cpu",
         train_vit: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=16 --max_steps=4 --eval_every=2 --eval_images=32 "
                    "--device=cpu",
         train_diffusion: "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=4 --batch_size=16 --max_steps=4 "

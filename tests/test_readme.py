@@ -40,7 +40,7 @@ KNOWN_FAILURES = {
 # read one: their commands are not here, and never remove an out_dir)
 NOT_TRAINING = {"train_gpt": ("resume", "benchmark"),
                 "finetune_gpt": ("resume", "export", "merge_lora", "benchmark"),
-                "chat_gpt": ("prepare", "chat"),
+                "chat_gpt": ("prepare", "chat"), "rl_gpt": ("resume", "score_only"),
                 "train_vit": ("resume", "benchmark"), "train_diffusion": ("resume", "benchmark")}
 
 
@@ -137,6 +137,8 @@ def scratch(tmp_path_factory):
     chats = [{"messages": [{"role": "user", "content": f"Is {i} even?"},  # conversations, for chat_gpt.py --prepare
                            {"role": "assistant", "content": "yes" if i % 2 == 0 else "no"}]} for i in range(40)]
     (d / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    qa = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(40)]
+    (d / "qa.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qa))  # prompts and answers, for rl_gpt.py
     (d / "data" / "hellaswag").mkdir()  # what prepare_data.py hellaswag writes: HellaSwag's val JSONL
     (d / "data" / "hellaswag" / "hellaswag_val.jsonl").write_text("".join(json.dumps(it) + "\n" for it in
                                                                           hellaswag_items(8)))

@@ -32,7 +32,7 @@ def test_each_fence_is_in_every_script_that_shares_it():
 def test_importing_scripts_has_no_side_effects(tmp_path):
     """Import every script from an empty working dir: nothing is printed, no file is written."""
     names = [p.stem for p in SCRIPTS] + ["finetune_gpt", "chat_gpt", "sample_gpt", "eval_gpt", "predict_vit",
-                                         "sample_diffusion", "prepare_data", "scaling"]
+                                         "sample_diffusion", "prepare_data", "scaling", "rl_gpt"]
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); " + "; ".join(f"import {n}" for n in names)
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -71,13 +71,15 @@ TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 10910), "train_vit.py": (7500
 # that return values instead of printing behind a return, -h groups and the source copy, 180; the guard's packed
 # lines unpacked into named steps, 37)
 TOKENS_MACHINERY = (3500, 5222)
-# at 35a90f9, every .py outside tests/ held 83,948 code tokens: moving code between files must not copy it
-TOKENS_SUITE = int(83948 * 1.05)
-COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py", "sample_diffusion.py")
+# at 35a90f9, every .py outside tests/ held 83,948 code tokens: moving code between files must not copy it. Issue 62's
+# new job, rl_gpt.py (RL after SFT, 4,006 tokens of its own; it imports the rest), comes on top
+TOKENS_SUITE = int(83948 * 1.05) + 4006
+COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "rl_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py",
+              "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
 DENSITY_GOAL = (10.0, 0.20)
 DENSITY = {"train_gpt.py": DENSITY_GOAL, "train_vit.py": DENSITY_GOAL, "train_diffusion.py": DENSITY_GOAL,
-           "finetune_gpt.py": DENSITY_GOAL, "chat_gpt.py": DENSITY_GOAL,
+           "finetune_gpt.py": DENSITY_GOAL, "chat_gpt.py": DENSITY_GOAL, "rl_gpt.py": DENSITY_GOAL,
            "sample_gpt.py": DENSITY_GOAL, "eval_gpt.py": DENSITY_GOAL,  # issue 59's companions meet the goals
            "predict_vit.py": DENSITY_GOAL, "sample_diffusion.py": DENSITY_GOAL, "prepare_data.py": DENSITY_GOAL,
            "scaling.py": DENSITY_GOAL}
