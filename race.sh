@@ -21,13 +21,12 @@
 # 5. The rows: the target is the best final val loss of nanoGPT's three LRs; for each run, the tokens and seconds to
 #    its first saved model at or below the target. Seconds exclude compilation on both sides by one rule: the sum of
 #    the logged step times (nanoGPT's "time Xms" lines, our "ms" in metrics.jsonl, both at a log line a step), where
-#    each of the first WARMUP_TIMED steps (compile, autotune) and each step that held an eval or a save counts as
-#    the run's median step.
+#    each of the first 5 steps (compile, autotune) and each step that held an eval or a save counts as the run's
+#    median step (the rows' "ms/step").
 # Each run may use its share of BUDGET (and what earlier ones left); one that would overrun is stopped, and what it
 # saved by then is scored. Logs and data in $LOGS.
 set -uo pipefail
 cd "$(dirname "$0")"
-HERE=$(pwd)
 PY=${PYTHON:-python} DRY=0 FAILED=0 STAGE_END=0
 [ "${1:-}" = --dry-run ] && DRY=1
 LOGS=$(mkdir -p "${LOGS:-/tmp/race}" && cd "${LOGS:-/tmp/race}" && pwd)
@@ -126,7 +125,8 @@ for lr in $LRS; do
   cmd=(--dataset="$DATA" --out_dir="$LOGS/nano_$lr" --batch_size=$B --block_size=$T --gradient_accumulation_steps=$ACCUM
        --max_iters=$STEPS --lr_decay_iters=$STEPS --warmup_iters=$WARMUP --learning_rate=$lr
        --min_lr=$($PY -c "print($lr / 10)") --eval_interval=$EVERY --eval_iters=1 --log_interval=1 --dropout=0.0)
-  (cd "$NANOGPT" && run nano_$lr $PY -c "$NANO_SAVES" "${cmd[@]}" "${NANO[@]}")
+  # run sets FAILED in the subshell, where it is lost: its status says it here
+  (cd "$NANOGPT" && run nano_$lr $PY -c "$NANO_SAVES" "${cmd[@]}" "${NANO[@]}") || FAILED=1
 done
 
 stage 80 "3. ours, --preset=gpt2_124m (Muon lr 4e-3)"
@@ -178,6 +178,8 @@ def ours_model(path):
 
 def step_seconds(ms, held):
     # a step's seconds; the first warm steps (compile, autotune) and those that held an eval or a save: the median
+    if not ms:  # the run died before its first step
+        return []
     median = statistics.median(ms[warm:] or ms)
     return [median if s < warm or s in held else t for s, t in enumerate(ms)]
 
