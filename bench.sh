@@ -11,6 +11,8 @@
 #   NANOGPT=../nanoGPT bash bench.sh     # with nanoGPT's row: the same shape, compile on, bf16, random tokens
 #   TESTS=tests/ bash bench.sh           # the whole suite first (225 s with -n 14 on an H100, 2026-11-25)
 #   bash bench.sh --dry-run              # on a CPU: every command runs, shrunk (tests/test_bench.py)
+# A fair time-to-loss race against nanoGPT (compile excluded, nanoGPT's best of three LRs, one evaluator on the
+# whole val split) is race.sh beside it, with its own data and budget.
 set -uo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python} DRY=0 ROWS=() FAILED=0 STAGE_END=0

@@ -37,6 +37,7 @@ import base64
 import contextlib
 import difflib
 import gzip
+import hashlib
 import heapq
 import io
 import json
@@ -372,10 +373,23 @@ def split_tail(text, val_percent):
     return text[:cut], text[cut:]
 
 def split_files(named, val_percent):
-    """Split (relative path, text) pairs by whole files: val when crc32(path) % 100 < val_percent."""
+    """Split (relative path, text) pairs by whole files, each text once: val when crc32(path) % 100 < val_percent."""
     # Whole files, not a random sample of lines: a val file's text is text the model never saw, so val loss
     # measures generalisation, not how well it recalls the neighbours of a line it trained on.
     # Hashing the path, not its place in the list, keeps a file on its side as other files come and go.
+    # A file's exact copy under another path (a vendored package, a license, an empty __init__.py) is dropped
+    # first: else a copy could land in train and its twin in val, and val loss would reward recall, not
+    # generalisation. The first path in the source's order keeps the text.
+    seen = set()
+    unique = []
+    for name, text in named:
+        digest = hashlib.sha256(text.encode()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            unique.append((name, text))
+    if len(unique) < len(named):
+        print(f"dropped {len(named) - len(unique)} file(s) that repeat another file's text")
+    named = unique
     val = [zlib.crc32(name.encode()) % 100 < val_percent for name, _ in named]
     if all(val) or not any(val):
         # too few files to split whole: hold out the tail of every file instead

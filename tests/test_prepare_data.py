@@ -162,6 +162,11 @@ def test_stdlib_real(tmp_path):
     files = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
              if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts]
     text = {f: (root / f).read_bytes().decode(errors="replace") for f in files}
+    first_copy = {}  # each text once, at its first path (the stdlib repeats a few files, e.g. empty ones)
+    for f in files:
+        first_copy.setdefault(text[f], f)
+    text = {f: text[f] for f in first_copy.values()}
+    files = list(text)
     files = [f for f in files if pd.junk_reason(text[f]) is None]  # the deliberately non-UTF-8 test modules are dropped
     val_files = [f for f in files if zlib.crc32(f.encode()) % 100 < 1]
     pd.main(["stdlib", f"--data_dir={tmp_path / 'data'}"])
@@ -431,3 +436,13 @@ def test_pathological_documents_are_dropped_and_counted(tmp_path):
     pd.main(["text", str(src), f"--data_dir={tmp_path}/k", "--val_percent=10", "--junk=keep"])
     meta = json.loads((tmp_path / "k" / "meta.json").read_text())
     assert meta["splits"]["train"]["docs"] + meta["splits"]["val"]["docs"] == 42
+
+
+def test_a_file_copied_under_another_path_is_kept_once(capsys):
+    """Exact copies are dropped before the split, so a val file's text never also sits in train."""
+    val_name = next(f"v{i}.py" for i in range(100) if zlib.crc32(f"v{i}.py".encode()) % 100 < 30)
+    train_name = next(f"t{i}.py" for i in range(100) if zlib.crc32(f"t{i}.py".encode()) % 100 >= 30)
+    named = [(val_name, "the same text\n"), (train_name, "the same text\n"), ("other.py", "other text\n")]
+    train, val = pd.split_files(named, 30)
+    assert sorted(train + val) == ["other text\n", "the same text\n"] and "the same text\n" in val
+    assert "dropped 1 file(s)" in capsys.readouterr().out
