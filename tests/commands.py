@@ -159,9 +159,9 @@ def run_command(argv, execute, tiny=workshop_tiny):
         assert args[:1] == ["install"] and not execute, f"pip: only 'pip install', and never run here: {argv}"
         assert "-r" not in args or os.path.exists(os.path.join(ROOT, args[args.index("-r") + 1])), argv
         return None
-    if head == "bash":  # bench.sh, a GPU session's one command: it must parse (tests/test_bench.py runs its --dry-run)
-        assert args[:1] == ["bench.sh"] and not execute, f"bash: only bench.sh, and never run here: {argv}"
-        subprocess.run(["bash", "-n", os.path.join(ROOT, "bench.sh")], check=True)
+    if head == "bash":  # bench.sh or race.sh: GPU commands that must parse (tests/test_bench.py runs their --dry-run)
+        assert args[:1] in (["bench.sh"], ["race.sh"]) and not execute, f"bash: a GPU script, never run here: {argv}"
+        subprocess.run(["bash", "-n", os.path.join(ROOT, args[0])], check=True)
         return None
     if head == "torchrun":  # torchrun's own parser, then the script's part under the script's parser
         from torch.distributed.run import get_args_parser
