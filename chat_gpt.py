@@ -452,6 +452,19 @@ def data_and_model(cfg, rank, world_size):
                f"prepare it again with --init_from={cfg.init_from}")
     return dataclasses.replace(cfg, **arch), meta, tok, init
 
+def set_lr(cfg, opts, step, train_time, time_budget, max_steps):
+    """Set this step's LR in every param group (train_gpt.py's schedule); returns its multiple of the peak."""
+    # the schedule runs on the share of the budget spent: of the seconds, or of the steps
+    if time_budget:
+        progress = train_time / time_budget
+    else:
+        progress = step / max_steps
+    mult = tg.lr_mult(cfg, step, progress)
+    for opt in opts:
+        for g in opt.param_groups:
+            g["lr"] = g["peak_lr"] * mult
+    return mult
+
 def train(cfg):
     """Set up, score the model before SFT, then the loop: micro-steps, clip, step, log, eval; then save."""
     rank, world_size, device = tg.setup_dist(cfg.device)
@@ -495,15 +508,7 @@ def train(cfg):
     last_step = False
     t0 = time.perf_counter()
     while not last_step:
-        # the LR schedule runs on the share of the budget spent: of the seconds, or of the steps
-        if time_budget:
-            progress = train_time / time_budget
-        else:
-            progress = step / max_steps
-        mult = tg.lr_mult(cfg, step, progress)
-        for opt in opts:
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
+        mult = set_lr(cfg, opts, step, train_time, time_budget, max_steps)
         while len(rows) < B * accum * world_size:  # each epoch packed anew, from a new shuffle
             shuffled = random.Random(cfg.seed + epoch).sample(range(len(lengths)), len(lengths))
             rows += pack(lengths, T, shuffled)

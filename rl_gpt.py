@@ -463,15 +463,7 @@ def train(cfg, stop):
     last_step = (max_steps and step >= max_steps) or (time_budget and train_time >= time_budget)
     t0 = time.perf_counter()
     while not last_step:
-        # the LR schedule runs on the share of the budget spent: of the seconds, or of the steps
-        if time_budget:
-            progress = train_time / time_budget
-        else:
-            progress = step / max_steps
-        mult = tg.lr_mult(cfg, step, progress)
-        for opt in opts:
-            for g in opt.param_groups:
-                g["lr"] = g["peak_lr"] * mult
+        mult = chat.set_lr(cfg, opts, step, train_time, time_budget, max_steps)
         # the step's prompts and a seed for each of its rows; micro-step m of rank r takes the B prompts from
         # (m * world + r) * B, as chat_gpt.py's rows, and their answers stay together: a group is never split
         picked = step_prompts(items, step, n_prompts, cfg.seed)
