@@ -120,6 +120,8 @@ loss, grads = t.step_grads(ddp, [chat.batch(convs, [[i]], 63, device) for i in m
 loss = tg.all_mean(loss, world_size)
 if rank == 0:
     torch.save({{"loss": loss, "grads": {{n.removeprefix("module."): g for n, g in grads.items()}}}}, {out!r})
+del ddp  # DDP holds the process group: free it here, not in the interpreter's teardown
+dist.barrier()  # no rank tears down while the other still works
 dist.destroy_process_group()
 """
 

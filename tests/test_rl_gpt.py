@@ -126,6 +126,8 @@ loss, grads = t.step_grads(ddp, [t.rows([i]) for i in mine], world_size)
 loss = tg.all_mean(loss, world_size)
 if rank == 0:
     torch.save({{"loss": loss, "grads": {{n.removeprefix("module."): g for n, g in grads.items()}}}}, {out!r})
+del ddp  # DDP holds the process group: free it here, not in the interpreter's teardown
+dist.barrier()  # no rank tears down while the other still works
 dist.destroy_process_group()
 """
 
