@@ -14,6 +14,7 @@ samples and the Frechet distance of its features.
   python train_diffusion.py -h         # every flag, with its default
 """
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -58,7 +60,7 @@ class Config:
     # data and output
     data_dir: str = "data/shapes_upright"  # images written by prepare_data.py; the default is generated on first use
     out_dir: str = "out/diffusion"  # where checkpoints, config.json, metrics.jsonl and sample grids go
-    preset: str = ""  # a named set of defaults, cpu_demo or cifar10; flags given explicitly override it
+    preset: str = ""  # a named set of defaults, cpu_demo, cifar10 or imagenet64; flags given explicitly override it
     num_classes: int = -1  # classes to condition on: -1 = the data's; 0 = none (an unconditional model)
     flip: Literal["auto", "true", "false"] = "auto"  # mirror half the images; auto: if the data's flip_ok says so
     # model
@@ -131,6 +133,7 @@ class Config:
     bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
     profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
     kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
+    loader: Literal["auto", "device", "host"] = "auto"  # images held on the device, or read from disk; auto: by size
 
 PRESETS = {
     # 1.3M parameters, 420 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
@@ -161,6 +164,33 @@ PRESETS = {
         final_samples=10000,  # FID is biased upward at few samples (Chong & Forsyth 2020)
         sample_steps=50,
         cfg_scale=1.5,  # DiT's guidance for its best FID
+    ),
+    # ImageNet at 64x64 (prepare_data.py imagefolder --image_size=64, README), the benchmark of pixel-space
+    # diffusion (improved DDPM; EDM): DiT-B/4, 130M parameters, on 4x4 patches (256 tokens), with DiT's batch of
+    # 256, learning rate, EMA and 400k steps. Not yet measured. The train split (15.7 GB) is read from its file a
+    # batch ahead where it would take over a quarter of the device's free memory (--loader=auto).
+    "imagenet64": dict(
+        data_dir="data/imagenet64",
+        out_dir="out/diffusion_imagenet64",
+        patch_size=4,
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        predict="v",  # a 4x4 patch holds 48 numbers, far fewer than a token's width, as in cifar10's
+        t_mean=0.0,
+        t_std=1.0,
+        time_budget=0.0,
+        epochs=80,  # 400k steps of 256 images
+        batch_size=256,  # a rank's: under torchrun, divide it by the ranks for DiT's step
+        lr=1e-4,
+        warmup_steps=1000,
+        ema=0.9999,
+        eval_every=20000,
+        eval_images=10000,
+        eval_samples=1000,
+        final_samples=10000,
+        sample_steps=50,
+        cfg_scale=1.5
     ),
 }
 # the fields that shape the weights and their meaning: a resumed run must match its checkpoint's
@@ -454,9 +484,10 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 
 # -----------------------------------------------------------------------------
 # Data
-# The images and their loader are train_vit.py's, in the images fence below: both splits held whole on the device
-# as uint8 (a small set fits, and a step then never waits for the disk), read in an order seeded per epoch, which a
-# checkpoint records so a resume goes on with the same batches. Here they only change scale.
+# The images and their loader are train_vit.py's, in the images fence below: both splits as uint8, held whole on
+# the device when they fit (a step then never waits for the disk), else read from their files a batch ahead, in an
+# order seeded per epoch, which a checkpoint records so a resume goes on with the same batches. Here they only
+# change scale.
 
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
@@ -526,7 +557,7 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
         w = 1.0
         if i >= n:  # this rank is past the end: a forward of one image, weighed 0
             i, j, w = 0, 1, 0.0
-        x0 = to_model(x_all[i:j])
+        x0 = to_model(x_all[i:j].to(y_all.device, non_blocking=True))  # from the host under --loader=host
         noise = noise_all[i:j].to(x0.device)
         y = y_all[i:j] if K else None
         for k, t in enumerate(ts):
@@ -610,7 +641,7 @@ class Judge:
         if fid_weights:
             with exit_if_unreadable(fid_weights, "pass clean-fid's Inception TorchScript (inception-2015-12-05.pt)"):
                 self.inception = torch.jit.load(fid_weights, map_location=device).eval()
-        self.real = self.features(val_x[:10000])  # once
+        self.real = self.features(val_x[:10000].to(device))  # once
 
     @torch.no_grad()
     def features(self, x):
@@ -933,7 +964,7 @@ def train(cfg, stop):
     """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
     rank, world_size, device = setup_dist(cfg.device)
     wall0, master = time.perf_counter(), rank == 0
-    # data: both splits held whole on the device as uint8; random images for --benchmark
+    # data: both splits as uint8, held on the device or read from their files (--loader); random images for --benchmark
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device,
                                             "the upright shapes dataset", "--rotate=off")
     (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
@@ -988,7 +1019,7 @@ def train(cfg, stop):
           f" | {(H // cfg.patch_size) ** 2} patches | {objective}"
           f" | {images_per_step} images/step (B {B} x accum {accum} x world {world_size}) | {budget}"
           f" | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
-          f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why})")
+          f" | lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why}) | images {loader.where}")
 
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
@@ -1213,11 +1244,15 @@ def load_image_data(data_dir, splits=("train", "val")):
         if not isinstance(meta.get("flip_ok", False), bool):
             raise ValueError("flip_ok must be true or false")
     arrays = {}
-    with exit_if_unreadable(os.path.join(data_dir, "*.npy"), fix):  # an error names the arrays, not meta.json
-        for s in splits:
-            images = np.load(os.path.join(data_dir, f"{s}_images.npy"), mmap_mode="r")  # read when indexed
-            labels = np.load(os.path.join(data_dir, f"{s}_labels.npy"))
-            arrays[s] = (images, labels)
+    for s in splits:
+        images = os.path.join(data_dir, f"{s}_images.npy")
+        labels = os.path.join(data_dir, f"{s}_labels.npy")
+        # a memory map reads no pixels yet, but checks that the file holds all the rows its header promises
+        with exit_if_unreadable(images, fix):
+            images = np.load(images, mmap_mode="r")
+        with exit_if_unreadable(labels, fix):
+            labels = np.load(labels)
+        arrays[s] = (images, labels)
     for s, (x, y) in arrays.items():
         if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
             die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
@@ -1228,7 +1263,7 @@ def load_image_data(data_dir, splits=("train", "val")):
     return meta, arrays
 
 def image_data(cfg, rank, world_size, device, what, *flags):
-    """meta, the train split's loader, and the val images and labels on the device."""
+    """meta, the train split's loader, and the val images and labels (images on the device, or read from their file)."""
     if cfg.benchmark:  # random images, no val split
         size = cfg.image_size or 32
         n = 4 * cfg.batch_size
@@ -1255,11 +1290,33 @@ def image_data(cfg, rank, world_size, device, what, *flags):
             f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
     if H != W or H % p:
         die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
-    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed)
+    on_device = data_on_device(cfg, arrays, device)
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed, on_device)
     val_x = val_y = None  # --benchmark has no val split
     if "val" in arrays:
-        val_x, val_y = (torch.from_numpy(np.array(a)).to(device) for a in arrays["val"])
+        images, labels = arrays["val"]
+        val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
+        if on_device:
+            val_x = torch.from_numpy(np.array(images)).to(device)
+        else:
+            val_x = HostImages(images, device)
     return meta, loader, val_x, val_y
+
+def data_on_device(cfg, arrays, device):
+    """Whether the images are copied to the device whole (--loader=device), or stay in their files on the host and
+    are read a batch at a time (host). auto: the device, if both splits take under a quarter of its memory."""
+    if cfg.loader != "auto" or cfg.benchmark:  # --benchmark's random images have no file to read from
+        return cfg.loader != "host" or cfg.benchmark
+    need = sum(x.nbytes for x, _ in arrays.values())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:  # the CPU, or MPS, which shares the host's memory: every rank on this host holds a copy
+        free = host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return need < free / 4
+
+def host_memory():
+    """The host's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
@@ -1269,13 +1326,55 @@ def flips(cfg, meta):
         return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
     return meta["flip_ok"], "the data's flip_ok"
 
-class ImageLoader:
-    """(B, H, W, C) uint8 batches from a split held on the device, in an order per epoch
-    seeded by (seed, epoch); rank r takes the r-th B of each global batch."""
+class HostImages:
+    """A split's images left in their .npy file on the host: rows read on request, with plain file reads into fresh
+    host memory (pinned when they go to a GPU, so that the copy runs beside the compute). No copy of the whole
+    split is made anywhere. Why not index np.load's memory map: its disk reads happen as page faults inside
+    numpy's copy, which holds Python's lock (the GIL) meanwhile and stalls the training thread; a file read lets
+    it go. And every page the map touched would count in this process's memory, where a read's stay the kernel's
+    page cache."""
 
-    def __init__(self, images, labels, B, rank, world_size, device, seed=0):
-        self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
-        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)
+    def __init__(self, array, device):
+        self.path = array.filename  # array: np.load's memory map, which has checked the file's size
+        self.offset = array.offset  # where the rows start, past the .npy header
+        self.shape = array.shape
+        self.row = math.prod(self.shape[1:])  # bytes a uint8 image
+        self.pin = device.type == "cuda"
+        self.file = open(self.path, "rb", buffering=0)  # reads straight into the batch, no buffer between
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        """uint8 images (n, H, W, C) on the host: rows is a slice, or a tensor of indices."""
+        if isinstance(rows, slice):
+            rows = torch.arange(*rows.indices(len(self)))
+        out = torch.empty((len(rows), *self.shape[1:]), dtype=torch.uint8, pin_memory=self.pin)
+        flat = out.numpy().reshape(len(rows), self.row)
+        for k in rows.argsort().tolist():  # in the file's order: the disk reads forward
+            self.file.seek(self.offset + int(rows[k]) * self.row)
+            if self.file.readinto(flat[k]) != self.row:
+                raise EOFError(f"{self.path} ends before image {int(rows[k])}; re-run prepare_data.py")
+        return out
+
+class ImageLoader:
+    """(B, H, W, C) uint8 batches of the train split, in an order per epoch seeded by (seed, epoch); rank r takes
+    the r-th B of each global batch. Two paths, one order. A split that fits is copied to the device once and
+    indexed there. A larger one stays in its file (HostImages): a thread reads the next batches, two waiting while
+    the device computes, and each goes to the device with a non-blocking copy."""
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0, on_device=True):
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        if on_device:
+            self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
+            self.y = self.y.to(device)
+            self.where = f"held on {device.type}"
+        else:
+            self.x = HostImages(images, device)
+            self.where = "read from their file a batch ahead (host)"
+            self.reader = ThreadPoolExecutor(1)  # one thread: its reads of the file come one after another
+        self.on_device = on_device
+        self.device = device
         self.B = B
         self.rank = rank
         self.world_size = world_size
@@ -1291,21 +1390,43 @@ class ImageLoader:
     def load_state(self, s):
         self.epoch = int(s["epoch"])
         self.pos = int(s["pos"])  # where the next global batch starts in the epoch's order
-        self.order = None  # the epoch's permutation, drawn at its first batch
+        self.order_epoch = None  # the epoch whose permutation self.order holds: none yet
+        self.ahead = collections.deque()  # the host path's reads: (batch to come, epoch and pos after it)
+        self.planned = (self.epoch, self.pos)  # where the next read starts
 
-    def next(self):
-        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64)."""
+    def plan(self, epoch, pos):
+        """(this rank's indices of the global batch at pos in the epoch's order, and the epoch and pos after it)."""
         n = len(self.y)
         step = self.B * self.world_size  # a global batch
-        if self.pos + step > n:  # drop the epoch's partial last batch
-            self.load_state({"epoch": self.epoch + 1, "pos": 0})
-        if self.order is None:
-            g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-            self.order = torch.randperm(n, generator=g).to(self.x.device)
-        start = self.pos + self.rank * self.B  # this rank's B of the global batch
-        idx = self.order[start:start + self.B]
-        self.pos += step
-        return self.x[idx], self.y[idx]
+        if pos + step > n:  # drop the epoch's partial last batch
+            epoch += 1
+            pos = 0
+        if self.order_epoch != epoch:  # the epoch's permutation, drawn at its first batch
+            g = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
+            self.order = torch.randperm(n, generator=g).to(self.y.device)
+            self.order_epoch = epoch
+        start = pos + self.rank * self.B  # this rank's B of the global batch
+        return self.order[start:start + self.B], epoch, pos + step
+
+    def next(self):
+        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64), on the device."""
+        if self.on_device:
+            idx, self.epoch, self.pos = self.plan(self.epoch, self.pos)
+            return self.x[idx], self.y[idx]
+        while len(self.ahead) < 3:  # this batch, and two more read while the device computes
+            idx, epoch, pos = self.plan(*self.planned)
+            self.planned = (epoch, pos)
+            self.ahead.append((self.reader.submit(self.read, idx), epoch, pos))
+        batch, self.epoch, self.pos = self.ahead.popleft()
+        x, y = batch.result()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def read(self, idx):
+        """The images and labels at idx, in host memory (the reading thread's job)."""
+        y = self.y[idx]
+        if self.x.pin:
+            y = y.pin_memory()
+        return self.x[idx], y
 
 class EMA:
     """An fp32 moving average of the weights, beside them (sharded like them under FSDP).

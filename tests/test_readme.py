@@ -123,7 +123,8 @@ def test_every_command_parses():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """A working directory with small stand-ins for what the commands read: the default text and image data, a
-    tiny GPT-2 at models/gpt2 and text as its tokens, your notes, a book, your images, a standard library."""
+    tiny GPT-2 at models/gpt2 and text as its tokens, your notes, a book, your images, ImageNet's folders, a
+    standard library."""
     d = write_scratch_data(tmp_path_factory.mktemp("readme"), n_val=8)  # a short val split: each run evaluates on all
     # where finetune_gpt.py looks for --init_from=gpt2: GPT-2's vocabulary, and logits near -60 as the real one's
     gpt2_folder(d / "models" / "gpt2", conf={**GPT2, "vocab_size": 50257}, far_below_zero=True)
@@ -143,6 +144,12 @@ def scratch(tmp_path_factory):
     (d / "data" / "hellaswag" / "hellaswag_val.jsonl").write_text("".join(json.dumps(it) + "\n" for it in
                                                                           hellaswag_items(8)))
     from PIL import Image
+    for split, n in (("train", 12), ("val", 3)):  # ImageNet's layout: a folder a class of .JPEG files, in train and val
+        images, _ = prepare_data.make_shapes(2 * n, 20, 6)
+        for i, image in enumerate(images):
+            folder = d / "imagenet" / split / ("n01440764", "n01443537")[i % 2]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{split}_{i}.JPEG")
     images, _ = prepare_data.make_shapes(3, 16, 5)
     (d / "my_images").mkdir()
     for i, image in enumerate(images):

@@ -189,13 +189,13 @@ def test_learns_shapes_and_writes_its_files(shapes, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resume_is_exact(shapes, tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, loader", [("adamw", "device"), ("muon", "device"), ("adamw", "host")])
+def test_resume_is_exact(shapes, tmp_path, optimizer, loader):
     """Stop at step 4 (by keeping only that checkpoint), resume: steps 5..8, the weights and the EMA must equal the
-    uninterrupted run's, bit for bit, with augmentation, mixup/cutmix and stochastic depth on."""
+    uninterrupted run's, bit for bit, with augmentation, mixup/cutmix and stochastic depth on; on either loader path."""
     import shutil
     a, b = tmp_path / "a", tmp_path / "b"
-    kw = dict(max_steps=8, mixup=0.5, cutmix=1.0, drop_path=0.1, optimizer=optimizer, ema=0.9)
+    kw = dict(max_steps=8, mixup=0.5, cutmix=1.0, drop_path=0.1, optimizer=optimizer, ema=0.9, loader=loader)
     ra = tv.main(tiny(shapes, a, save_every=4, keep_last=5, **kw))
     b.mkdir()
     shutil.copy(a / "ckpt_0000004.pt", b)
@@ -271,17 +271,18 @@ def test_existing_run_and_other_config_are_refused(shapes, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
+@pytest.mark.parametrize("parallel, loader", [("ddp", "device"), ("fsdp", "device"), ("ddp", "host")])
+def test_two_ranks_match_one_process(shapes, tmp_path, parallel, loader):
     """Two gloo ranks with batch B each follow one process with batch 2B (augmentation and drop path off, as their
-    random numbers differ per rank by design), EMA and eval included."""
+    random numbers differ per rank by design), EMA and eval included; the ranks read their images on either loader
+    path, the one process on the device path."""
     common = ["--dtype=float32",  # the same math in fp32; bf16 rounds each micro-batch's sums apart
               "--n_layer=2", "--n_head=2", "--n_embd=32", "--max_steps=6", "--time_budget=0", "--log_every=1",
               "--eval_every=3", "--eval_images=100", "--device=cpu", "--compile=false", "--translate=0", "--flip=false",
               f"--data_dir={shapes}", "--warmup_steps=2", "--ema=0.9"]
     one = run_script(*common, "--batch_size=32", f"--out_dir={tmp_path}/one")
     two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", "--save_every=3",
-                     torchrun=True)
+                     f"--loader={loader}", torchrun=True)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
     la, lb = records(tmp_path / "one", "loss"), records(tmp_path / "two", "loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
@@ -295,7 +296,7 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
     os.makedirs(tmp_path / "again")
     os.rename(three, tmp_path / "again" / os.path.basename(three))
     again = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/again", f"--parallel={parallel}", "--resume",
-                       torchrun=True)
+                       f"--loader={loader}", torchrun=True)
     assert again.returncode == 0, again.stderr[-2000:]
     for key in ("loss", "ema_val_loss"):
         lc = records(tmp_path / "again", key)
