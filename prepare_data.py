@@ -908,6 +908,68 @@ def source_imagefolder(args):
         splits = {s: (x[..., :1], y) for s, (x, y) in splits.items()}
     return splits, classes
 
+# Arrays too large for memory are read a chunk of about 2 MiB at a time: 170 images of 64x64x3, 13 of
+# 224x224x3. ImageNet's 1.28M train images at 224x224 are 193 GB as uint8, more than a host holds; in chunks, the
+# pixels held in memory at once are as few for it as for a folder of 100 images.
+CHUNK_BYTES = 2 * 2**20
+
+def images_per_chunk(image_shape):
+    """How many images of shape (H, W, C) make a chunk of about CHUNK_BYTES (at least one)."""
+    return max(1, CHUNK_BYTES // math.prod(image_shape))
+
+def npy_shape(path):
+    """The shape of the array in a .npy file, read from its header."""
+    return np.load(path, mmap_mode="r").shape
+
+def read_rows(path, start, stop, step=1):
+    """A copy of images start:stop:step of a .npy file, read through a read-only map that is closed on return."""
+    # the pages read through a map count in this process's RSS for as long as the map is open: a map of the whole
+    # file, held while every chunk is read, would grow to the file's size. One map per chunk gives them back.
+    x = np.load(path, mmap_mode="r")
+    return np.array(x[start:stop:step])
+
+def pixel_stats(path, every):
+    """Per-channel mean and std, in [0, 1] and rounded to 4 places, of the pixels of every `every`-th image of a
+    uint8 (N, H, W, C) .npy file, read a chunk at a time."""
+    n, h, w, c = npy_shape(path)
+    per_chunk = images_per_chunk((h, w, c))
+    # hist[ch, v]: how many sampled pixels of channel ch have the value v. It takes a chunk at a time, where a
+    # float64 copy of the sample would take 8 bytes a pixel (12 GB for 10,000 images of 224x224x3)
+    hist = np.zeros((c, 256), np.int64)
+    for start in range(0, n, every * per_chunk):
+        x = read_rows(path, start, start + every * per_chunk, every)  # (per_chunk, H, W, C)
+        for ch in range(c):
+            hist[ch] += np.bincount(x[..., ch].ravel(), minlength=256)
+    values = np.arange(256) / 255  # a pixel's value in [0, 1]
+    total = hist.sum(1)  # (C,) pixels sampled
+    mean = hist @ values / total
+    # the variance in two passes, as numpy's std computes it: never below zero, and accurate when it is small
+    var = (hist * (values - mean[:, None]) ** 2).sum(1) / total
+    return mean.round(4).tolist(), np.sqrt(var).round(4).tolist()
+
+def image_meta(stage, splits, classes, source, flip_ok):
+    """meta.json of the image arrays staged in `stage`, one pair of files for each name in `splits`."""
+    train = stage / "train_images.npy"
+    n, h, w, c = npy_shape(train)
+    # The trainers normalise each channel by the train pixels' mean and std; about 10,000 images estimate them to
+    # a few decimals, so a large set is sampled (every k-th image) rather than read whole
+    mean, std = pixel_stats(train, every=max(1, n // 10000))
+    counts = {}
+    for s in splits:
+        counts[s] = {"images": npy_shape(stage / f"{s}_images.npy")[0]}
+    return dict(
+        format="trainsuite-image-1",
+        source=source,
+        classes=list(classes),
+        num_classes=len(classes),
+        image_size=[h, w],
+        channels=c,
+        mean=mean,
+        std=std,
+        splits=counts,
+        flip_ok=bool(flip_ok),
+    )
+
 def write_images(data_dir, splits, classes, source, flip_ok=True):
     """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
     (written last: a dir without meta.json is not prepared), from a hidden staging dir; returns the meta dict.
@@ -921,27 +983,11 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
             fail(f"{split}: {len(x)} images but {len(y)} labels; the dataset files do not match")
         if y.min() < 0 or y.max() >= len(classes):
             fail(f"{split}: a label is outside 0..{len(classes) - 1}; the dataset files do not match")
-    # The trainers normalise each channel by the train pixels' mean and std; about 10,000 images estimate them to
-    # a few decimals, so a large set is sampled rather than read whole into float64.
-    train = splits["train"][0]
-    every = max(1, len(train) // 10000)
-    pix = train[::every].reshape(-1, train.shape[-1]).astype(np.float64) / 255  # (pixels, C) in [0, 1]
-    meta = dict(
-        format="trainsuite-image-1",
-        source=source,
-        classes=list(classes),
-        num_classes=len(classes),
-        image_size=list(train.shape[1:3]),
-        channels=int(train.shape[3]),
-        mean=pix.mean(0).round(4).tolist(),
-        std=pix.std(0).round(4).tolist(),
-        splits={s: {"images": len(x)} for s, (x, _) in splits.items()},
-        flip_ok=bool(flip_ok),
-    )
     with staging(data_dir) as stage:
         for split, (x, y) in splits.items():
             np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
             np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
+        meta = image_meta(stage, list(splits), classes, source, flip_ok)
         publish(stage, data_dir, meta)
     return meta
 
