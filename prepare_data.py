@@ -28,6 +28,8 @@ Images, for train_vit.py and train_diffusion.py:
 
 An image data dir holds {train,val}_images.npy, uint8 (N, H, W, C), {train,val}_labels.npy, int64, and meta.json,
 written last: classes, image_size, channels, the train pixels' mean and std, and flip_ok (the trainers flip only then).
+imagefolder decodes its images in --workers processes (default: one per CPU) and writes them to the arrays a chunk
+of about 2 MiB at a time, so a folder larger than memory (ImageNet: 193 GB at 224x224) prepares in little memory.
 
 Every command builds its files in a hidden folder beside --data_dir and moves them in at the end, meta.json last: a
 command killed at any point leaves the old data (or none), never a folder that looks prepared but is half-written.
@@ -43,6 +45,7 @@ import io
 import json
 import lzma
 import math
+import multiprocessing
 import os
 import pickle
 import random
@@ -55,7 +58,7 @@ import tempfile
 import time
 import urllib.request
 import zlib
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -838,15 +841,15 @@ def list_images(root):
                  "folder")
     return found
 
-def load_images(paths, size, split):
-    """(uint8 (N, size, size, 3), all grayscale?): RGB, the centre square resized (torchvision's Resize+CenterCrop)."""
-    try:  # only this command needs Pillow
-        from PIL import Image, ImageOps
-    except ImportError:
-        fail("imagefolder needs Pillow: pip install Pillow")
+class BadImage(Exception):
+    """An image that Pillow cannot read; its message is the command's one-line error."""
+
+def load_images(paths, size):
+    """(uint8 (N, size, size, 3), all grayscale?): RGB, the centre square resized (torchvision's Resize+CenterCrop).
+    One chunk of a split: the task that a decoding worker runs."""
+    from PIL import Image, ImageOps  # source_imagefolder has checked that Pillow is installed
     out = np.empty((len(paths), size, size, 3), np.uint8)
     gray = True
-    shown = 0.0
     for i, p in enumerate(paths):
         try:  # UnidentifiedImageError is an OSError
             with Image.open(p) as im:
@@ -856,21 +859,21 @@ def load_images(paths, size, split):
                 square = ImageOps.fit(im.convert("RGB"), (size, size), Image.Resampling.BILINEAR)
                 out[i] = np.asarray(square)  # (size, size, 3)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            if i:
-                # a progress line is open: the error goes after it, not on it
-                print(file=sys.stderr)
-            fail(f"cannot read the image {p} ({type(e).__name__}: {e}); delete or fix it")
-        if time.time() - shown > 0.5 or i + 1 == len(paths):
-            shown = time.time()
-            print(f"\r{split}: {i + 1:,}/{len(paths):,} images", end="", file=sys.stderr)
-    print(file=sys.stderr)
+            # raised, not fail(): in a worker, SystemExit would end the process and leave the pool waiting for it.
+            # The pool sends the exception back to the main process, which stops with its message.
+            raise BadImage(f"cannot read the image {p} ({type(e).__name__}: {e}); delete or fix it") from None
     return out, gray
 
 def source_imagefolder(args):
-    """Your images as PATH/CLASS/*.png (ImageFolder's layout); val: --val=PATH, or --val_fraction by path hash."""
+    """({split: [(path, label)]}, classes) of PATH/CLASS/*.png (ImageFolder's layout); val: --val=PATH, or
+    --val_fraction by path hash. The images are read later, a chunk at a time, by write_imagefolder."""
     root = Path(args.path)
-    if args.image_size < 1 or not 0 < args.val_fraction < 1:
-        fail("need --image_size >= 1 and 0 < --val_fraction < 1")
+    if args.image_size < 1 or args.workers < 0 or not 0 < args.val_fraction < 1:
+        fail("need --image_size >= 1, --workers >= 0 and 0 < --val_fraction < 1")
+    try:  # only this command needs Pillow
+        import PIL  # noqa: F401
+    except ImportError:
+        fail("imagefolder needs Pillow: pip install Pillow")
     train = list_images(root)
     classes = list(train)
     # a val folder of its own (a benchmark's fixed split) is kept as it is; otherwise val is drawn from train
@@ -897,16 +900,80 @@ def source_imagefolder(args):
                     items["train"].append((p, k))
         if not items["val"]:
             fail(f"no image of {root} fell into val at --val_fraction={args.val_fraction}; raise it or give --val=PATH")
-    splits = {}
-    gray = True
-    for split, pairs in items.items():
-        x, g = load_images([p for p, _ in pairs], args.image_size, split)
-        splits[split] = (x, np.array([k for _, k in pairs], np.int64))
-        gray = gray and g
-    if gray:
-        # every image is grayscale: keep one channel (L -> RGB copied it into all three)
-        splits = {s: (x[..., :1], y) for s, (x, y) in splits.items()}
-    return splits, classes
+    return items, classes
+
+# Arrays too large for memory are written and read a chunk of about 2 MiB at a time: 170 images of 64x64x3, 13 of
+# 224x224x3. ImageNet's 1.28M train images at 224x224 are 193 GB as uint8, more than a host holds; in chunks, the
+# pixels held in memory at once are as few for it as for a folder of 100 images.
+CHUNK_BYTES = 2 * 2**20
+
+def images_per_chunk(image_shape):
+    """How many images of shape (H, W, C) make a chunk of about CHUNK_BYTES (at least one)."""
+    return max(1, CHUNK_BYTES // math.prod(image_shape))
+
+def new_npy(path, shape):
+    """Create path as a uint8 .npy file of `shape`, its pixels zeros; return the byte offset where they start."""
+    # numpy writes the header and sizes the file (sparse: no zeros are written), and the map is closed at once. It
+    # is not kept open to be filled: each page written through a map counts in this process's resident memory (its
+    # RSS) while the map is open, so filling a 193 GB map would count up to 193 GB against the process. Plain file
+    # writes go to the OS's page cache instead, which is no process's memory and which the OS writes out and frees.
+    m = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
+    offset = m.offset
+    del m
+    return offset
+
+def npy_shape(path):
+    """The shape of the array in a .npy file, read from its header."""
+    return np.load(path, mmap_mode="r").shape
+
+def read_rows(path, start, stop, step=1):
+    """A copy of images start:stop:step of a .npy file, read through a read-only map that is closed on return."""
+    # the pages read through a map count in this process's RSS for as long as the map is open: a map of the whole
+    # file, held while every chunk is read, would grow to the file's size. One map per chunk gives them back.
+    x = np.load(path, mmap_mode="r")
+    return np.array(x[start:stop:step])
+
+def pixel_stats(path, every):
+    """Per-channel mean and std, in [0, 1] and rounded to 4 places, of the pixels of every `every`-th image of a
+    uint8 (N, H, W, C) .npy file, read a chunk at a time."""
+    n, h, w, c = npy_shape(path)
+    per_chunk = images_per_chunk((h, w, c))
+    # hist[ch, v]: how many sampled pixels of channel ch have the value v. It takes a chunk at a time, where a
+    # float64 copy of the sample would take 8 bytes a pixel (12 GB for 10,000 images of 224x224x3)
+    hist = np.zeros((c, 256), np.int64)
+    for start in range(0, n, every * per_chunk):
+        x = read_rows(path, start, start + every * per_chunk, every)  # (per_chunk, H, W, C)
+        for ch in range(c):
+            hist[ch] += np.bincount(x[..., ch].ravel(), minlength=256)
+    values = np.arange(256) / 255  # a pixel's value in [0, 1]
+    total = hist.sum(1)  # (C,) pixels sampled
+    mean = hist @ values / total
+    # the variance in two passes, as numpy's std computes it: never below zero, and accurate when it is small
+    var = (hist * (values - mean[:, None]) ** 2).sum(1) / total
+    return mean.round(4).tolist(), np.sqrt(var).round(4).tolist()
+
+def image_meta(stage, splits, classes, source, flip_ok):
+    """meta.json of the image arrays staged in `stage`, one pair of files for each name in `splits`."""
+    train = stage / "train_images.npy"
+    n, h, w, c = npy_shape(train)
+    # The trainers normalise each channel by the train pixels' mean and std; about 10,000 images estimate them to
+    # a few decimals, so a large set is sampled (every k-th image) rather than read whole
+    mean, std = pixel_stats(train, every=max(1, n // 10000))
+    counts = {}
+    for s in splits:
+        counts[s] = {"images": npy_shape(stage / f"{s}_images.npy")[0]}
+    return dict(
+        format="trainsuite-image-1",
+        source=source,
+        classes=list(classes),
+        num_classes=len(classes),
+        image_size=[h, w],
+        channels=c,
+        mean=mean,
+        std=std,
+        splits=counts,
+        flip_ok=bool(flip_ok),
+    )
 
 def write_images(data_dir, splits, classes, source, flip_ok=True):
     """Publish {split: (uint8 images (N, H, W, C), labels (N,))} as split_images.npy, split_labels.npy and meta.json
@@ -921,27 +988,120 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
             fail(f"{split}: {len(x)} images but {len(y)} labels; the dataset files do not match")
         if y.min() < 0 or y.max() >= len(classes):
             fail(f"{split}: a label is outside 0..{len(classes) - 1}; the dataset files do not match")
-    # The trainers normalise each channel by the train pixels' mean and std; about 10,000 images estimate them to
-    # a few decimals, so a large set is sampled rather than read whole into float64.
-    train = splits["train"][0]
-    every = max(1, len(train) // 10000)
-    pix = train[::every].reshape(-1, train.shape[-1]).astype(np.float64) / 255  # (pixels, C) in [0, 1]
-    meta = dict(
-        format="trainsuite-image-1",
-        source=source,
-        classes=list(classes),
-        num_classes=len(classes),
-        image_size=list(train.shape[1:3]),
-        channels=int(train.shape[3]),
-        mean=pix.mean(0).round(4).tolist(),
-        std=pix.std(0).round(4).tolist(),
-        splits={s: {"images": len(x)} for s, (x, _) in splits.items()},
-        flip_ok=bool(flip_ok),
-    )
     with staging(data_dir) as stage:
         for split, (x, y) in splits.items():
             np.save(stage / f"{split}_images.npy", np.ascontiguousarray(x, dtype=np.uint8))
             np.save(stage / f"{split}_labels.npy", np.asarray(y, dtype=np.int64))
+        meta = image_meta(stage, list(splits), classes, source, flip_ok)
+        publish(stage, data_dir, meta)
+    return meta
+
+# -----------------------------------------------------------------------------
+# imagefolder, streamed: each split is decoded by worker processes and written to its staged file a chunk at a time
+
+def quiet_worker():
+    """Run by each decoding worker as it starts: Ctrl-C is for the main process (which stops the pool), and the
+    pool's stop (SIGTERM) ends a worker at once, not as the KeyboardInterrupt that main() makes of it (a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+@contextlib.contextmanager
+def decoder_pool(workers):
+    """A pool of `workers` processes that decode images, or None (decode in this process) for workers <= 1."""
+    if workers <= 1:
+        yield None
+        return
+    pool = multiprocessing.Pool(workers, initializer=quiet_worker)
+    try:
+        yield pool
+    finally:
+        # stop the workers even mid-chunk (after a bad image, Ctrl-C or a failed write), and wait until they are gone
+        pool.terminate()
+        pool.join()
+
+def decode_in_order(pool, chunks, size, window):
+    """load_images of each chunk of paths, in order: in this process if pool is None, else by the pool, with at
+    most `window` chunks in flight (queued, being decoded, or decoded and waiting to be written)."""
+    if pool is None:
+        for chunk in chunks:
+            yield load_images(chunk, size)
+        return
+    # Pool.imap would queue every chunk at once and keep each result until it is taken, so a slow disk would let
+    # decoded chunks pile up in memory; here a new chunk is sent only when the oldest is taken
+    pending = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(load_images, (chunk, size)))
+        if len(pending) == window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+def write_split(stage, split, pairs, size, pool, window):
+    """Decode a split's (path, label) pairs into stage/{split}_images.npy, a chunk at a time in the file's order,
+    and write its labels; show progress; return whether every image was grayscale."""
+    paths = [p for p, _ in pairs]
+    # 8 bytes an image (10 MB for ImageNet's train split): the labels are written at once
+    np.save(stage / f"{split}_labels.npy", np.array([k for _, k in pairs], np.int64))
+    path = stage / f"{split}_images.npy"
+    offset = new_npy(path, (len(paths), size, size, 3))
+    per_chunk = images_per_chunk((size, size, 3))
+    chunks = [paths[i:i + per_chunk] for i in range(0, len(paths), per_chunk)]
+    gray = True
+    done = 0
+    shown = 0.0
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        try:
+            for x, chunk_gray in decode_in_order(pool, chunks, size, window):
+                f.write(x)  # (n, size, size, 3): the next n images, appended in place
+                gray = gray and chunk_gray
+                done += len(x)
+                if time.time() - shown > 0.5 or done == len(paths):
+                    shown = time.time()
+                    print(f"\r{split}: {done:,}/{len(paths):,} images", end="", file=sys.stderr)
+        except BadImage as e:
+            fail(str(e))
+        finally:
+            if done:
+                # end the progress line, so that what follows (an error or Ctrl-C's message too) has a line of its own
+                print(file=sys.stderr)
+    return gray
+
+def keep_one_channel(path):
+    """Rewrite a staged uint8 (N, H, W, 3) .npy file as (N, H, W, 1), its first channel, a chunk at a time."""
+    n, h, w, _ = npy_shape(path)
+    per_chunk = images_per_chunk((h, w, 3))
+    one = path.with_name(f"one_channel_{path.name}")
+    offset = new_npy(one, (n, h, w, 1))
+    with open(one, "r+b") as f:
+        f.seek(offset)
+        for start in range(0, n, per_chunk):
+            x = read_rows(path, start, start + per_chunk)
+            f.write(np.ascontiguousarray(x[..., :1]))
+    os.replace(one, path)
+
+def write_imagefolder(args, flip_ok):
+    """Publish args.path's images as write_images does, but decoded straight into the staged files, never a whole
+    split in memory; return the meta dict."""
+    items, classes = source_imagefolder(args)
+    data_dir = Path(args.data_dir)
+    size = args.image_size
+    # no more workers than the largest split has chunks: a split of one chunk is decoded in this process, since a
+    # pool's start would cost more than it saves
+    most = max(len(pairs) for pairs in items.values())
+    workers = min(args.workers, math.ceil(most / images_per_chunk((size, size, 3))))
+    gray = True
+    with staging(data_dir) as stage:
+        with decoder_pool(workers) as pool:
+            for split, pairs in items.items():
+                # two chunks a worker: each has its next chunk queued while the main process writes the oldest
+                split_gray = write_split(stage, split, pairs, size, pool, window=2 * workers)
+                gray = gray and split_gray
+        if gray:
+            # every image is grayscale: keep one channel (L -> RGB copied it into all three)
+            for split in items:
+                keep_one_channel(stage / f"{split}_images.npy")
+        meta = image_meta(stage, list(items), classes, "imagefolder", flip_ok)
         publish(stage, data_dir, meta)
     return meta
 
@@ -952,12 +1112,16 @@ FLIP_OK = {"shapes": True, "cifar10": True, "cifar100": True, "fashion_mnist": T
 def prepare_images(args):
     """Read args.source and write its splits as .npy arrays and meta.json in args.data_dir."""
     t0 = time.time()
-    splits, classes = args.source(args)
     flip_ok = FLIP_OK.get(args.command, getattr(args, "flip_ok", False))
     if getattr(args, "rotate", "on") != "on":
         # upright shapes: a mirrored arrow points the other way
         flip_ok = False
-    meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
+    if args.command == "imagefolder":
+        # a folder of images may be larger than memory: it is written a chunk at a time
+        meta = write_imagefolder(args, flip_ok)
+    else:
+        splits, classes = args.source(args)
+        meta = write_images(args.data_dir, splits, classes, args.command, flip_ok)
     h, w = meta["image_size"]
     counts = ", ".join(f"{s} {n['images']:,}" for s, n in meta["splits"].items())
     print(f"wrote {args.data_dir}: {counts} images of {h}x{w}x{meta['channels']}, {meta['num_classes']} classes, "
@@ -1072,8 +1236,8 @@ def main(argv=None):
             p.add_argument("--labels", choices=("fine", "coarse"), default="fine",
                            help="100 fine or 20 coarse classes")
 
-    p = command("imagefolder", "your own images, a subfolder per class: PATH/CLASS/*.png", run=prepare_images,
-                source=source_imagefolder)
+    # no source: prepare_images writes a folder of images through write_imagefolder, a chunk at a time
+    p = command("imagefolder", "your own images, a subfolder per class: PATH/CLASS/*.png", run=prepare_images)
     p.add_argument("path", metavar="PATH",
                    help="a folder of class subfolders of images (png, jpg, jpeg, bmp, webp)")
     p.add_argument("--data_dir", default="data/imagefolder")
@@ -1085,6 +1249,8 @@ def main(argv=None):
                    help="the shorter side resized to this, the centre cropped")
     p.add_argument("--flip_ok", action="store_true",
                    help="a mirror image is still of its class: the trainers may flip")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes that decode images (default: the CPU count); 0 or 1: in this one")
 
     args, unknown = parser.parse_known_args(argv)
     if unknown:
