@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench.sh: a GPU session's measurements in one command (issue 48). In order: the GPU tests, kernels.py --bench,
 # each trainer's --benchmark on its GPU preset (the default kernels; KERNELS="auto torch triton" adds the others),
-# nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), and a CUDA-graphs trial (torch.compile's
-# reduce-overhead mode) of the ViT and DiT presets. It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
+# nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), a CUDA-graphs trial (torch.compile's
+# reduce-overhead mode) of the ViT and DiT presets, and the ViT's imagenet preset with its images read from their
+# file against held on the GPU. It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
 #
 #   bash bench.sh                        # one GPU, within BUDGET seconds (570): each stage has a share, and a
 #                                        # command that would overrun it is stopped, and its row says so. On a
@@ -31,8 +32,8 @@ if [ $DRY = 1 ]; then
         --block_size=32 --gradient_accumulation_steps=1)
 fi
 
-stage() {  # SHARE TITLE: a stage may run until SHARE (of 570) more seconds are spent, and what earlier ones left
-  STAGE_END=$((STAGE_END + $1 * BUDGET / 570))
+stage() {  # SHARE TITLE: a stage may run until SHARE/670 of BUDGET more is spent, and what earlier ones left
+  STAGE_END=$((STAGE_END + $1 * BUDGET / 670))
   echo "### $2 (until ${STAGE_END} s; now ${SECONDS} s)"
 }
 
@@ -123,6 +124,25 @@ runpy.run_path(sys.argv[0], run_name='__main__')"
 flags="--benchmark --preset=cifar10 --bench_steps=$IMG_STEPS"
 for t in vit diffusion; do
   bench "${t}_graphs" "python train_$t.py $flags, mode reduce-overhead" $PY -c "$GRAPHS" train_$t.py $flags "${IMG[@]}"
+done
+
+stage 100 "6. images read from their file: the imagenet preset at batch 256, --loader=host against --loader=device"
+# 20,000 random images of 224x224 (3 GB: the device path holds them too), the same batches on both paths: where the
+# host path's step is no slower, no step waited for data (issue 63). The first log interval holds the compile.
+SIZE=224 N=20000 SMALL=()
+[ $DRY = 1 ] && SIZE=16 N=64 SMALL=(--translate=4)  # the preset shifts by up to 16 pixels, as many as 16x16 hold
+$PY -c "import numpy as np, prepare_data as pd
+rng = np.random.default_rng(0)
+splits = {s: (rng.integers(0, 256, (n, $SIZE, $SIZE, 3), np.uint8), rng.integers(0, 1000, n)) for s, n in
+          (('train', $N), ('val', 256))}
+pd.write_images('$LOGS/images', splits, [str(k) for k in range(1000)], 'random')" > /dev/null
+for l in device host; do
+  flags="--preset=imagenet --loader=$l --batch_size=256 --grad_accum=1 --epochs=0 --max_steps=$((2 * IMG_STEPS))"
+  run "loader_$l" $PY train_vit.py $flags --log_every=$IMG_STEPS --eval_every=0 --eval_images=256 \
+    --data_dir="$LOGS/images" --out_dir="$LOGS/loader_$l" "${IMG[@]}" "${SMALL[@]}"
+  last=$(grep '^step' "$LOGS/loader_$l.log" | tail -n 1)  # its ms a step and img/s, after the compile
+  [ -n "$last" ] && row "python train_vit.py $flags" "$(echo "$last" | awk -F' [|] ' '{print $6", "$5}')" ||
+    row "python train_vit.py $flags" "failed: $(tail -n 1 "$LOGS/loader_$l.log")"
 done
 
 $PY -c "import datetime, platform, torch

@@ -458,6 +458,12 @@ def augment(x, cfg, flip):
         x = torch.where(mirror, x.flip(2), x)
     return x
 
+def check_shift(cfg, side):
+    """Stop in one line if --translate is not under the images' side: a shift pads with reflected pixels, and a
+    reflection is no longer than the image."""
+    if cfg.translate >= side:
+        die(f"--translate={cfg.translate} must be under the images' side, {side}; lower it")
+
 def mix(x, y, cfg):
     """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
     # Mixup (Zhang et al. 2018) blends two images, cutmix (Yun et al. 2019) pastes a box of one into the other; the
@@ -955,6 +961,7 @@ def train(cfg, stop):
     H, W = meta["image_size"]
     C = meta["channels"]
     K = meta["num_classes"]
+    check_shift(cfg, H)
     flip, why = flips(cfg, meta)
     # Two views of the data go into every checkpoint: data_info, which a resume must match, and data_meta, which
     # lets predict_vit.py classify images with the checkpoint alone (the class names, the pixel statistics).

@@ -250,6 +250,8 @@ def test_bad_data_gives_one_line_errors(shapes, tmp_path):
         tv.main(tiny(shapes, tmp_path / "o", max_steps=1, image_size=32))
     with pytest.raises(SystemExit, match="do not split into 5x5 patches"):
         tv.main(tiny(shapes, tmp_path / "o", max_steps=1, patch_size=5))
+    with pytest.raises(SystemExit, match="--translate=16 must be under the images' side, 16"):
+        tv.main(tiny(shapes, tmp_path / "o", max_steps=1, translate=16))
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in os.listdir(shapes):
