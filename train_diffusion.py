@@ -1296,10 +1296,7 @@ def image_data(cfg, rank, world_size, device, what, *flags):
     if "val" in arrays:
         images, labels = arrays["val"]
         val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
-        if on_device:
-            val_x = torch.from_numpy(np.array(images)).to(device)
-        else:
-            val_x = HostImages(images, device)
+        val_x = hold(images, device, on_device)
     return meta, loader, val_x, val_y
 
 def data_on_device(cfg, arrays, device):
@@ -1317,6 +1314,12 @@ def data_on_device(cfg, arrays, device):
 def host_memory():
     """The host's memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+def hold(images, device, on_device):
+    """A split's uint8 images (N, H, W, C): copied whole to the device, or left in their file (HostImages)."""
+    if on_device:
+        return torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
+    return HostImages(images, device)
 
 def flips(cfg, meta):
     """(whether training flips images, why): --flip, else meta.json's flip_ok."""
@@ -1364,13 +1367,12 @@ class ImageLoader:
     the device computes, and each goes to the device with a non-blocking copy."""
 
     def __init__(self, images, labels, B, rank, world_size, device, seed=0, on_device=True):
+        self.x = hold(images, device, on_device)
         self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
         if on_device:
-            self.x = torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
             self.y = self.y.to(device)
             self.where = f"held on {device.type}"
         else:
-            self.x = HostImages(images, device)
             self.where = "read from their file a batch ahead (host)"
             self.reader = ThreadPoolExecutor(1)  # one thread: its reads of the file come one after another
         self.on_device = on_device
