@@ -1483,6 +1483,7 @@ def side_path(what, fn, *args):
 
 # ---- flags: each Config field is a --key=value flag; the comments in its source are the help
 
+@functools.cache  # inspect parses the whole file for a class's source: once a process is enough
 def config_lines(cls):
     """[(field, section, help)] from a Config's source, base classes first: the first line of the
     comment block above a group of fields is their section, the comment ending a field's line its help."""
