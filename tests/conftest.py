@@ -1,6 +1,9 @@
 """Shared fixtures: a tiny byte-level corpus in prepare_data.py's shard format, made fresh for the test session."""
 import json
+import os
 import random
+import runpy
+import sys
 
 import pytest
 
@@ -39,6 +42,27 @@ def write_corpus(path, n_train=300, n_val=30):
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def as_a_user(monkeypatch, capfd):
+    """run(SCRIPT, *ARGS, cwd=DIR) runs `python SCRIPT ARGS` from DIR in this process: (its exit status, what it
+    wrote to stderr, as the interpreter would print a sys.exit message). A new process would pay torch's imports,
+    about 3 s, for a flag that stops in milliseconds; test_bad_flags.py runs one such case in a real process."""
+    def run(script, *args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        capfd.readouterr()
+        status = 0
+        try:
+            runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), script),
+                           run_name="__main__")
+        except SystemExit as e:  # sys.exit(message) prints the message and exits 1, sys.exit(n) exits n
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            status = 1 if isinstance(e.code, str) else e.code or 0
+        return status, capfd.readouterr().err
+    return run
 
 
 def hellaswag_items(n, seed=0):
