@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny byte-level corpus in prepare_data.py's shard format, made fresh for the test session."""
+"""Shared fixtures: a tiny byte-level corpus in prepare_data.py's shard format, made fresh for the test session; a
+script run as a user runs it, in this process."""
 import json
 import os
 import random

@@ -442,7 +442,7 @@ def test_linear_cross_entropy_triton(interpret, reduction, chunk, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("T,D,hq,hkv,causal", [(1, 32, 2, 2, True), (17, 32, 4, 2, True), (17, 64, 4, 1, False),
                                                (123, 32, 4, 4, True), (123, 32, 4, 1, False), (40, 48, 4, 2, True),
-                                               (257, 64, 2, 1, True), (128, 32, 4, 2, True), (256, 64, 4, 1, False),
+                                               (257, 64, 2, 1, True), (128, 32, 4, 2, True), (256, 64, 2, 1, False),
                                                (256, 16, 2, 2, True)])  # T % 128 == 0: the unmasked tiles
 def test_attention_triton(interpret, T, D, hq, hkv, causal):
     q, k, v = torch.randn(1, hq, T, D), torch.randn(1, hkv, T, D), torch.randn(1, hkv, T, D)
