@@ -10,6 +10,8 @@ import pytest
 
 import prepare_data
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def python_like_docs(n, seed):
     """n small Python-looking documents with learnable structure (names, indentation, arithmetic)."""
@@ -56,8 +58,7 @@ def as_a_user(monkeypatch, capfd):
         capfd.readouterr()
         status = 0
         try:
-            runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), script),
-                           run_name="__main__")
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
         except SystemExit as e:  # sys.exit(message) prints the message and exits 1, sys.exit(n) exits n
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
