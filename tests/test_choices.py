@@ -2,8 +2,6 @@
 the definition, then end to end on a run's checkpoints, on two ranks, and on a GPT-2 folder."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ import torch.nn.functional as F
 
 import eval_gpt
 import finetune_gpt as ft
+import ranks
 import train_gpt as tg
 from conftest import hellaswag_items, write_corpus
 
@@ -101,9 +100,8 @@ def test_a_run_scored_on_its_checkpoints_and_on_two_ranks(tmp_path):
     every = eval_gpt.main(eval_gpt.Config(ckpt=str(out), items=str(mc), device="cpu", dtype="float32",
                                           every_checkpoint=True))
     assert every == one  # the last of steps 3 and 6 is the newest checkpoint
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "eval_gpt.py"), f"--ckpt={out}", f"--items={mc}",
-                          "--device=cpu", "--dtype=float32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    two = ranks.run([os.path.join(ROOT, "eval_gpt.py"), f"--ckpt={out}", f"--items={mc}", "--device=cpu",
+                     "--dtype=float32"], timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     assert f"acc_norm {acc_norm:.2%} | acc {acc:.2%} | 37 items" in two.stdout, two.stdout
     assert two.stdout.count("ckpt_0000006") == 1 and "ckpt_0000003" not in two.stdout

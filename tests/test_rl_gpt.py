@@ -3,14 +3,13 @@ gradient is the same for any split of a step (micro-steps, ranks), batched sampl
 run raises its reward, and SIGTERM then --resume gives the uninterrupted run's losses."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import chat_gpt as chat
 import faults
+import ranks
 import rl_gpt as rl
 import train_gpt as tg
 from test_chat import BYTES, TINY, encode, tiny_model
@@ -136,8 +135,7 @@ def test_the_gradient_is_the_same_on_one_rank_and_two(tmp_path):
     script = tmp_path / "ranks.py"
     here = os.path.dirname(os.path.abspath(__file__))
     script.write_text(RANKS.format(root=os.path.dirname(here), tests=here, out=str(tmp_path / "grads.pt")))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script)], capture_output=True, text=True, timeout=300)
+    p = ranks.run([str(script)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     two = torch.load(tmp_path / "grads.pt")
     one = step_grads(tiny_model(261), [rows()])

@@ -12,11 +12,13 @@ import torch
 
 import faults
 import prepare_data
+import ranks
 import sample_diffusion as sd
 import train_diffusion as td
 from test_train_vit import records  # {step: value} of a key in a run's metrics.jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train_diffusion.py")
 TINY = dict(n_layer=2, n_head=2, n_embd=32, patch_size=4, batch_size=16, time_budget=0.0, warmup_steps=5,
             eval_every=0, log_every=1, device="cpu", compile="false", lr=3e-3, sample_steps=6, per_class=2,
             eval_images=64, eval_samples=20, final_samples=20)
@@ -366,7 +368,7 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel):
               "--sample_steps=4", "--device=cpu", "--compile=false", f"--data_dir={shapes}", "--warmup_steps=2",
               "--ema=0.9"]
     td.main(td.parse_args(td.Config, [*common, "--batch_size=32", f"--out_dir={tmp_path}/one"]))  # in this process
-    two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", torchrun=True)
+    two = ranks.run([SCRIPT, *common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}"])
     assert two.returncode == 0, two.stderr[-2000:]
     la, lb = records(tmp_path / "one", "loss"), records(tmp_path / "two", "loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)

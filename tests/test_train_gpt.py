@@ -13,10 +13,12 @@ import torch
 
 import faults
 import prepare_data
+import ranks
 import sample_gpt
 import train_gpt as tg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train_gpt.py")
 TINY = dict(n_layer=2, n_head=4, n_embd=64, seq_len=32, batch_size=4, time_budget=0.0, warmup_steps=3,
             eval_every=0, log_every=1, sample_tokens=0, device="cpu", compile="false")
 
@@ -360,10 +362,11 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     parallel, *offload = parallel.split()
     common = ["--dtype=float32",  # the same math in fp32; bf16 rounds each micro-batch's sums apart
               f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=5",
-              "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--warmup_steps=2"]
+              "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--warmup_steps=2",
+              "--eval_tokens=1024"]  # the eval at step 0 reads 8 batches, not 512
     tg.main(tg.parse_args(tg.Config, [*common, "--batch_size=8", f"--out_dir={tmp_path}/one"]))  # in this process
-    two = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}", f"--out_dir={tmp_path}/two",
-                     "--save_every=3", *offload, torchrun=True)
+    two = ranks.run([SCRIPT, *common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
+                     f"--out_dir={tmp_path}/two", "--save_every=3", *offload])
     assert two.returncode == 0, two.stderr[-3000:]
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5]
@@ -375,8 +378,8 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])  # plain keys, loadable anywhere
     (tmp_path / "again").mkdir()  # resume the two-rank run from step 3: steps 4 and 5 must come out the same
     (shutil.copytree if os.path.isdir(three) else shutil.copy)(three, tmp_path / "again" / os.path.basename(three))
-    again = run_script(*common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
-                       f"--out_dir={tmp_path}/again", "--resume", *offload, torchrun=True)
+    again = ranks.run([SCRIPT, *common, "--batch_size=2", "--grad_accum=2", f"--parallel={parallel}",
+                       f"--out_dir={tmp_path}/again", "--resume", *offload])
     assert again.returncode == 0, again.stderr[-3000:]
     l3 = losses(tmp_path / "again")
     assert sorted(l3) == [4, 5] and all(l3[s] == pytest.approx(l2[s], rel=1e-6, abs=1e-6) for s in l3)
@@ -389,10 +392,10 @@ def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(cor
     shard cut short) is skipped with one warning; a crafted .metadata is refused unrun; finetune_gpt.py --export=pt
     writes the weights as one file, which sample_gpt.py reads."""
     two = tmp_path / "two"
-    p = run_script("--dtype=float32", f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32",
-                   "--max_steps=5", "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu",
-                   "--warmup_steps=2", "--batch_size=2", "--grad_accum=2", "--parallel=fsdp", "--async_save",
-                   "--save_every=3", f"--out_dir={two}", torchrun=True)
+    p = ranks.run([SCRIPT, "--dtype=float32", f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4",
+                   "--seq_len=32", "--max_steps=5", "--time_budget=0", "--log_every=1", "--sample_tokens=0",
+                   "--eval_tokens=1024", "--device=cpu", "--warmup_steps=2", "--batch_size=2", "--grad_accum=2",
+                   "--parallel=fsdp", "--async_save", "--save_every=3", f"--out_dir={two}"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert [os.path.basename(q) for _, q in tg.list_checkpoints(str(two))] == ["ckpt_0000003", "ckpt_0000005"]
     one = tmp_path / "one"
@@ -638,15 +641,18 @@ def test_monitoring_in_metrics(corpus, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_sigterm_on_one_and_restart_after_a_crash(corpus, tmp_path):
     """SIGTERM to rank 1 stops both ranks at the same step with a checkpoint and exit 0; a crash of rank 1 under
-    torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model."""
+    torchrun --max-restarts=1 restarts both, which resume on their own; both paths end with the same model. The
+    restart is torchrun's own work, so that run is the real torchrun, the suite's one (tests/ranks.py)."""
     common = ["--dtype=float32",  # both paths in one precision, whatever each process's timing probe would choose
               f"--data_dir={corpus}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--seq_len=32", "--max_steps=6",
-              "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2"]
-    p = run_script(*common, f"--out_dir={tmp_path}/t", fault="sigterm@3:1", torchrun=True)
+              "--time_budget=0", "--log_every=1", "--sample_tokens=0", "--device=cpu", "--batch_size=2",
+              "--eval_tokens=1024"]
+    faults_py = os.path.join(ROOT, "tests", "faults.py")  # the signal comes from within rank 1: forked ranks will do
+    p = ranks.run([faults_py, "sigterm@3:1", SCRIPT, *common, f"--out_dir={tmp_path}/t"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "stopped by a signal to another rank at step 3" in p.stdout
     assert [s for s, _ in tg.list_checkpoints(str(tmp_path / "t"))] == [3]
-    p = run_script(*common, f"--out_dir={tmp_path}/t", "--resume", torchrun=True)
+    p = ranks.run([SCRIPT, *common, f"--out_dir={tmp_path}/t", "--resume"])
     assert p.returncode == 0, p.stderr[-3000:]
     k = run_script(*common, f"--out_dir={tmp_path}/k", "--save_every=2", fault="kill@4:1", torchrun=["--max-restarts=1"])
     assert k.returncode == 0, k.stderr[-3000:]

@@ -13,10 +13,12 @@ import torch
 import faults
 import predict_vit as pv
 import prepare_data
+import ranks
 import train_diffusion as td
 import train_vit as tv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "train_vit.py")
 TINY = dict(n_layer=2, n_head=2, n_embd=32, patch_size=4, batch_size=16, time_budget=0.0, warmup_steps=5,
             eval_every=0, log_every=1, device="cpu", compile="false", lr=3e-3, optimizer="adamw")
 
@@ -283,8 +285,8 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel, loader):
               "--eval_every=3", "--eval_images=100", "--device=cpu", "--compile=false", "--translate=0", "--flip=false",
               f"--data_dir={shapes}", "--warmup_steps=2", "--ema=0.9"]
     tv.main(tv.parse_args(tv.Config, [*common, "--batch_size=32", f"--out_dir={tmp_path}/one"]))  # in this process
-    two = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}", "--save_every=3",
-                     f"--loader={loader}", torchrun=True)
+    two = ranks.run([SCRIPT, *common, "--batch_size=16", f"--out_dir={tmp_path}/two", f"--parallel={parallel}",
+                     "--save_every=3", f"--loader={loader}"])
     assert two.returncode == 0, two.stderr[-2000:]
     la, lb = records(tmp_path / "one", "loss"), records(tmp_path / "two", "loss")
     assert la.keys() == lb.keys() and all(abs(la[k] - lb[k]) < 1e-4 for k in la)
@@ -297,8 +299,8 @@ def test_two_ranks_match_one_process(shapes, tmp_path, parallel, loader):
     three = tv.list_checkpoints(str(tmp_path / "two"))[0][1]
     os.makedirs(tmp_path / "again")
     os.rename(three, tmp_path / "again" / os.path.basename(three))
-    again = run_script(*common, "--batch_size=16", f"--out_dir={tmp_path}/again", f"--parallel={parallel}", "--resume",
-                       f"--loader={loader}", torchrun=True)
+    again = ranks.run([SCRIPT, *common, "--batch_size=16", f"--out_dir={tmp_path}/again", f"--parallel={parallel}",
+                       "--resume", f"--loader={loader}"])
     assert again.returncode == 0, again.stderr[-2000:]
     for key in ("loss", "ema_val_loss"):
         lc = records(tmp_path / "again", key)
