@@ -56,9 +56,11 @@ TINY = {train_gpt: "--n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --seq_len=
         predict_vit: "--device=cpu",
         sample_diffusion: "--sample_steps=3 --per_class=1 --samples=20 --device=cpu"}
 # a sweep of 6-7 runs of about 10-25 steps on the test corpus, its fit with 5 bootstrap refits (the workshop asks 50,
-# 13 s here; test_scaling checks the intervals), and a plan within twice its largest budget
-TINY_SCALING = {"sweep": ["--flops=1e9,3e9", "--ratio=1", "--min_steps=5"], "fit": ["--bootstrap=5"],
-                "plan": ["--flops=6e9"]}
+# 13 s here) from 32 starts, not the 4,500 of Hoffmann et al.'s grid (10 s here; test_scaling checks the intervals and
+# the fit from the whole grid), and a plan within twice its largest budget
+SMALL_GRID = '{"e": [-0.5, 0.5], "a": [5, 15], "b": [5, 15], "alpha": [0.5, 1], "beta": [0.5, 1]}'
+TINY_SCALING = {"sweep": ["--flops=1e9,3e9", "--ratio=1", "--min_steps=5"],
+                "fit": ["--bootstrap=5", f"--param_grid={SMALL_GRID}"], "plan": ["--flops=6e9"]}
 FENCES = ("```bash", "```sh", "```shell")  # the blocks that hold commands; other blocks (output, Python) do not
 
 
@@ -175,10 +177,10 @@ def run_command(argv, execute, tiny=workshop_tiny):
     assert head in ("python", "python3"), f"a command form this test does not know: {shlex.join(argv)}"
     if args[0] == "-c":
         compile(args[1], "<docs>", "exec")
-        if execute and not (env.get("TRITON_INTERPRET") and interpreter_error()):
+        if execute:  # a failure under Triton's interpreter is excused where the interpreter cannot run our kernels
             p = subprocess.run([sys.executable, "-c", args[1]], env={**os.environ, **env, "PYTHONPATH": ROOT},
                                capture_output=True, text=True, timeout=300)
-            assert p.returncode == 0, p.stderr
+            assert p.returncode == 0 or (env.get("TRITON_INTERPRET") and interpreter_error()), p.stderr
         return None
     if args[0] == "-m":  # the suite runs pytest anyway; the paths it names must exist
         assert args[1] == "pytest", f"python -m: only pytest is known: {argv}"
