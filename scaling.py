@@ -411,13 +411,16 @@ def lbfgs(f, x, iters=500, memory=10, tol=1e-12):
         # Armijo's condition: the step must lower f by at least a small fraction of what the slope promises. L-BFGS
         # steps are usually about right, so the full step (t = 1) is tried first.
         t = torch.ones(len(idx), dtype=x.dtype)  # (k,)
+        ok = torch.zeros(len(idx), dtype=torch.bool)
+        trying = torch.arange(len(idx))  # the rows whose step is not yet good: only they are evaluated again
         for _ in range(40):
             # halve each row's step until it decreases f enough (Armijo, c = 1e-4)
-            fn = f(xi + t[:, None] * d)
-            ok = torch.isfinite(fn) & (fn <= fi + 1e-4 * t * slope)
-            if ok.all():
+            fn = f(xi[trying] + t[trying, None] * d[trying])
+            ok[trying] = torch.isfinite(fn) & (fn <= fi[trying] + 1e-4 * t[trying] * slope[trying])
+            trying = trying[~ok[trying]]
+            if len(trying) == 0:
                 break
-            t = torch.where(ok, t, t / 2)
+            t[trying] = t[trying] / 2
         xn = torch.where(ok[:, None], xi + t[:, None] * d, xi)  # a row with no good step stays put
         fn, gn = value_grad(xn)
         S[it % memory, idx] = xn - xi
