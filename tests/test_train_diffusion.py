@@ -49,9 +49,10 @@ def tiny(data, out, **kw):
     return td.Config(**{**TINY, "data_dir": str(data), "out_dir": str(out), **kw})
 
 
-def run_script(*args, torchrun=False, cwd=ROOT, script="train_diffusion.py"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
-    return subprocess.run(cmd + [os.path.join(ROOT, script), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+def run_script(*args, cwd=ROOT, script="train_diffusion.py"):
+    """Run a script in a new process (two ranks: tests/ranks.py)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
 
 
 def gaussian_model(m, s, objective):

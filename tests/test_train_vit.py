@@ -42,10 +42,9 @@ def records(out_dir, key):
         return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
 
 
-def run_script(*args, torchrun=False, cwd=ROOT):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [sys.executable]
-    return subprocess.run(cmd + [os.path.join(ROOT, "train_vit.py"), *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+def run_script(*args, cwd=ROOT):
+    """Run train_vit.py in a new process (two ranks: tests/ranks.py)."""
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 META = {"classes": list("abcdefg"), "num_classes": 7, "image_size": [16, 16], "channels": 3, "mean": [0.5] * 3,
