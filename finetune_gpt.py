@@ -638,8 +638,7 @@ def export_main(cfg):
             B = model.cfg.batch_size
             T = model.cfg.seq_len
             val_shards = tg.find_shards(cfg.data_dir, "val")
-            loader = tg.TokenLoader(val_shards, B, T, 0, 1, device, meta["eot_id"], lanes=B,
-                                    vocab_size=model.vocab_size)
+            loader = tg.TokenLoader(val_shards, B, T, 0, 1, device, vocab_size=model.vocab_size)
             rec = tg.evaluate(model.cfg, model, loader, contextlib.nullcontext(), 1, meta, step, final=True)
             result.update({f"{name}_{k}": v for k, v in rec.items()})
     line = f"wrote {path} as a {what} model in {result['path']}: weights {float_mb:.2f} MB -> {int8_mb:.2f} MB"

@@ -1163,8 +1163,6 @@ def cmd_sharpness(args):
         0,  # rank 0 of 1 process
         1,
         device,
-        meta["eot_id"],
-        lanes=B,  # a lane per row: far-apart documents
         vocab_size=model.vocab_size,
     )
     lams = []

@@ -137,7 +137,7 @@ class Config:
     compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (DDP) or shard it (FSDP2)
     offload: Literal["none", "params"] = "none"  # fsdp: keep the parameters in CPU memory
-    seed: int = 1337  # of the init and the sampling
+    seed: int = 1337  # of the init, the order of the train rows and the sampling
     benchmark: bool = False  # time steps on random tokens, print the speed, and exit
     bench_steps: int = 20  # steps that --benchmark times, after 5 warm-up steps
     profile: bool = False  # with --benchmark: write trace.json of 3 more steps
@@ -628,95 +628,70 @@ def load_meta(data_dir):
     return meta
 
 class TokenLoader:
-    """(B, T) batches a rank, in a fixed order from memory-mapped shards; a resumed
-    run reads what an uninterrupted one would.
+    """(B, T) batches a rank, from memory-mapped shards, in an order shuffled anew each epoch; a resumed run reads
+    what an uninterrupted one would.
 
-    The lanes: a shard is cut into `lanes` equal stretches, one for each row of an optimizer step (train() makes
-    B x world_size x accum of them), and row i of every step reads the next T + 1 tokens of lane i. So a batch mixes
-    documents from far-apart places of the corpus rather than neighbouring pages of one, and no token is a target
-    twice in an epoch. The whole position is a few integers (the epoch, the shard, each lane's offset, the next
-    lane), which a checkpoint stores: that is how a resume replays exactly. Each rank walks all the rows of a step
-    and keeps its own B, so every rank's loader is in the same state, and one state serves them all."""
+    The rows: a shard is cut into rows of T + 1 tokens, T apart (a row's last target is the next row's first
+    input, so each token is a target once an epoch). An epoch reads each shard's rows in a random order drawn from
+    (seed, epoch, shard), and a step takes the next B x world_size of them. So a batch holds far-apart text, and no
+    step reads the continuation of the last one's rows. (Reading each row's continuation in the next step, as this
+    loader once did, made consecutive batches nearly alike: the CPU demo ended 0.17 bits per byte worse at 697
+    steps, BENCHMARKS.md.) The whole position is three integers (the epoch, the shard, the rows read), which a
+    checkpoint stores: that is how a resume replays exactly, since the order is drawn again from the same seed.
+    Each rank walks all the rows of a step and keeps its own B, so every rank's loader is in the same state."""
 
-    def __init__(self, files, B, T, rank, world_size, device, eot=None, lanes=1, vocab_size=65536):
+    def __init__(self, files, B, T, rank, world_size, device, seed=0, vocab_size=65536):
         self.files = files
         self.B = B
         self.T = T
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.eot = eot  # the end-of-text id, which stands between documents; None: unknown
-        self.lanes = lanes
+        self.seed = seed
         self.vocab_size = vocab_size
         self.shards = [open_shard(f) for f in files]
         most = max(len(s) for s in self.shards)
         if most < T + 1:
             die(f"{files[0]}: shards of {most} tokens are shorter than --seq_len+1; lower it")
-        self.bos = [None] * len(files)  # each shard's EOT positions, found when the shard is first read
         self.load_state({"epoch": 0, "shard": 0})
 
     def state(self):
-        return {
-            "epoch": self.epoch,
-            "shard": self.shard,
-            "pos": list(self.pos),  # each lane's next token
-            "lane": self.lane  # the lane the next row reads
-        }
+        return {"epoch": self.epoch, "shard": self.shard, "row": self.row}
 
     def load_state(self, s):
-        """Go to a saved position; without "pos", to the start of the shard."""
+        """Go to a saved position; without "row", to the start of the shard. (A checkpoint of the earlier
+        loader, whose position was its lanes' offsets, starts its shard over.)"""
         self.epoch = int(s["epoch"])
         self.shard = int(s["shard"])
-        n = len(self.shards[self.shard])
-        # k lanes of n // k tokens each: fewer than asked where the shard is too short to give each lane a row
-        k = max(1, min(self.lanes, n // (self.T + 1)))
-        width = n // k
-        self.ends = [(i + 1) * width for i in range(k)]
-        starts = [i * width for i in range(k)]
-        self.pos = [int(p) for p in s.get("pos") or starts]  # each lane's next token
-        self.lane = int(s.get("lane", 0))  # the lane the next row reads
-        if len(self.pos) != k or not (0 <= self.lane < k
-                                      and 0 <= self.shard < len(self.shards)
-                                      and all(0 <= p <= n for p in self.pos)):
+        self.row = int(s.get("row", 0))  # the rows of this shard read so far this epoch
+        if not 0 <= self.shard < len(self.shards):
+            raise ValueError(f"the loader position {s} does not fit these shards")
+        rows = (len(self.shards[self.shard]) - 1) // self.T  # a shorter shard has none: the next one is read
+        # the order comes from the position alone, so a resume draws it again (numpy takes no negative seed)
+        rng = np.random.default_rng([self.seed % 2**32, self.epoch, self.shard])
+        self.order = rng.permutation(rows)
+        if not 0 <= self.row <= rows:
             raise ValueError(f"the loader position {s} does not fit these shards")
 
-    def _next_row(self, T):
-        """(shard, start) of the next row's T + 1 tokens, from the next lane in turn."""
-        lane = self.lane
-        while self.pos[lane] + T + 1 > self.ends[lane]:
-            # the lanes advance together, so when one runs out, all move on to the next shard (a new epoch after
-            # the last); the few tokens left at the lanes' ends go unread
+    def _next_row(self):
+        """(shard, start) of the next row in this epoch's order."""
+        while self.row == len(self.order):
+            # this shard is read: on to the next (a new epoch after the last)
             shard = (self.shard + 1) % len(self.shards)
             self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
-            lane = 0
-        start = self.pos[lane]
-        end = self.ends[lane]
-        # Start at a document's beginning where one comes within T/8: an EOT stands between documents
-        # (prepare_data.py puts one before each), so a row that starts at one opens with a whole document, not the
-        # tail of a text whose start it cannot see. Fewer than T/8 tokens, an eighth of a row, are skipped for it.
-        # The EOT positions of a shard are found in one pass, the first time it is read
-        if self.eot is not None:
-            if self.bos[self.shard] is None:
-                self.bos[self.shard] = np.flatnonzero(self.shards[self.shard] == self.eot)
-            bos = self.bos[self.shard]
-            j = np.searchsorted(bos, start)  # the first EOT at or after start
-            if (j < len(bos) and bos[j] - start < T // 8  # an EOT within T/8
-                    and bos[j] + T + 1 <= end):  # and the row from it still fits in the lane
-                start = int(bos[j])
-        # the next row of this lane starts where this one's targets end, at its last token: inputs are tokens
-        # start..start+T-1, targets start+1..start+T, so each token is a target once
-        self.pos[lane] = start + T
-        self.lane = (lane + 1) % len(self.pos)
+        start = int(self.order[self.row]) * self.T
+        self.row += 1
         return self.shard, start
 
     def next(self, T=None):
         """This rank's next (x, y), (B, T) int64 (a shorter T gives more rows), and the loader's
         state before them: a checkpoint that keeps it reads this batch again on resume."""
         state = self.state()
-        # --seq_len_warmup: at a shorter T, more rows, so that a step keeps its tokens
+        # --seq_len_warmup: at a shorter T, more rows, so that a step keeps its tokens; each reads the first T + 1
+        # tokens of a row, and the rest of that row goes unread this epoch
         T = T or self.T
         B = self.B * self.T // T
-        rows = [self._next_row(T) for _ in range(B * self.world_size)]  # every rank's, so all stay in step
+        rows = [self._next_row() for _ in range(B * self.world_size)]  # every rank's, so all stay in step
         mine = rows[self.rank * B:(self.rank + 1) * B]
         buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])  # (B, T + 1) uint16
         # an id past the embedding would index out of range: a crash on a CPU, a device-side assert on CUDA
@@ -1292,14 +1267,14 @@ def train(cfg, stop, start=None):
     B, T = cfg.batch_size, cfg.seq_len
     accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum
     tokens_per_step = B * T * accum * world_size
-    # a lane per row of a step; val's too, so a short eval samples the whole split
+    # val's rows are shuffled too, by a fixed seed, so a short eval samples the whole split, the same rows each time
     if cfg.benchmark:
         train_loader = SyntheticLoader(B, T, vocab_size, device)
     else:
         loader = functools.partial(TokenLoader, B=B, T=T, rank=rank, world_size=world_size,
-                                   device=device, eot=meta["eot_id"], vocab_size=vocab_size)
-        train_loader = loader(find_shards(cfg.data_dir, "train"), lanes=B * world_size * accum)
-        val_loader = loader(find_shards(cfg.data_dir, "val"), lanes=B * world_size)
+                                   device=device, vocab_size=vocab_size)
+        train_loader = loader(find_shards(cfg.data_dir, "train"), seed=cfg.seed)
+        val_loader = loader(find_shards(cfg.data_dir, "val"), seed=0)
 
     # model, optimizers, guard; the budget: steps (--max_steps, or --tokens / tokens a step),
     # or seconds. --tokens=auto is Chinchilla's 20 tokens a parameter (Hoffmann et al. 2022)

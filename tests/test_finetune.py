@@ -141,8 +141,8 @@ def test_init_from_gpt2_starts_from_its_loss(gpt2_corpus, tmp_path):
     positions_cut = (GPT2["n_positions"] - cfg.seq_len) * GPT2["n_embd"]  # --seq_len 32 of GPT-2's 40 positions
     gpt2 = ft.from_pretrained(str(tmp_path / "gpt2"))
     assert r["params"] == sum(p.numel() for p in gpt2.parameters()) - positions_cut
-    loader = tg.TokenLoader(tg.find_shards(str(gpt2_corpus), "train"), 2, cfg.seq_len, 0, 1, torch.device("cpu"), 256,
-                            lanes=2)
+    loader = tg.TokenLoader(tg.find_shards(str(gpt2_corpus), "train"), 2, cfg.seq_len, 0, 1, torch.device("cpu"),
+                            seed=cfg.seed)  # the trainer's loader, in the trainer's order
     with torch.no_grad():  # the first step's loss is GPT-2's own loss on the first batch
         first = ft.from_pretrained(str(tmp_path / "gpt2"))(*loader.next()[:2]).item()
     assert losses(tmp_path / "out")[1] == pytest.approx(first, abs=1e-4)
