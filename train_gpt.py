@@ -635,7 +635,7 @@ class TokenLoader:
     input, so each token is a target once an epoch). An epoch reads each shard's rows in a random order drawn from
     (seed, epoch, shard), and a step takes the next B x world_size of them. So a batch holds far-apart text, and no
     step reads the continuation of the last one's rows. (Reading each row's continuation in the next step, as this
-    loader once did, made consecutive batches nearly alike: the CPU demo ended 0.17 bits per byte worse at 697
+    loader once did, made consecutive batches nearly alike: the CPU demo ended 0.18 bits per byte worse at 697
     steps, BENCHMARKS.md.) The whole position is three integers (the epoch, the shard, the rows read), which a
     checkpoint stores: that is how a resume replays exactly, since the order is drawn again from the same seed.
     Each rank walks all the rows of a step and keeps its own B, so every rank's loader is in the same state."""
