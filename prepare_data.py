@@ -608,9 +608,12 @@ CORNERS = {"triangle": 3, "square": 4, "hexagon": 6}
 
 def shape_mask(k, u, v):
     """Inside shape k at shape coordinates u, v (the shape spans about [-1, 1]); arrays broadcast."""
-    r = np.hypot(u, v)
-    th = np.arctan2(v, u)
     name = SHAPES[k]
+    # the polar coordinates, only for the shapes that use them (arctan2 is slow)
+    if name in ("circle", "ring", "crescent", "star") or name in CORNERS:
+        r = np.hypot(u, v)
+    if name == "star" or name in CORNERS:
+        th = np.arctan2(v, u)
     if name == "circle":
         return r < 0.9
     if name == "ring":
@@ -667,6 +670,11 @@ def make_shapes(n, size, seed, chunk=256, rotate=True):
         bottom = par(3)
         ramp = (np.cos(ang) * X + np.sin(ang) * Y + 1) / 2  # (m, H, W) in [0, 1]
         img = 0.45 * (base + (top - bottom) * ramp[..., None])  # (m, H, W, 3)
+        # Each thing drawn on top (lines, blobs, the shape) paints its number into layer, where it covers the
+        # background, and its colour into paint; each pixel takes the colour of the last thing that covers it,
+        # in one pass at the end rather than a pass over the whole image for each thing.
+        layer = np.zeros((m, *X.shape), np.uint8)  # 0: the background shows
+        paint = []  # (m, 3) a colour per image for each thing drawn
         for j in range(2):
             # up to 2 thin lines across the image, half-transparent
             a = np.pi * par()
@@ -674,14 +682,16 @@ def make_shapes(n, size, seed, chunk=256, rotate=True):
             w = 0.015 + 0.025 * par()
             on = par() < (0.8, 0.4)[j]
             line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
-            img = np.where(line[..., None], 0.6 * par(3), img)
+            paint.append(0.6 * par(3))
+            layer[line] = len(paint)
         for _ in range(2):  # up to 2 small blobs
             cx = 2 * par() - 1
             cy = 2 * par() - 1
             rr = 0.04 + 0.08 * par()
             on = par() < 0.5
             blob = (np.hypot(X - cx, Y - cy) < rr) & on
-            img = np.where(blob[..., None], 0.6 * par(3), img)
+            paint.append(0.6 * par(3))
+            layer[blob] = len(paint)
         # the shape: a scale s, a centre that keeps it inside the image, and an angle
         s = 0.45 + 0.35 * par()
         cx = (2 * par() - 1) * (1 - s)
@@ -699,10 +709,17 @@ def make_shapes(n, size, seed, chunk=256, rotate=True):
         for k in range(len(SHAPES)):
             sel = labels[i:i + m] == k
             mask[sel] = shape_mask(k, u[sel], v[sel])
-        col = 0.55 + 0.45 * par(3)  # a bright shape on a dark background
-        img = np.where(mask[..., None], col, img)
-        img = img + 0.02 * rng.standard_normal(img.shape, np.float32)  # a little noise: no pixel is exactly clean
-        img = img.reshape(m, size, ss, size, ss, 3).mean((2, 4))  # average each 2x2 block: (m, size, size, 3)
+        paint.append(0.55 + 0.45 * par(3))  # a bright shape on a dark background
+        layer[mask] = len(paint)
+        # each covered pixel takes the colour, in its own image, of the last thing drawn over it
+        covered = layer > 0  # (m, H, W)
+        image_of = np.nonzero(covered)[0]  # the image each covered pixel is in
+        colours = np.stack(paint, axis=1).reshape(m, len(paint), 3)
+        img[covered] = colours[image_of, layer[covered] - 1]
+        img += 0.02 * rng.standard_normal(img.shape, np.float32)  # a little noise: no pixel is exactly clean
+        # average each 2x2 block: (m, size, size, 3); the four added in this order, as numpy's mean adds them
+        q = img.reshape(m, size, ss, size, ss, 3)
+        img = (q[:, :, 0, :, 0] + q[:, :, 0, :, 1] + q[:, :, 1, :, 0] + q[:, :, 1, :, 1]) / 4
         out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
     return out, labels.astype(np.int64)
 
