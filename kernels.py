@@ -210,9 +210,38 @@ def _rms_backward(ctx, dy, drstd):
 _rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
+class _RMSNormEager(torch.autograd.Function):
+    """RMSNorm with its backward written out, for eager runs on the CPU. F.rms_norm's autograd records the forward
+    op by op (pow, mean, add, rsqrt, mul) and runs each op's backward: about twice the passes over x of this one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)  # (..., 1), fp32
+        y = (x * rstd).to(x.dtype)  # x normalised, before the gain
+        ctx.save_for_backward(y, rstd, weight)
+        return y if weight is None else y * weight.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd, weight = ctx.saved_tensors
+        g = dy.float()
+        yf = y.float()
+        dw = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                dw = (g * yf).flatten(0, -2).sum(0).to(weight.dtype)
+            g = g * weight.float()
+        # y = x * rstd, and rstd depends on every x of the row: dx = rstd * (g - y * mean(g * y)) row by row
+        dx = (g - yf * (g * yf).mean(-1, keepdim=True)) * rstd
+        return dx.to(y.dtype), dw, None
+
+
 def _rms_torch(x, weight, eps):
-    """F.rms_norm, which accumulates in fp32. Its fused kernel wants one dtype (an fp32 gain on bf16 activations, as
-    under autocast, takes a slow path and warns), and the output keeps x's dtype under any autocast, as the ref's."""
+    """F.rms_norm, which accumulates in fp32; on the CPU in eager mode, the same with a shorter backward. Its fused
+    kernel wants one dtype (an fp32 gain on bf16 activations, as under autocast, takes a slow path and warns), and
+    the output keeps x's dtype under any autocast, as the ref's."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _RMSNormEager.apply(x, weight, eps)
     w = weight.to(x.dtype) if weight is not None else None
     return F.rms_norm(x, (x.shape[-1],), w, eps).to(x.dtype)
 
