@@ -88,7 +88,7 @@ class Config:
     # budget: max_steps, else epochs, else time_budget
     max_steps: int = 0  # optimizer steps to train; 0 = train for epochs or time_budget
     epochs: float = 0.0  # passes over the train split, when max_steps is 0; 0 = train for time_budget
-    time_budget: float = 420.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
+    time_budget: float = 450.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
     batch_size: int = 64  # images in a micro-batch on each rank
     grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
@@ -1097,9 +1097,10 @@ def train(cfg, stop):
         for opt in opts:
             opt.found_inf = skip
             opt.step()
-        # The EMA of the weights, which evals sample from: decay 0.999 averages over about the last 1,000 steps of
-        # the demo's ~5,000; DiT's 0.9999 suits its 400k. A skipped step left the weights, and so the EMA, as they
-        # were.
+        # The EMA of the weights, which evals sample from. Its decay rises as (1 + t) / (10 + t) up to --ema, so
+        # until step ~9,000 it averages over about the last tenth of the run (the demo's ~4,500 steps: it never
+        # reaches 0.999), then over the last 1 / (1 - ema); DiT's 0.9999 suits its 400k. A skipped step left the
+        # weights, and so the EMA, as they were.
         if ema:
             ema.update()
         scaler.update()
