@@ -6,7 +6,7 @@ Rectified flow predicting the clean image (logit-normal t; Euler or Heun), or DD
 Scored by the held-out denoising loss and, with a train_vit.py classifier, its accuracy on the
 samples and the Frechet distance of its features.
 
-  python train_diffusion.py            # CPU demo: upright shapes, 7 min of training, samples.png
+  python train_diffusion.py            # CPU demo: upright shapes, 7.5 min of training, samples.png
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
   python sample_diffusion.py --ckpt=out/diffusion --cfg_scale=3 --sampler=heun   # a grid from a checkpoint
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
@@ -220,8 +220,8 @@ def timestep_embedding(t, dim=256):
     return torch.cat((torch.cos(args), torch.sin(args)), dim=-1)
 
 def modulate(x, shift, scale):
-    """adaLN: shift and scale the normalised x (B, T, d) by per-sample (B, d) vectors."""
-    return torch.addcmul(shift[:, None], x, 1 + scale[:, None])  # shift + x * (1 + scale), one pass over x
+    """adaLN: shift and scale the normalised x (B, T, d) by per-sample (B, 1, d) vectors."""
+    return torch.addcmul(shift, x, 1 + scale)  # shift + x * (1 + scale), one pass over x
 
 class Attention(nn.Module):
     """Multi-head self-attention of every patch to every patch, with optional QK-norm."""
@@ -269,14 +269,14 @@ class Block(nn.Module):
 
     def forward(self, x, c):
         """x (B, T, d), the conditioning c (B, d) -> (B, T, d)."""
-        ada = self.ada(F.silu(c))  # (B, 6d): this block's six vectors of the conditioning
-        shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, d)
+        ada = self.ada(F.silu(c))[:, None]  # (B, 1, 6d): this block's six vectors of the conditioning
+        shift1, scale1, gate1, shift2, scale2, gate2 = ada.chunk(6, dim=-1)  # each (B, 1, d), the same for every token
         h = modulate(kernels.rms_norm(x), shift1, scale1)  # (B, T, d), a norm without a gain of its own
-        x = torch.addcmul(x, gate1[:, None], self.attn(h))  # x + gate1 * attn(h)
+        x = torch.addcmul(x, gate1, self.attn(h))  # x + gate1 * attn(h)
         h = modulate(kernels.rms_norm(x), shift2, scale2)
         # GELU as its definition, x Phi(x): DiT's tanh approximation costs 2.4x as much on an AVX2 CPU
         h = F.gelu(self.fc(h))  # (B, T, hidden)
-        return torch.addcmul(x, gate2[:, None], self.proj(h))  # x + gate2 * proj(h)
+        return torch.addcmul(x, gate2, self.proj(h))  # x + gate2 * proj(h)
 
 class DiT(nn.Module):
     """A diffusion transformer on pixel patches: a ViT whose blocks are conditioned on t and the class."""
@@ -335,8 +335,8 @@ class DiT(nn.Module):
             c = c + self.y_emb(y)
         for block in self.blocks:
             x = block(x, c)
-        ada = self.final_ada(F.silu(c))  # (B, 2d)
-        shift, scale = ada.chunk(2, dim=-1)  # each (B, d)
+        ada = self.final_ada(F.silu(c))[:, None]  # (B, 1, 2d)
+        shift, scale = ada.chunk(2, dim=-1)  # each (B, 1, d)
         x = modulate(kernels.rms_norm(x), shift, scale)
         x = self.out(x)  # (B, N, p*p*C)
         # the patches back into an image: the inverse of the cut above
