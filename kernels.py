@@ -216,7 +216,9 @@ class _RMSNormEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)  # (..., 1), fp32
+        # the mean square from the row's norm, in one pass over x that writes nothing of x's size
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # (..., 1)
+        rstd = torch.rsqrt(norm.square() / x.shape[-1] + eps)
         y = (x * rstd).to(x.dtype)  # x normalised, before the gain
         ctx.save_for_backward(y, rstd, weight)
         return y if weight is None else y * weight.to(x.dtype)
@@ -232,7 +234,7 @@ class _RMSNormEager(torch.autograd.Function):
                 dw = (g * yf).flatten(0, -2).sum(0).to(weight.dtype)
             g = g * weight.float()
         # y = x * rstd, and rstd depends on every x of the row: dx = rstd * (g - y * mean(g * y)) row by row
-        dx = (g - yf * (g * yf).mean(-1, keepdim=True)) * rstd
+        dx = torch.addcmul(g, yf, (g * yf).mean(-1, keepdim=True), value=-1) * rstd
         return dx.to(y.dtype), dw, None
 
 

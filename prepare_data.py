@@ -641,97 +641,101 @@ def shape_mask(k, u, v):
     head = (u >= 0.1) & (u < 1) & (abs(v) < 0.8 * (1 - u) / 0.9)
     return shaft | head
 
-def make_shapes(n, size, seed, chunk=256, rotate=True):
+def make_shapes(n, size, seed, rotate=True, pool=None, chunk=256):
     """n images (n, size, size, 3) uint8 of one of 10 shapes each, and their labels (n,) int64; the same for the same
     seed. A bright shape of random colour, size, position and rotation (or upright) on a dark gradient background with
     clutter lines and blobs: neither colour nor position gives the class away, so a linear classifier does poorly."""
     # A dataset that needs no download and that a small ViT must learn shapes to solve: every cue but the outline
-    # (colour, size, place, angle, background, clutter) is random. The draws below come from one generator in a
-    # fixed order, so the same seed gives the same images, bit for bit.
-    # chunk: images are drawn 256 at a time, so that the float32 work arrays, (256, 2 size, 2 size, 3), stay small
-    # whatever n is
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, len(SHAPES), n)  # (n,)
+    # (colour, size, place, angle, background, clutter) is random. Each chunk of `chunk` images has a generator of
+    # its own, seeded by (seed, the chunk's index), and draws from it in a fixed order: the same seed gives the same
+    # images, bit for bit, whether the chunks are drawn here or side by side by a pool's processes.
+    jobs = [(seed, index, min(chunk, n - i), size, rotate) for index, i in enumerate(range(0, n, chunk))]
+    parts = pool.starmap(draw_shapes, jobs) if pool else [draw_shapes(*job) for job in jobs]
+    return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
+
+def draw_shapes(seed, index, m, size, rotate):
+    """Chunk `index` of make_shapes: m images (m, size, size, 3) uint8 and their labels (m,) int64."""
+    # m is at most make_shapes' chunk, so the float32 work arrays, (m, 2 size, 2 size, 3), stay small whatever n is
+    rng = np.random.default_rng((seed, index))
+    labels = rng.integers(0, len(SHAPES), m)  # (m,)
     ss = 2  # 2x2 supersampling: anti-aliased edges
     g = (np.arange(size * ss) + 0.5) / (size * ss) * 2 - 1  # pixel centres in [-1, 1]
     g = g.astype(np.float32)
     Y, X = np.meshgrid(g, g, indexing="ij")  # (size * ss, size * ss) each
-    out = np.empty((n, size, size, 3), np.uint8)
-    for i in range(0, n, chunk):
-        m = min(chunk, n - i)
 
-        def par(*shape):
-            """m uniform numbers in [0, 1) for each of shape, as (m, 1, 1, *shape): they broadcast over Y, X."""
-            return rng.random((m, *shape), np.float32)[:, None, None]
-        # the background: a dark gradient between two random colours, at a random angle
-        ang = 2 * np.pi * par()
-        base = par(3)
-        top = par(3)
-        bottom = par(3)
-        ramp = (np.cos(ang) * X + np.sin(ang) * Y + 1) / 2  # (m, H, W) in [0, 1]
-        img = 0.45 * (base + (top - bottom) * ramp[..., None])  # (m, H, W, 3)
-        # Each thing drawn on top (lines, blobs, the shape) paints its number into layer, where it covers the
-        # background, and its colour into paint; each pixel takes the colour of the last thing that covers it,
-        # in one pass at the end rather than a pass over the whole image for each thing.
-        layer = np.zeros((m, *X.shape), np.uint8)  # 0: the background shows
-        paint = []  # (m, 3) a colour per image for each thing drawn
-        for j in range(2):
-            # up to 2 thin lines across the image, half-transparent
-            a = np.pi * par()
-            off = 2 * par() - 1
-            w = 0.015 + 0.025 * par()
-            on = par() < (0.8, 0.4)[j]
-            line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
-            paint.append(0.6 * par(3))
-            layer[line] = len(paint)
-        for _ in range(2):  # up to 2 small blobs
-            cx = 2 * par() - 1
-            cy = 2 * par() - 1
-            rr = 0.04 + 0.08 * par()
-            on = par() < 0.5
-            blob = (np.hypot(X - cx, Y - cy) < rr) & on
-            paint.append(0.6 * par(3))
-            layer[blob] = len(paint)
-        # the shape: a scale s, a centre that keeps it inside the image, and an angle
-        s = 0.45 + 0.35 * par()
-        cx = (2 * par() - 1) * (1 - s)
-        cy = (2 * par() - 1) * (1 - s)
-        if rotate:
-            rot = 2 * np.pi * par()
-        else:
-            rot = np.pi * np.array(UPRIGHT, np.float32)[labels[i:i + m], None, None]
-        # the pixels in shape coordinates: moved to the centre, scaled, rotated
-        xr = (X - cx) / s
-        yr = (Y - cy) / s
-        u = np.cos(rot) * xr + np.sin(rot) * yr
-        v = np.cos(rot) * yr - np.sin(rot) * xr
-        mask = np.zeros((m, *X.shape), bool)
-        for k in range(len(SHAPES)):
-            sel = labels[i:i + m] == k
-            mask[sel] = shape_mask(k, u[sel], v[sel])
-        paint.append(0.55 + 0.45 * par(3))  # a bright shape on a dark background
-        layer[mask] = len(paint)
-        # each covered pixel takes the colour, in its own image, of the last thing drawn over it
-        covered = layer > 0  # (m, H, W)
-        image_of = np.nonzero(covered)[0]  # the image each covered pixel is in
-        colours = np.stack(paint, axis=1).reshape(m, len(paint), 3)
-        img[covered] = colours[image_of, layer[covered] - 1]
-        img += 0.02 * rng.standard_normal(img.shape, np.float32)  # a little noise: no pixel is exactly clean
-        # average each 2x2 block: (m, size, size, 3); the four added in this order, as numpy's mean adds them
-        q = img.reshape(m, size, ss, size, ss, 3)
-        img = (q[:, :, 0, :, 0] + q[:, :, 0, :, 1] + q[:, :, 1, :, 0] + q[:, :, 1, :, 1]) / 4
-        out[i:i + m] = np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8)
-    return out, labels.astype(np.int64)
+    def par(*shape):
+        """m uniform numbers in [0, 1) for each of shape, as (m, 1, 1, *shape): they broadcast over Y, X."""
+        return rng.random((m, *shape), np.float32)[:, None, None]
+
+    # the background: a dark gradient between two random colours, at a random angle
+    ang = 2 * np.pi * par()
+    base = par(3)
+    top = par(3)
+    bottom = par(3)
+    ramp = (np.cos(ang) * X + np.sin(ang) * Y + 1) / 2  # (m, H, W) in [0, 1]
+    img = 0.45 * (base + (top - bottom) * ramp[..., None])  # (m, H, W, 3)
+    # Each thing drawn on top (lines, blobs, the shape) paints its number into layer, where it covers the
+    # background, and its colour into paint; each pixel takes the colour of the last thing that covers it,
+    # in one pass at the end rather than a pass over the whole image for each thing.
+    layer = np.zeros((m, *X.shape), np.uint8)  # 0: the background shows
+    paint = []  # (m, 3) a colour per image for each thing drawn
+    for j in range(2):
+        # up to 2 thin lines across the image, half-transparent
+        a = np.pi * par()
+        off = 2 * par() - 1
+        w = 0.015 + 0.025 * par()
+        on = par() < (0.8, 0.4)[j]
+        line = (np.abs(np.cos(a) * X + np.sin(a) * Y - off) < w) & on
+        paint.append(0.6 * par(3))
+        layer[line] = len(paint)
+    for _ in range(2):  # up to 2 small blobs
+        cx = 2 * par() - 1
+        cy = 2 * par() - 1
+        rr = 0.04 + 0.08 * par()
+        on = par() < 0.5
+        blob = (np.hypot(X - cx, Y - cy) < rr) & on
+        paint.append(0.6 * par(3))
+        layer[blob] = len(paint)
+    # the shape: a scale s, a centre that keeps it inside the image, and an angle
+    s = 0.45 + 0.35 * par()
+    cx = (2 * par() - 1) * (1 - s)
+    cy = (2 * par() - 1) * (1 - s)
+    if rotate:
+        rot = 2 * np.pi * par()
+    else:
+        rot = np.pi * np.array(UPRIGHT, np.float32)[labels, None, None]
+    # the pixels in shape coordinates: moved to the centre, scaled, rotated
+    xr = (X - cx) / s
+    yr = (Y - cy) / s
+    u = np.cos(rot) * xr + np.sin(rot) * yr
+    v = np.cos(rot) * yr - np.sin(rot) * xr
+    mask = np.zeros((m, *X.shape), bool)
+    for k in range(len(SHAPES)):
+        sel = labels == k
+        mask[sel] = shape_mask(k, u[sel], v[sel])
+    paint.append(0.55 + 0.45 * par(3))  # a bright shape on a dark background
+    layer[mask] = len(paint)
+    # each covered pixel takes the colour, in its own image, of the last thing drawn over it
+    covered = layer > 0  # (m, H, W)
+    image_of = np.nonzero(covered)[0]  # the image each covered pixel is in
+    colours = np.stack(paint, axis=1).reshape(m, len(paint), 3)
+    img[covered] = colours[image_of, layer[covered] - 1]
+    img += 0.02 * rng.standard_normal(img.shape, np.float32)  # a little noise: no pixel is exactly clean
+    # average each 2x2 block: (m, size, size, 3); the four added in this order, as numpy's mean adds them
+    q = img.reshape(m, size, ss, size, ss, 3)
+    img = (q[:, :, 0, :, 0] + q[:, :, 0, :, 1] + q[:, :, 1, :, 0] + q[:, :, 1, :, 1]) / 4
+    return np.clip(img * 255 + 0.5, 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 def source_shapes(args):
     """The procedural shapes dataset: train and val from different seeds (no network)."""
-    if args.image_size < 8 or args.train_size < 1 or args.val_size < 1:
-        fail("need --image_size >= 8, --train_size >= 1 and --val_size >= 1")
+    if args.image_size < 8 or args.train_size < 1 or args.val_size < 1 or args.workers < 0:
+        fail("need --image_size >= 8, --train_size >= 1, --val_size >= 1 and --workers >= 0")
     splits = {}
     sizes = {"train": (args.train_size, args.seed), "val": (args.val_size, args.seed + 1)}
-    for split, (n, seed) in sizes.items():
-        splits[split] = make_shapes(n, args.image_size, seed, rotate=args.rotate == "on")
-        print(f"{split}: {n:,} images generated")
+    with worker_pool(args.workers) as pool:  # the chunks drawn side by side, one process a CPU
+        for split, (n, seed) in sizes.items():
+            splits[split] = make_shapes(n, args.image_size, seed, rotate=args.rotate == "on", pool=pool)
+            print(f"{split}: {n:,} images generated")
     return splits, list(SHAPES)
 
 OFFLINE_IMAGES = "'python prepare_data.py shapes' or 'python prepare_data.py imagefolder PATH'"
@@ -1017,14 +1021,14 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
 # imagefolder, streamed: each split is decoded by worker processes and written to its staged file a chunk at a time
 
 def quiet_worker():
-    """Run by each decoding worker as it starts: Ctrl-C is for the main process (which stops the pool), and the
+    """Run by each worker of a pool as it starts: Ctrl-C is for the main process (which stops the pool), and the
     pool's stop (SIGTERM) ends a worker at once, not as the KeyboardInterrupt that main() makes of it (a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 @contextlib.contextmanager
-def decoder_pool(workers):
-    """A pool of `workers` processes that decode images, or None (decode in this process) for workers <= 1."""
+def worker_pool(workers):
+    """A pool of `workers` processes that decode or draw images, or None (work in this process) for workers <= 1."""
     if workers <= 1:
         yield None
         return
@@ -1109,7 +1113,7 @@ def write_imagefolder(args, flip_ok):
     workers = min(args.workers, math.ceil(most / images_per_chunk((size, size, 3))))
     gray = True
     with staging(data_dir) as stage:
-        with decoder_pool(workers) as pool:
+        with worker_pool(workers) as pool:
             for split, pairs in items.items():
                 # two chunks a worker: each has its next chunk queued while the main process writes the oldest
                 split_gray = write_split(stage, split, pairs, size, pool, window=2 * workers)
@@ -1238,6 +1242,8 @@ def main(argv=None):
                    help="train uses seed, val seed + 1")
     p.add_argument("--rotate", choices=("on", "off"), default="on",
                    help="random angles, or upright (diffusion's data)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes that draw images (default: the CPU count); 0 or 1: in this one")
 
     downloaded_images = [
         ("cifar10", source_cifar, "CIFAR-10 (downloads 170 MB)"),
