@@ -36,8 +36,8 @@ class Config:
     out: str = ""  # the grid's PNG; empty: beside the checkpoint, named by the settings
     # sampling: the flags of train_diffusion.py's evals, with the same defaults
     sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
-    sample_steps: int = 32  # sampler steps (heun: 2 calls a step)
-    cfg_scale: float = 2.0  # guidance: 1 = conditional, 0 = unconditional
+    sample_steps: int = 16  # sampler steps (heun: 2 calls a step)
+    cfg_scale: float = 2.5  # guidance: 1 = conditional, 0 = unconditional
     sample_seed: int = 0  # the noise's seed: one seed, one grid
     per_class: int = 8  # columns of the grid (rows: classes)
     # scoring
