@@ -89,7 +89,7 @@ class Config:
     # budget: max_steps, else epochs, else time_budget
     max_steps: int = 0  # optimizer steps to train; 0 = train for epochs or time_budget
     epochs: float = 0.0  # passes over the train split, when max_steps is 0; 0 = train for time_budget
-    time_budget: float = 500.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
+    time_budget: float = 480.0  # seconds of training, evals and saves excluded, when max_steps and epochs are 0
     batch_size: int = 64  # images in a micro-batch on each rank
     grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step
     # optimizer and schedule
@@ -104,7 +104,7 @@ class Config:
     ema: float = 0.999  # decay of a moving average of the weights, which samples come from; 0 = off
     # eval, logging, checkpoints
     eval_every: int = 1000  # steps between evals; 0 = only at the end
-    eval_images: int = 500  # val images in the held-out denoising loss; 0 = all
+    eval_images: int = 250  # val images in the held-out denoising loss; 0 = all
     eval_samples: int = 200  # samples drawn and scored at each periodic eval
     final_samples: int = 500  # samples drawn and scored at the final eval
     eval_classifier: str = ""  # a train_vit.py checkpoint on this data, to score the samples with
@@ -137,7 +137,7 @@ class Config:
     loader: Literal["auto", "device", "host"] = "auto"  # images held on the device, or read from disk; auto: by size
 
 PRESETS = {
-    # the defaults: 1.3M parameters, 500 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
+    # the defaults: 1.3M parameters, 480 s on 2 cores, on upright shapes (rotated ones blur: BENCHMARKS.md)
     "cpu_demo": {},
     # one GPU or a node: DiT-S/2 (Peebles & Xie 2023) on 32x32 images; not yet measured
     "cifar10": dict(

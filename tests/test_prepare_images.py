@@ -240,6 +240,11 @@ def test_shapes_are_deterministic_by_seed():
     x3, y3 = pd.make_shapes(40, 32, seed=4)
     assert np.array_equal(x, x2) and np.array_equal(y, y2) and not np.array_equal(x, x3) and not np.array_equal(y, y3)
     assert x.shape == (40, 32, 32, 3) and x.dtype == np.uint8 and y.dtype == np.int64
+    # each chunk has its own generator: a pool's processes draw the same images, in the same order
+    with pd.worker_pool(2) as pool:
+        xp, yp = pd.make_shapes(40, 32, seed=3, pool=pool, chunk=16)
+    x16, y16 = pd.make_shapes(40, 32, seed=3, chunk=16)
+    assert np.array_equal(xp, x16) and np.array_equal(yp, y16) and len(np.unique(yp)) > 1
 
 
 @pytest.mark.parametrize("size", [20, 48])
