@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh: a GPU session's measurements in one command (issue 48). In order: the GPU tests, kernels.py --bench,
-# each trainer's --benchmark on its GPU preset (the default kernels; KERNELS="auto torch triton" adds the others),
+# bench.py on each trainer's GPU preset (the default kernels; KERNELS="auto torch triton" adds the others),
 # nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), a CUDA-graphs trial (torch.compile's
 # reduce-overhead mode) of the ViT and DiT presets, and the ViT's imagenet preset with its images read from their
 # file against held on the GPU. It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
@@ -21,7 +21,7 @@ PY=${PYTHON:-python} DRY=0 ROWS=() FAILED=0 STAGE_END=0
 LOGS=$(mkdir -p "${LOGS:-/tmp/bench}" && cd "${LOGS:-/tmp/bench}" && pwd)
 TESTS=${TESTS:-tests/test_kernels.py tests/test_kernels_ptx.py tests/test_compile.py}  # run otherwise on a GPU
 KERNELS=${KERNELS:-auto} BUDGET=${BUDGET:-570}
-GPT_STEPS=${GPT_STEPS:-5} IMG_STEPS=${IMG_STEPS:-20}  # timed steps, after 5 warm-up ones
+GPT_STEPS=${GPT_STEPS:-5} IMG_STEPS=${IMG_STEPS:-20}  # timed steps, after as many warm-up ones (bench.py)
 GPT=() IMG=() NANO=() NTOKENS=$((1 << 22))  # what --dry-run appends to shrink each command
 if [ $DRY = 1 ]; then
   BUDGET=1500 GPT_STEPS=1 IMG_STEPS=1 NTOKENS=$((1 << 14))
@@ -55,7 +55,7 @@ row() {  # COMMAND RESULT: a row of the table; a failed one makes the exit statu
   case $2 in failed*) FAILED=1 ;; esac
 }
 
-bench() {  # NAME LABEL CMD...: a --benchmark run, and its row: rate, ms/step, MFU and peak memory of its last line
+bench() {  # NAME LABEL CMD...: a bench.py run, and its row: rate, ms/step, MFU and peak memory of its last line
   local name=$1 label=$2
   shift 2
   run "$name" "$@"
@@ -82,12 +82,12 @@ stage 80 "2. kernels.py --bench"
 run kernels $PY kernels.py --bench  # on a CPU: one line, that it needs a GPU, and exit status 1
 grep -q "needs a CUDA GPU\|^linear_ce" "$LOGS/kernels.log" || row "python kernels.py --bench" "failed: see kernels.log"
 
-stage 240 "3. --benchmark of each trainer's GPU preset, with --kernels= each of: $KERNELS"
+stage 240 "3. bench.py on each trainer's GPU preset, with --kernels= each of: $KERNELS"
 for k in $KERNELS; do
   for t in gpt vit diffusion; do
     [ $t = gpt ] && p=gpt2_124m n=$GPT_STEPS shrink=("${GPT[@]}") || p=cifar10 n=$IMG_STEPS shrink=("${IMG[@]}")
-    flags="--benchmark --preset=$p --bench_steps=$n --kernels=$k"
-    bench "${t}_$k" "python train_$t.py $flags" $PY train_$t.py $flags "${shrink[@]}"
+    flags="--preset=$p --steps=$n --kernels=$k"
+    bench "${t}_$k" "python bench.py train_$t.py $flags" $PY bench.py train_$t.py $flags "${shrink[@]}"
   done
 done
 
@@ -107,7 +107,7 @@ ms = statistics.median(float(t) for i, t, _ in its if int(i) >= min(2, len(its) 
 tokens = int(re.search(r'tokens per iteration will be: ([\d,]+)', log)[1].replace(',', ''))
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'
 peak, mfu = next((v for k, v in tg.PEAK_FLOPS.items() if k in gpu), 0), float(its[-1][2])
-print(f'{tg.speed((tokens, \"tok\", 0), ms / 1e3)[1]}, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / peak:.1f}%' if
+print(f'{tokens / ms:.1f}k tok/s, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / peak:.1f}%' if
       peak and mfu > 0 else '-'))")"
   else
     row "nanoGPT train.py" "failed: $(tail -n 1 "$LOGS/nanogpt.log")"
@@ -121,9 +121,10 @@ GRAPHS="import functools, runpy, sys, torch
 torch.compile = functools.partial(torch.compile, mode='reduce-overhead')  # CUDA graphs around each compiled graph
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')"
-flags="--benchmark --preset=cifar10 --bench_steps=$IMG_STEPS"
+flags="--preset=cifar10 --steps=$IMG_STEPS"
 for t in vit diffusion; do
-  bench "${t}_graphs" "python train_$t.py $flags, mode reduce-overhead" $PY -c "$GRAPHS" train_$t.py $flags "${IMG[@]}"
+  bench "${t}_graphs" "python bench.py train_$t.py $flags, mode reduce-overhead" $PY -c "$GRAPHS" bench.py train_$t.py \
+    $flags "${IMG[@]}"
 done
 
 stage 100 "6. images read from their file: the imagenet preset at batch 256, --loader=host against --loader=device"

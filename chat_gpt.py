@@ -80,7 +80,7 @@ def check_config(cfg):
             or cfg.conversations < 2
             or cfg.eval_turns < 0):
         tg.die("need 0 < --val_percent < 100, --conversations >= 2 and --eval_turns >= 0")
-    # this loop wraps the model in DDP only, and build() makes no Student or QAT layers (finetune_gpt.py's FineTune
+    # this loop wraps the model in DDP only, and build() makes no Student or QAT layers (finetune_gpt.py's build_student
     # does): its loss is the masked cross-entropy alone
     if cfg.parallel == "fsdp" or cfg.teacher or cfg.qat:
         tg.die("chat_gpt.py trains with DDP, without --teacher or --qat; drop --parallel=fsdp, --teacher, --qat")
@@ -468,12 +468,15 @@ def set_lr(cfg, opts, step, train_time, time_budget, max_steps):
 def train(cfg):
     """Set up, score the model before SFT, then the loop: micro-steps, clip, step, log, eval; then save."""
     rank, world_size, device = tg.setup_dist(cfg.device)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
     cfg, meta, tok, init = data_and_model(cfg, rank, world_size)
     dtype, ctx, scaler = tg.setup_precision(device, cfg.dtype)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     raw = build(cfg, init, tok["chat"], device)
+    tg.kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
     model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
-    opts = tg.build_optimizers(cfg, raw, device, dtype)
+    opts = tg.build_optimizers(cfg, raw, dtype)
     B = cfg.batch_size
     T = cfg.seq_len
     accum = cfg.grad_accum

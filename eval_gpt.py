@@ -150,6 +150,8 @@ def main(cfg):
     if cfg.batch_items < 0:
         tg.die(f"--batch_items must be at least 0, got {cfg.batch_items}")
     rank, world_size, device = tg.setup_dist(cfg.device)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
     ctx = tg.setup_precision(device, cfg.dtype)[1]
     where = [cfg.ckpt]
     if cfg.every_checkpoint:

@@ -4,7 +4,7 @@ finetune_gpt.py: train_gpt.py's GPT from other weights (GPT-2 or a checkpoint) i
 It starts from GPT-2 or a checkpoint of ours, trains the whole model or LoRA adapters, can learn from a teacher
 (distillation) or on the int8 grid (QAT), and writes a finished checkpoint as int8, as a Hugging Face folder, or, from
 an FSDP run's shards, as one file. It runs train_gpt.py's loop, so all its flags work here; this file adds only
-where a run starts (FineTune) and the exports.
+where a run starts (start_from, build_student) and the exports.
 
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2  # GPT-2
   python finetune_gpt.py --preset=finetune --data_dir=data/mine_gpt2 --lora_rank=8 --lr=1e-3 --out_dir=out/lora
@@ -20,6 +20,7 @@ where a run starts (FineTune) and the exports.
 import base64
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -456,49 +457,40 @@ def distill_kl(student, x, w, teacher, xt, wt, temp):
     return total / len(x)
 
 # -----------------------------------------------------------------------------
-# Where a run starts: train_gpt.py's train() builds its model through this
+# Where a run starts: main() settles cfg in the weights' shape, and train_gpt.py's train() builds its model with
+# build_student. All else (data, optimizers, loop, checkpoints) is train_gpt.py's own.
 
-class FineTune(tg.Start):
-    """--init_from's weights (else a fresh GPT), then --qat's rounding, LoRA and a teacher."""
-    # train_gpt.py's train() asks its Start three things: arch() before it builds anything (the weights decide the
-    # model's shape and vocabulary, so the flags that set them are overridden), build() for the model to train, and
-    # layout() for what a --resume of this run must share. All else (data, optimizers, loop, checkpoints) is its own.
+def start_from(cfg, meta, tokenizer, rank, world_size):
+    """(cfg in --init_from's shape and vocabulary, init: its weights and the data's tokenizer), checked against the
+    data: every token id of the data must have a row, and mean the same text."""
+    if not cfg.init_from:
+        return cfg, {"tokenizer": tokenizer}
+    arch, init = load_init(cfg, rank, world_size)
+    vocab_size = init["vocab_size"]
+    theirs = init["tokenizer"]["tokenizer"]
+    if meta["vocab_size"] > vocab_size:
+        tg.die(f"the data has {meta['vocab_size']} tokens but --init_from={cfg.init_from} has {vocab_size}; "
+               f"prepare the data with its tokenizer")
+    if tokenizer and not same_tokenizer(init["tokenizer"], tokenizer):
+        tg.die(f"--init_from={cfg.init_from} reads {theirs} tokens but {cfg.data_dir} holds "
+               f"{tokenizer['tokenizer']} tokens; prepare the data with --tokenizer={theirs}")
+    return dataclasses.replace(cfg, **arch, vocab_size=vocab_size), {**init, "tokenizer": tokenizer}
 
-    def arch(self, cfg, meta, tokenizer, rank, world_size):
-        """(architecture, vocab size, for build(): weights, tokenizer) of --init_from."""
-        if not cfg.init_from:
-            return {}, cfg.vocab_size or meta["vocab_size"], {"tokenizer": tokenizer}
-        arch, init = load_init(cfg, rank, world_size)
-        vocab_size = init["vocab_size"]
-        theirs = init["tokenizer"]["tokenizer"]
-        # the weights fix the vocabulary: every token id of the data must have a row, and mean the same text
-        if meta["vocab_size"] > vocab_size:
-            tg.die(f"the data has {meta['vocab_size']} tokens but --init_from={cfg.init_from} has {vocab_size}; "
-                   f"prepare the data with its tokenizer")
-        if tokenizer and not same_tokenizer(init["tokenizer"], tokenizer):
-            tg.die(f"--init_from={cfg.init_from} reads {theirs} tokens but {cfg.data_dir} holds "
-                   f"{tokenizer['tokenizer']} tokens; prepare the data with --tokenizer={theirs}")
-        return arch, vocab_size, {**init, "tokenizer": tokenizer}
-
-    def build(self, cfg, vocab_size, device, init):
-        """The model with --init_from's weights (the optimizer and step start afresh)."""
-        raw = tg.build_model(cfg, vocab_size, device, Student)
-        if "model" in init:
-            raw.load_state_dict(init.pop("model"))
-        # the order matters: QAT rounds the base weights, and LoRA then wraps the rounded layers, so a QAT + LoRA
-        # run's adapters learn on top of the grid
-        if cfg.qat:  # each hidden layer swapped for a fake-quantized one with its parameters
-            swap_layers(raw, ("attn", "mlp"), lambda layer: QATLinear(layer, cfg.qat))
-        if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
-            add_lora(raw, cfg)
-        if cfg.teacher:
-            teacher = load_teacher(cfg, device, vocab_size, init["tokenizer"])
-            raw.teacher = (teacher, cfg.distill_weight, cfg.distill_temp)
-        return raw
-
-    def layout(self, cfg):
-        """What a resume must share besides train_gpt.py's fields: the adapters and the QAT grid (ADAPT_FIELDS)."""
-        return {k: getattr(cfg, k) for k in ADAPT_FIELDS}
+def build_student(cfg, vocab_size, device, init):
+    """The model to train: init's weights, if any (the optimizer and step start afresh), then QAT, LoRA, a teacher."""
+    raw = tg.build_model(cfg, vocab_size, device, Student)
+    if "model" in init:
+        raw.load_state_dict(init["model"])
+    # the order matters: QAT rounds the base weights, and LoRA then wraps the rounded layers, so a QAT + LoRA
+    # run's adapters learn on top of the grid
+    if cfg.qat:  # each hidden layer swapped for a fake-quantized one with its parameters
+        swap_layers(raw, ("attn", "mlp"), lambda layer: QATLinear(layer, cfg.qat))
+    if cfg.lora_rank:  # LoRA: the weights so far are frozen; the adapters train
+        add_lora(raw, cfg)
+    if cfg.teacher:
+        teacher = load_teacher(cfg, device, vocab_size, init["tokenizer"])
+        raw.teacher = (teacher, cfg.distill_weight, cfg.distill_temp)
+    return raw
 
 def load_init(cfg, rank, world_size):
     """--init_from: (its architecture's fields, {model, vocab_size, tokenizer})."""
@@ -916,7 +908,13 @@ def main(cfg):
     check_config(cfg)
     if cfg.merge_lora or cfg.export:
         return export_main(cfg)
-    return tg.main(cfg, FineTune())
+    # cfg settles here, in the shape and vocabulary of --init_from's weights, before train_gpt.py derives anything
+    # from it; a resume of this run must also match its adapters and QAT grid (ADAPT_FIELDS)
+    rank, world_size, _ = tg.setup_dist(cfg.device)
+    tg.prepare_default_data(cfg, rank, world_size, *tg.DEFAULT_DATA)
+    meta, tokenizer = tg.token_data(cfg)
+    cfg, init = start_from(cfg, meta, tokenizer, rank, world_size)
+    return tg.main(cfg, functools.partial(build_student, init=init), ADAPT_FIELDS)
 
 # -----------------------------------------------------------------------------
 # Entry point

@@ -413,6 +413,8 @@ def train(cfg, stop):
     """Set up, resume or score the model before RL, then the loop: sample, score, backward, clip, step, log, eval,
     save."""
     rank, world_size, device = tg.setup_dist(cfg.device)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
     cfg, tok, init, info, ckpt = start(cfg, rank, world_size)
     dtype, ctx, scaler = tg.setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
@@ -424,8 +426,9 @@ def train(cfg, stop):
     ref = None
     if cfg.kl:  # the --init_from model, frozen: what the KL penalty holds the policy near
         ref = copy.deepcopy(raw).requires_grad_(False).eval()
+    tg.kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
     model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
-    opts = tg.build_optimizers(cfg, raw, device, dtype)
+    opts = tg.build_optimizers(cfg, raw, dtype)
     B = cfg.batch_size
     G = cfg.samples
     accum = cfg.grad_accum
@@ -543,7 +546,7 @@ def train(cfg, stop):
     if dist.is_initialized():
         dist.destroy_process_group()
     if stopped:  # the checkpoint is saved: exit 0, and --resume goes on
-        print(tg.preempted_line(stop.received, step, cfg.out_dir))
+        print(stop.preempted(step, cfg.out_dir))
         return {"preempted": True, "steps": step, "train_time": train_time}
     first = history[0]
     final = history[-1]

@@ -915,7 +915,7 @@ def coord_check(widths=(64, 128, 256, 512), steps=4, lr=1e-2, seeds=3, n_layer=2
                     weight_decay=0.0,
                 )
                 model = tg.build_model(cfg, vocab, cpu)
-                opts = tg.build_optimizers(cfg, model, cpu)
+                opts = tg.build_optimizers(cfg, model)
                 # one batch of random tokens, seen every step: the check is about how big an update is, not about
                 # what the model learns, and the same batch at every width keeps the widths comparable
                 g = torch.Generator().manual_seed(1000 + seed)
@@ -1167,7 +1167,7 @@ def cmd_sharpness(args):
     )
     lams = []
     for i in range(args.batches):
-        x, y, _ = loader.next()  # (B, T) each
+        x, y = loader.next()  # (B, T) each
         params = list(model.parameters())
         lams.append(sharpness(lambda: model(x, y, c.z_loss), params, args.iters, seed=i))
         print(f"sharpness of {path} (step {step}) | {args.split} batch {i + 1}/{args.batches} of {B}x{c.seq_len} "

@@ -10,7 +10,7 @@ samples and the Frechet distance of its features.
   python train_vit.py && python train_diffusion.py --eval_classifier=out/vit  # scored samples
   python sample_diffusion.py --ckpt=out/diffusion --cfg_scale=3 --sampler=heun   # a grid from a checkpoint
   python prepare_data.py cifar10 && torchrun --nproc_per_node=8 train_diffusion.py --preset=cifar10
-  python train_diffusion.py --benchmark --preset=cifar10
+  python bench.py train_diffusion.py --preset=cifar10   # its speed, on random images
   python train_diffusion.py -h         # every flag, with its default
 """
 import argparse
@@ -125,14 +125,11 @@ class Config:
     rollback_after: int = 5  # roll back to a checkpoint after this many bad steps in the window; 0 = never
     # system
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where to train; auto: cuda, else mps, else cpu
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 on GPUs
     compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA under Linux
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp) or shard it (fsdp)
     offload: Literal["none", "params"] = "none"  # fsdp: keep the parameter shards in CPU memory
     seed: int = 1337  # seeds the init, the data order, the noise and the timesteps
-    benchmark: bool = False  # time steps on random images, print the speed, and exit
-    bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
-    profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
     kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
     loader: Literal["auto", "device", "host"] = "auto"  # images held on the device, or read from disk; auto: by size
 
@@ -200,7 +197,10 @@ ARCH_FIELDS = ("patch_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "qk_nor
 # sample_diffusion.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"sample": "python sample_diffusion.py --ckpt=out/diffusion",
          "ckpt": "python sample_diffusion.py --ckpt=PATH",
-         "sample_out": "python sample_diffusion.py --ckpt=out/diffusion --out=PATH.png"}
+         "sample_out": "python sample_diffusion.py --ckpt=out/diffusion --out=PATH.png",
+         "benchmark": "python bench.py train_diffusion.py --preset=cifar10 (any flag of this script's)",
+         "bench_steps": "python bench.py train_diffusion.py --steps=N",
+         "profile": "python bench.py train_diffusion.py --profile"}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -278,6 +278,20 @@ class Block(nn.Module):
         # GELU as its definition, x Phi(x): DiT's tanh approximation costs 2.4x as much on an AVX2 CPU
         h = F.gelu(self.fc(h))  # (B, T, hidden)
         return torch.addcmul(x, gate2, self.proj(h))  # x + gate2 * proj(h)
+
+# === shared: sincos ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
+    # half the channels encode the row, half the column, each as sin and cos at dim/4 frequencies
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")  # (h, w) each
+    parts = []
+    for pos in (rows, cols):
+        angle = pos.flatten()[:, None] * omega  # (h * w, dim/4)
+        parts += [torch.sin(angle), torch.cos(angle)]
+    return torch.cat(parts, dim=1)
+# === end shared ===
 
 class DiT(nn.Module):
     """A diffusion transformer on pixel patches: a ViT whose blocks are conditioned on t and the class."""
@@ -491,6 +505,211 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
 # order seeded per epoch, which a checkpoint records so a resume goes on with the same batches. Here they only
 # change scale.
 
+# === shared: images ===
+def load_image_data(data_dir, splits=("train", "val")):
+    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
+    path = os.path.join(data_dir, "meta.json")
+    fix = "re-run prepare_data.py for this data dir"
+    if not os.path.exists(path):
+        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
+            f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
+    with exit_if_unreadable(path, fix), open(path) as f:
+        meta = json.load(f)
+        if "vocab_size" in meta:  # prepare_data.py's text: token shards
+            die(f"{data_dir} holds token shards (text), which train_gpt.py reads; give --data_dir an image data "
+                f"dir, e.g. python prepare_data.py shapes --data_dir=data/shapes")
+        if meta["format"] != "trainsuite-image-1":
+            raise ValueError(f"format {meta['format']!r} is not an image dataset")
+        H, W = meta["image_size"]
+        C = meta["channels"]
+        K = meta["num_classes"]
+        fits = all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
+        for k in ("mean", "std"):  # a number a channel
+            fits = fits and len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
+        if not fits:
+            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
+        if not isinstance(meta.get("flip_ok", False), bool):
+            raise ValueError("flip_ok must be true or false")
+    arrays = {}
+    for s in splits:
+        images = os.path.join(data_dir, f"{s}_images.npy")
+        labels = os.path.join(data_dir, f"{s}_labels.npy")
+        # a memory map reads no pixels yet, but checks that the file holds all the rows its header promises
+        with exit_if_unreadable(images, fix):
+            images = np.load(images, mmap_mode="r")
+        with exit_if_unreadable(labels, fix):
+            labels = np.load(labels)
+        arrays[s] = (images, labels)
+    for s, (x, y) in arrays.items():
+        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
+            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
+                f"as meta.json says; {fix}")
+        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
+            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
+                f"0..{K - 1}); {fix}")
+    return meta, arrays
+
+def host_memory():
+    """The host's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+def data_on_device(cfg, arrays, device):
+    """Whether the images are copied to the device whole (--loader=device), or stay in their files on the host and
+    are read a batch at a time (host). auto: the device, if both splits take under a quarter of its memory."""
+    if cfg.loader != "auto":
+        return cfg.loader == "device"
+    need = sum(x.nbytes for x, _ in arrays.values())
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:  # the CPU, or MPS, which shares the host's memory: every rank on this host holds a copy
+        free = host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return need < free / 4
+
+class HostImages:
+    """A split's images left in their .npy file on the host: rows read on request, with plain file reads into fresh
+    host memory (pinned when they go to a GPU, so that the copy runs beside the compute). No copy of the whole
+    split is made anywhere. Why not index np.load's memory map: its disk reads happen as page faults inside
+    numpy's copy, which holds Python's lock (the GIL) meanwhile and stalls the training thread; a file read lets
+    it go. And every page the map touched would count in this process's memory, where a read's stay the kernel's
+    page cache."""
+
+    def __init__(self, array, device):
+        self.path = array.filename  # array: np.load's memory map, which has checked the file's size
+        self.offset = array.offset  # where the rows start, past the .npy header
+        self.shape = array.shape
+        self.row = math.prod(self.shape[1:])  # bytes a uint8 image
+        self.pin = device.type == "cuda"
+        self.file = open(self.path, "rb", buffering=0)  # reads straight into the batch, no buffer between
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        """uint8 images (n, H, W, C) on the host: rows is a slice, or a tensor of indices."""
+        if isinstance(rows, slice):
+            rows = torch.arange(*rows.indices(len(self)))
+        out = torch.empty((len(rows), *self.shape[1:]), dtype=torch.uint8, pin_memory=self.pin)
+        flat = out.numpy().reshape(len(rows), self.row)
+        for k in rows.argsort().tolist():  # in the file's order: the disk reads forward
+            self.file.seek(self.offset + int(rows[k]) * self.row)
+            if self.file.readinto(flat[k]) != self.row:
+                raise EOFError(f"{self.path} ends before image {int(rows[k])}; re-run prepare_data.py")
+        return out
+
+def hold(images, device, on_device):
+    """A split's uint8 images (N, H, W, C): copied whole to the device, or left in their file (HostImages)."""
+    if on_device:
+        return torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
+    return HostImages(images, device)
+
+class ImageLoader:
+    """(B, H, W, C) uint8 batches of the train split, in an order per epoch seeded by (seed, epoch); rank r takes
+    the r-th B of each global batch. Two paths, one order. A split that fits is copied to the device once and
+    indexed there. A larger one stays in its file (HostImages): a thread reads the next batches, two waiting while
+    the device computes, and each goes to the device with a non-blocking copy."""
+
+    def __init__(self, images, labels, B, rank, world_size, device, seed=0, on_device=True):
+        self.x = hold(images, device, on_device)
+        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        if on_device:
+            self.y = self.y.to(device)
+            self.where = f"held on {device.type}"
+        else:
+            self.where = "read from their file a batch ahead (host)"
+            self.reader = ThreadPoolExecutor(1)  # one thread: its reads of the file come one after another
+        self.on_device = on_device
+        self.device = device
+        self.B = B
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        if len(self.y) < B * world_size:
+            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
+                f"ranks = {B * world_size}; lower --batch_size")
+        self.load_state({"epoch": 0, "pos": 0})
+
+    def state(self):
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, s):
+        self.epoch = int(s["epoch"])
+        self.pos = int(s["pos"])  # where the next global batch starts in the epoch's order
+        self.order_epoch = None  # the epoch whose permutation self.order holds: none yet
+        self.ahead = collections.deque()  # the host path's reads: (batch to come, epoch and pos after it)
+        self.planned = (self.epoch, self.pos)  # where the next read starts
+
+    def plan(self, epoch, pos):
+        """(this rank's indices of the global batch at pos in the epoch's order, and the epoch and pos after it)."""
+        n = len(self.y)
+        step = self.B * self.world_size  # a global batch
+        if pos + step > n:  # drop the epoch's partial last batch
+            epoch += 1
+            pos = 0
+        if self.order_epoch != epoch:  # the epoch's permutation, drawn at its first batch
+            g = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
+            self.order = torch.randperm(n, generator=g).to(self.y.device)
+            self.order_epoch = epoch
+        start = pos + self.rank * self.B  # this rank's B of the global batch
+        return self.order[start:start + self.B], epoch, pos + step
+
+    def next(self):
+        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64), on the device."""
+        if self.on_device:
+            idx, self.epoch, self.pos = self.plan(self.epoch, self.pos)
+            return self.x[idx], self.y[idx]
+        while len(self.ahead) < 3:  # this batch, and two more read while the device computes
+            idx, epoch, pos = self.plan(*self.planned)
+            self.planned = (epoch, pos)
+            self.ahead.append((self.reader.submit(self.read, idx), epoch, pos))
+        batch, self.epoch, self.pos = self.ahead.popleft()
+        x, y = batch.result()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def read(self, idx):
+        """The images and labels at idx, in host memory (the reading thread's job)."""
+        y = self.y[idx]
+        if self.x.pin:
+            y = y.pin_memory()
+        return self.x[idx], y
+
+def image_data(cfg, rank, world_size, device):
+    """meta, the train split's loader, and the val images and labels (images on the device, or read from their file)."""
+    meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    p = cfg.patch_size
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
+            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % p:
+        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
+    on_device = data_on_device(cfg, arrays, device)
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed, on_device)
+    images, labels = arrays["val"]
+    val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
+    val_x = hold(images, device, on_device)
+    return meta, loader, val_x, val_y
+
+def flips(cfg, meta):
+    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
+    return meta["flip_ok"], "the data's flip_ok"
+
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with the run of its checkpoint's config dict c."""
+    return {
+        **{k: c[k] for k in ARCH_FIELDS},
+        "ema": c["ema"] > 0,
+        "batch_size": c["batch_size"],
+        "grad_accum": c["grad_accum"],
+        "world_size": world_size,
+        "dtype": c["dtype"],
+        **data_info
+    }
+# === end shared ===
+
 def to_model(x):
     """uint8 pixels (B, H, W, C) -> floats in [-1, 1], the scale of the noise."""
     # centred, and spread about as wide as the unit Gaussian noise they are mixed with (Ho et al. 2020)
@@ -498,6 +717,52 @@ def to_model(x):
 
 # -----------------------------------------------------------------------------
 # Optimizer and schedule
+
+# === shared: adamw ===
+class AdamW(torch.optim.AdamW):
+    """torch's fused AdamW (one kernel for every parameter), whose step takes the guard's verdict: where skip is
+    true, the kernel leaves the weights, their moments and the step count as they were, on the device, with no
+    sync. It is the contract of torch.amp.GradScaler with fused optimizers, which skip fp16's overflows so: the
+    kernel reads the verdict from the optimizer's found_inf, which this step sets (and GradScaler.step, if skip is
+    None)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, fused=True, **kw)  # only the fused kernel reads found_inf
+
+    def step(self, closure=None, skip=None):
+        if skip is not None:
+            self.found_inf = skip.float()
+        return super().step(closure)
+# === end shared ===
+
+# === shared: ema ===
+class EMA:
+    """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
+    swap() trades it with the live weights, so one model evaluates with either."""
+
+    def __init__(self, params, decay, model=None):
+        self.params = list(params)
+        self.decay = decay
+        self.t = 0  # updates so far
+        self.model = model
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
+        live = [p.detach() for p in self.params]
+        torch._foreach_lerp_(self.shadow, live, 1 - d)
+
+    @torch.no_grad()
+    def swap(self):
+        for p, s in zip(self.params, self.shadow):
+            tmp = p.detach().clone()
+            p.copy_(s)
+            s.copy_(tmp)
+        if hasattr(self.model, "reshard"):  # FSDP2 keeps a no-grad forward's gathered weights
+            self.model.reshard()
+# === end shared ===
 
 def build_optimizers(cfg, raw):
     """[AdamW], with weight decay on the blocks' matrices only (not adaLN's)."""
@@ -515,12 +780,7 @@ def build_optimizers(cfg, raw):
         dict(params=rest, weight_decay=0.0),
     ]
     # the loop sets the LR of both groups every step, cfg.lr times lr_mult
-    opt = torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=True,  # one kernel for all the parameters; it reads found_inf, which is how the guard skips a step
-    )
+    opt = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     return [opt]  # a list, as the other trainers' (the checkpoint functions take one)
 
 def lr_mult(cfg, step, progress):
@@ -535,6 +795,162 @@ def lr_mult(cfg, step, progress):
     f = cfg.final_lr_frac
     cosine = 1 + math.cos(math.pi * p)  # from 2 down to 0
     return warm * (f + (1 - f) * 0.5 * cosine)  # from 1 down to f
+
+# -----------------------------------------------------------------------------
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
+
+# === shared: system ===
+def setup_dist(device_arg="auto"):
+    """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
+    WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
+    distributed path runs in CPU tests)."""
+    if device_arg == "auto" and torch.cuda.is_available():
+        device_arg = "cuda"
+    elif device_arg == "auto" and torch.backends.mps.is_available():
+        device_arg = "mps"
+    elif device_arg == "auto":
+        device_arg = "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if device_arg == "mps" and not torch.backends.mps.is_available():
+        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
+    # expandable segments let the CUDA allocator grow a block instead of leaving holes: less
+    # fragmentation when shapes vary (evals, --seq_len_warmup). A user's own setting wins
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = torch.device(device_arg)
+    if device_arg == "cuda":  # one GPU a process: the local rank's
+        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
+        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
+        store, _, _ = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}/", store)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return rank, world_size, device
+
+def all_mean(x, world_size):
+    """x averaged over ranks."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+
+def full(t):
+    """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
+    have it, fp16 on older ones, and fp32 on a CPU or MPS."""
+    # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
+    # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
+    # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
+    # backward, divides the grads after, and skips a step whose grads overflowed.
+    # On a CPU auto is fp32, whatever the CPU: a rule of the device alone, so that one command
+    # trains in one precision on one machine, loaded or idle. Measured where bf16 is at its best,
+    # a 2-core Xeon with AVX512-BF16 and AMX (BENCHMARKS.md, 2026-12-01): in the GPT demo's 240 s
+    # bf16 made as many steps (1,646 against 1,650) and ended 0.024 bits per byte worse; the
+    # image demos made 1.2-1.3x the steps in bf16 and ended level, at 99.4-99.95%. Without those
+    # units (most laptops: AVX2) a CPU emulates bf16, many times slower than fp32
+    saved = ckpt["config"].get("dtype") if ckpt else None
+    if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
+        dtype_arg = saved
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        dtype_arg = "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
+    ctx = contextlib.nullcontext()
+    if dtype != torch.float32:
+        ctx = torch.autocast(device.type, dtype=dtype)
+    fp16 = dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
+    return dtype, ctx, scaler
+
+def wrap_model(raw, cfg, device, dtype, world_size):
+    """(model, compiled): raw compiled, and wrapped in DDP or FSDP2 under torchrun. The optimizers
+    and checkpoints keep using raw, whose parameter names have no wrapper's prefix."""
+    # torch.compile fuses the elementwise ops between matmuls into Triton kernels. auto: on Linux
+    # GPUs, where it pays back its minute of compiling; on a CPU it rarely does for a short run
+    compiled = cfg.compile == "true"
+    if cfg.compile == "auto":
+        compiled = device.type == "cuda" and sys.platform == "linux"
+    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
+        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
+    if world_size > 1 and cfg.parallel == "fsdp":
+        # FSDP2 (Zhao et al. 2023): each rank keeps 1/world_size of every weight, gradient and
+        # optimizer state, and gathers a block's weights just before it runs. Sharded block by
+        # block, so only one block is whole at a time, and the next block's gather overlaps this
+        # one's compute
+        if dtype == torch.float16:
+            die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        offload = OffloadPolicy()  # none
+        if cfg.offload == "params":  # the shards live in CPU memory between uses
+            offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # computed in dtype, gradients reduced in fp32: a sum over many ranks in bf16 loses bits
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        mesh = dist.init_device_mesh(device.type, (world_size,))
+        for block in raw.blocks:
+            if compiled:
+                block.compile()
+            fully_shard(block, mp_policy=precision, offload_policy=offload, mesh=mesh)
+        return fully_shard(raw, mp_policy=precision, offload_policy=offload, mesh=mesh), compiled
+    model = raw
+    if compiled:
+        model = torch.compile(raw)
+    if world_size > 1:
+        # DDP: every rank holds the whole model and all-reduces the grads in backward, bucket by
+        # bucket while backward goes on. The buffers (RoPE's tables) are constants: not broadcast
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    return model, compiled
+
+def grad_sync(model, sync):
+    """A micro-step's backward context: the grads are synced across ranks only if sync."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag on the model
+        model.set_requires_gradient_sync(sync)
+    if hasattr(model, "no_sync") and not sync:  # DDP: a context
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+def clip_grads(params, max_norm):
+    """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full(nn.utils.get_total_norm(grads))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
+    torch._foreach_mul_(grads, scale)
+    return norm
+
+def every(step, n):
+    """Whether step is a multiple of n (n = 0: never)."""
+    return n > 0 and step % n == 0
+
+def agree(trace, t0, world_size):
+    """The sync: the host reads the rows of the steps since the last sync (each a tensor of its
+    loss, grad norm and the guard's verdict), which waits for the device to finish them, then the
+    seconds since t0, averaged over the ranks so that every rank decides alike (when to stop, what
+    the LR is). Returns (rows as lists, seconds)."""
+    rows = torch.stack(trace).tolist()  # the one host read of device values, at a sync only
+    seconds = time.perf_counter() - t0
+    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        seconds = all_mean(t, world_size).item()
+    return rows, seconds
+# === end shared ===
 
 # -----------------------------------------------------------------------------
 # Quality: the held-out denoising loss, and samples scored by a classifier
@@ -674,179 +1090,114 @@ class Judge:
         return res
 
 # -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
-# context; the same bytes in every train_*.py
-
-# === shared: system ===
-def setup_dist(device_arg="auto"):
-    """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
-    WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
-    distributed path runs in CPU tests). Ranks > 0 print nothing."""
-    if device_arg == "auto" and torch.cuda.is_available():
-        device_arg = "cuda"
-    elif device_arg == "auto" and torch.backends.mps.is_available():
-        device_arg = "mps"
-    elif device_arg == "auto":
-        device_arg = "cpu"
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if device_arg == "mps" and not torch.backends.mps.is_available():
-        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
-    # expandable segments let the CUDA allocator grow a block instead of leaving holes: less
-    # fragmentation when shapes vary (evals, --seq_len_warmup). A user's own setting wins
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device_arg)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    device = torch.device(device_arg)
-    if device_arg == "cuda":  # one GPU a process: the local rank's
-        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
-        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
-        store, _, _ = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}/", store)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    if rank:
-        sys.stdout = open(os.devnull, "w")
-    return rank, world_size, device
-
-def all_mean(x, world_size):
-    """x averaged over ranks."""
-    if world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= world_size
-    return x
-
-def full(t):
-    """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-@functools.cache  # one precision per process
-def cpu_has_bf16():
-    """Whether bf16 pays on this CPU: it has AVX512-BF16 or AMX, and a bf16 matmul runs 1.5x faster
-    than fp32. Most laptops stop at AVX2, where bf16 is emulated and many times slower than fp32."""
-    import timeit
-    cpuinfo = "/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull
-    with open(cpuinfo) as f:
-        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-            return False
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    b = a.bfloat16()
-    # the best of 5 timings after a warm-up one (~50 ms in all)
-    fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
-    bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
-    return fp32 > 1.5 * bf16
-
-def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
-    have it, fp16 on older ones, and bf16 on a CPU only where cpu_has_bf16()."""
-    # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
-    # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
-    # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
-    # backward, divides the grads after, and skips a step whose grads overflowed
-    saved = ckpt["config"].get("dtype") if ckpt else None
-    if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
-        dtype_arg = saved
-    elif dtype_arg == "auto" and device.type == "cuda":
-        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    elif dtype_arg == "auto":
-        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # every rank the same: the slowest decides
-            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-        dtype_arg = "bfloat16" if fast else "float32"
-    dtype = getattr(torch, dtype_arg)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
-    ctx = contextlib.nullcontext()
-    if dtype != torch.float32:
-        ctx = torch.autocast(device.type, dtype=dtype)
-    fp16 = dtype == torch.float16
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
-    return dtype, ctx, scaler
-
-def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, and wrapped in DDP or FSDP2 under torchrun. The optimizers
-    and checkpoints keep using raw, whose parameter names have no wrapper's prefix."""
-    # torch.compile fuses the elementwise ops between matmuls into Triton kernels. auto: on Linux
-    # GPUs, where it pays back its minute of compiling; on a CPU it rarely does for a short run
-    compiled = cfg.compile == "true"
-    if cfg.compile == "auto":
-        compiled = device.type == "cuda" and sys.platform == "linux"
-    kernels.use(cfg.kernels)  # before compile traces it
-    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
-        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
-    if world_size > 1 and cfg.parallel == "fsdp":
-        # FSDP2 (Zhao et al. 2023): each rank keeps 1/world_size of every weight, gradient and
-        # optimizer state, and gathers a block's weights just before it runs. Sharded block by
-        # block, so only one block is whole at a time, and the next block's gather overlaps this
-        # one's compute
-        if dtype == torch.float16:
-            die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        offload = OffloadPolicy()  # none
-        if cfg.offload == "params":  # the shards live in CPU memory between uses
-            offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        # computed in dtype, gradients reduced in fp32: a sum over many ranks in bf16 loses bits
-        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        mesh = dist.init_device_mesh(device.type, (world_size,))
-        for block in raw.blocks:
-            if compiled:
-                block.compile()
-            fully_shard(block, mp_policy=precision, offload_policy=offload, mesh=mesh)
-        return fully_shard(raw, mp_policy=precision, offload_policy=offload, mesh=mesh), compiled
-    model = raw
-    if compiled:
-        model = torch.compile(raw)
-    if world_size > 1:
-        # DDP: every rank holds the whole model and all-reduces the grads in backward, bucket by
-        # bucket while backward goes on. The buffers (RoPE's tables) are constants: not broadcast
-        ids = [device.index] if device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-    return model, compiled
-
-def grad_sync(model, sync):
-    """A micro-step's backward context: the grads are synced across ranks only if sync."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag on the model
-        model.set_requires_gradient_sync(sync)
-    if hasattr(model, "no_sync") and not sync:  # DDP: a context
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-def clip_grads(params, max_norm):
-    """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = full(nn.utils.get_total_norm(grads))
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
-    torch._foreach_mul_(grads, scale)
-    return norm
-
-def agree(rows, t0, world_size):
-    """The sync: the host reads the guard's rows of the steps since the last sync, which waits for
-    the device to finish them, then the seconds since t0, averaged over the ranks so that every
-    rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
-    rows = rows.tolist()  # the one host read of device values, at a sync only
-    seconds = time.perf_counter() - t0
-    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        seconds = all_mean(t, world_size).item()
-    return rows, seconds
-# === end shared ===
-
-# -----------------------------------------------------------------------------
 # Training loop
 # main() checks the flags and catches the stop signals; train() sets up, resumes, and runs the loop. Each pass of
-# the loop first reports, evaluates and saves what the last step left (so step 0 evaluates the untrained model and
-# the last pass saves the finished one), then takes one optimizer step: micro-batches, clip, guard, update, EMA.
-# Evals score the model twice: the held-out denoising loss, a number that moves smoothly, and samples, which are
-# what a diffusion model is for but take many forwards each.
+# the loop first evaluates and saves what the last step left (so step 0 evaluates the untrained model and the last
+# pass saves the finished one), then takes one optimizer step: micro-batches, clip, guard, update, EMA; a log step
+# ends in the sync and its line. Evals score the model twice: the held-out denoising loss, a number that moves
+# smoothly, and samples, which are what a diffusion model is for but take many forwards each.
+
+# === shared: guard ===
+# The guard's verdict on a step: a number on the device, which the host reads at the next sync. GOOD, or why the
+# optimizers skipped the step; OVERFLOW is fp16's, which the loss scaler handles (it lowers its scale), not a bad step
+GOOD, NONFINITE, LOSS_SPIKE, GNORM_SPIKE, OVERFLOW = range(5)
+BAD = {NONFINITE: "non-finite loss or grad norm", LOSS_SPIKE: "loss spike", GNORM_SPIKE: "grad norm spike"}
+
+class Guard:
+    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
+    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
+    checkpoint before the spike and skip the batches around it).
+
+    It decides on the device: reading the loss on the host at every step would make the host wait
+    for the device at every step. A spike is measured against running statistics of the good
+    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
+    grad norm, and their variance. The host reads the verdicts at the next sync (RunLog.skips)."""
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
+        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
+        self.window = window
+        self.max_bad = max_bad
+        self.clip_mult = clip_mult
+        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
+        n, *mean_var = self.stats.tolist()
+        return {
+            "n": int(n),
+            "mean": mean_var[:2],  # the loss's and the grad norm's
+            "var": mean_var[2:],
+            "bad": list(self.bad)
+        }
+
+    def load_state(self, s):
+        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
+        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
+        mean = [float(m) for m in s["mean"][:2]]
+        var = [float(v) for v in s["var"][:2]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
+
+    def clip(self, max_norm):
+        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
+        times the mean grad norm, once ten steps have made that mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        if not self.clip_mult:
+            return limit
+        warm = self.stats[0] >= 10
+        mean_gnorm = self.stats[2]
+        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
+
+    def check(self, loss, gnorm, fp16=False):
+        """The step's verdict, a 0-d float tensor on the device: GOOD, or why the optimizers must
+        leave the weights alone. A good step's loss and grad norm join the running statistics."""
+        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
+        n, mean, var = self.stats.split([1, 2, 2])
+        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
+        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
+        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
+        verdict = torch.where(spike[1], GNORM_SPIKE, GOOD)
+        verdict = torch.where(spike[0], LOSS_SPIKE, verdict)  # a loss spike is named before a grad norm one
+        nonfinite = NONFINITE
+        if fp16:  # non-finite grads of a finite loss: fp16 overflowed, and the scaler skips the step
+            nonfinite = torch.where(v[0].isfinite(), OVERFLOW, NONFINITE)
+        verdict = torch.where(v.isfinite().all(), verdict, nonfinite)
+        # the statistics of good steps: a running mean for the first window steps, then an EMA
+        a = (1 / (n + 1)).clamp(min=1 / self.window)
+        d = v - mean
+        new_mean = mean + a * d
+        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
+        new = torch.cat([n + 1, new_mean, new_var])
+        self.stats = torch.where(verdict == GOOD, new, self.stats)
+        return verdict.float()
+
+    def rollback_due(self):
+        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# === end shared ===
+def write_grid(path, images, rows, labels=None, zoom=2):
+    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
+    # column-major: draw_samples gives sample i the class i % K, so with a row per class, row r holds that class
+    from PIL import Image, ImageDraw
+    n, H, W, _ = images.shape  # (n, H, W, C)
+    gap = 2
+    h = H * zoom + gap  # a cell and the gap after it
+    w = W * zoom + gap
+    margin = 0  # room for the labels, left of the rows
+    if labels:
+        margin = 8 + 6 * max(map(len, labels))
+    im = Image.new("RGB", (margin + n // rows * w + gap, rows * h + gap), "white")
+    for i, image in enumerate(images):
+        cell = Image.fromarray(image.squeeze())  # (H, W, 3) RGB, or (H, W) grey, which paste turns into RGB
+        cell = cell.resize((W * zoom, H * zoom), Image.NEAREST)  # a pixel becomes a zoom x zoom square
+        im.paste(cell, (margin + gap + i // rows * w, gap + i % rows * h))  # row i % rows, column i // rows
+    draw = ImageDraw.Draw(im)
+    for r, name in enumerate(labels or ()):
+        top = gap + r * h + H * zoom // 2 - 5  # the text, about 10 pixels high, centred on its row
+        draw.text((4, top), name, fill=(0, 0, 0))
+    # written whole, then renamed: a reader never sees half a PNG
+    im.save(f"{path}.tmp", format="PNG")
+    os.replace(f"{path}.tmp", path)
 
 def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                   ctx, rank, world_size, step, final):
@@ -887,30 +1238,6 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
         line += f" | FID {rec['fid']:.2f}"
     print(f"{line} | {n_samples} samples in {rec['sample_s']:.0f} s | {grid}")
     return rec
-
-def write_grid(path, images, rows, labels=None, zoom=2):
-    """A PNG of uint8 images (rows * cols, H, W, C), image r + j * rows at (r, j)."""
-    # column-major: draw_samples gives sample i the class i % K, so with a row per class, row r holds that class
-    from PIL import Image, ImageDraw
-    n, H, W, _ = images.shape  # (n, H, W, C)
-    gap = 2
-    h = H * zoom + gap  # a cell and the gap after it
-    w = W * zoom + gap
-    margin = 0  # room for the labels, left of the rows
-    if labels:
-        margin = 8 + 6 * max(map(len, labels))
-    im = Image.new("RGB", (margin + n // rows * w + gap, rows * h + gap), "white")
-    for i, image in enumerate(images):
-        cell = Image.fromarray(image.squeeze())  # (H, W, 3) RGB, or (H, W) grey, which paste turns into RGB
-        cell = cell.resize((W * zoom, H * zoom), Image.NEAREST)  # a pixel becomes a zoom x zoom square
-        im.paste(cell, (margin + gap + i // rows * w, gap + i % rows * h))  # row i % rows, column i // rows
-    draw = ImageDraw.Draw(im)
-    for r, name in enumerate(labels or ()):
-        top = gap + r * h + H * zoom // 2 - 5  # the text, about 10 pixels high, centred on its row
-        draw.text((4, top), name, fill=(0, 0, 0))
-    # written whole, then renamed: a reader never sees half a PNG
-    im.save(f"{path}.tmp", format="PNG")
-    os.replace(f"{path}.tmp", path)
 
 def conditioning(cfg, meta):
     """Classes to condition on: 0 (none) for one class or --num_classes=0."""
@@ -956,64 +1283,62 @@ def training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, c
         mse = mse * weight
     return mse.mean()
 
-def main(cfg):
-    """Train (or --benchmark) per cfg; returns a dict of final metrics."""
-    check_config(cfg)
-    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
-        return train(cfg, stop)
-
 def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
+    """Set up, resume, then the loop: evals and saves; micro-steps, clip, the guard, the update; the sync
+    and its log line."""
     rank, world_size, device = setup_dist(cfg.device)
-    wall0, master = time.perf_counter(), rank == 0
-    # data: both splits as uint8, held on the device or read from their files (--loader); random images for --benchmark
-    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device,
-                                            "the upright shapes dataset", "--rotate=off")
-    (H, W), C, K = meta["image_size"], meta["channels"], conditioning(cfg, meta)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
+    wall0 = time.perf_counter()
+    master = rank == 0  # only rank 0 writes files
+    # a first run: the demo's data
+    prepare_default_data(cfg, rank, world_size, "shapes", "the upright shapes dataset", "--rotate=off")
+    # data: both splits as uint8, held on the device or read from their files (--loader)
+    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device)
+    H, W = meta["image_size"]
+    C = meta["channels"]
+    K = conditioning(cfg, meta)
     flip, why = flips(cfg, meta)
     data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
     data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels")}
     alpha_bar = cosine_alpha_bar()  # (T + 1,): ddpm's schedule
-    scored = cfg.eval_classifier and master and not cfg.benchmark  # the samples are scored on rank 0 alone
-    judge = scored and Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
+    judge = None  # the samples are scored on rank 0 alone
+    if cfg.eval_classifier and master:
+        judge = Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, val_x)
 
+    # The budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
+    B = cfg.batch_size
+    accum = cfg.grad_accum
+    images_per_step = B * accum * world_size
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = 0.0 if max_steps else cfg.time_budget
     # cfg settles here, before anything derives from it: the precision (a resumed run's)
     layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
+    ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, master, max_steps, time_budget)
     dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
-    B, accum = cfg.batch_size, cfg.grad_accum
-    images_per_step = B * accum * world_size
 
     # model, optimizer, EMA, guard
     raw = build_model(cfg, H, C, K, device)
+    kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
-    # the budget: steps (--max_steps, or --epochs in steps), else seconds of training (--time_budget)
-    steps_per_epoch = len(loader.y) // (B * world_size) / accum
-    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    time_budget = 0.0 if cfg.max_steps or cfg.epochs else cfg.time_budget
-    bench = Benchmark(cfg.bench_steps, cfg.profile)
-    if cfg.benchmark:  # a fixed number of steps, to time
-        max_steps = bench.total
-        time_budget = 0.0
-    # per step: images, and its seconds at the GPU's peak (for MFU)
-    rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
 
-    # the loop's state is these locals; a resume sets them, and the loader's place
-    step, train_time, history = 0, 0.0, []  # the step to take next, seconds trained, logged records
+    # the loop's state: these locals; a resume sets them, and the loader's place
+    step, train_time, history = 0, 0.0, []
     if ckpt:
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
-        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
-                             cfg.out_dir)
-    metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
+    # the log: a line a log step, every value in metrics.jsonl; what a step is worth gives its speed and MFU
+    log = start_log(cfg, master, images_per_step, "img", raw.flops_per_image() * images_per_step, device, dtype)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, world_size,
+                              master)
     budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
     classes = f"{K} classes" if K else "unconditional"
     objective = f"{cfg.objective}, {cfg.predict}-prediction" if cfg.objective == "flow" else cfg.objective
@@ -1026,35 +1351,26 @@ def train(cfg, stop):
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
     # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
-    # counts the reads). Time has three names: train_time, the seconds of training up to the
-    # last sync; t0, when the clock last started; step_time, a step's seconds over the last
-    # interval, which estimates the time between syncs.
-    # first: where this run (re)starts; synced: the last step the host has read
-    first, synced, step_time, stopped = step, step, 0.0, False
-    trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
+    # counts the reads). The sync's state is two names: trace, the rows of the steps since the
+    # last sync, and step_time, a step's seconds over the last interval, which estimates the time
+    # since (train_time is the time up to it; t0 is when the clock last started).
+    first, trace, step_time = step, [], 0.0  # first: where this run (re)starts
+    last_step = stopped = False
     t0 = time.perf_counter()  # start the clock
     while True:
-        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
-        if step == synced and step > first:  # a sync has just read this step: report it
-            if step % cfg.log_every == 0 or last_step:
-                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
-                history.append({"step": step, "loss": loss})
-            if cfg.benchmark:
-                bench.mark(step, train_time)
         # Evals (one at step 0: the samples of an untrained model are noise) and saves, but not
         # again at the step a resume or rollback starts from. The clock stopped at the sync: they
         # are not training time.
         final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
         evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
-        if evals and not cfg.benchmark:
+        if evals:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                                 ctx, rank, world_size, step, final)
-            record(metrics, **rec)
+            log.record(**rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})  # scores, not the per-t losses
-        if saves and not cfg.benchmark:
-            writer.save({**model_state(raw, opts, ema, full=not sharded), "scaler": scaler.state_dict(),
+        if saves:
+            writer.save({**model_state(raw, opts, ema, whole=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time,
                          "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
                          "world_size": world_size, "data": loader.state(), "num_classes": K,
@@ -1069,7 +1385,7 @@ def train(cfg, stop):
         # draws the same numbers, for any number of ranks.
         gen = torch.Generator(device).manual_seed(cfg.seed + 1000003 * (step + 1))  # a seed per (seed, step)
         if time_budget:  # the schedule follows the time, estimated since the sync
-            progress = (train_time + (step - synced) * step_time) / time_budget
+            progress = (train_time + len(trace) * step_time) / time_budget
         else:
             progress = step / max_steps
         mult = lr_mult(cfg, step, progress)
@@ -1077,27 +1393,26 @@ def train(cfg, stop):
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * mult
-        loss_sum = torch.zeros((), device=device)
+        loss = torch.zeros((), device=device)  # the step's mean loss, on the device
         for micro in range(accum):
             x, y = loader.next()  # (B, H, W, C) uint8, (B,)
             # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
             with grad_sync(model, micro == accum - 1):
-                loss = training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx) / accum
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+                micro_loss = training_loss(model, x, y, gen, rank, world_size, K, flip, cfg, alpha_bar, ctx) / accum
+                scaler.scale(micro_loss).backward()
+            loss += micro_loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
         # clip the global norm of the gradients at grad_clip (or, with --clip_mult, at a multiple of its running
         # mean), a guard against a rare batch with an outsized gradient; gnorm is the norm before clipping
         gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
         # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
-        # the host would stall the device every step. Where skip is 1, fused AdamW leaves the
-        # weights and their state as they were (its fp16-overflow path).
-        row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
-        trace[step - synced] = row
+        # the host would stall the device every step. Where its verdict is not GOOD, AdamW's
+        # fused kernel leaves the weights and their state as they were.
+        loss = all_mean(loss, world_size)
+        verdict = guard.check(loss, gnorm, scaler.is_enabled())
         for opt in opts:
-            opt.found_inf = skip
-            opt.step()
+            opt.step(skip=verdict != GOOD)
         # The EMA of the weights, which evals sample from. Its decay rises as (1 + t) / (10 + t) up to --ema, so
         # until step ~9,000 it averages over about the last tenth of the run (the demo's ~4,500 steps: it never
         # reaches 0.999), then over the last 1 / (1 - ema); DiT's 0.9999 suits its 400k. A skipped step left the
@@ -1106,45 +1421,43 @@ def train(cfg, stop):
             ema.update()
         scaler.update()
         step += 1
+        trace.append(torch.stack([loss, gnorm, verdict]))
 
         # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
         # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
         stopped = stop.requested(world_size)
         if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
-            near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
+            near_end = not step_time or train_time + len(trace) * step_time >= time_budget
         else:
             near_end = step >= max_steps
         due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
-        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+        if not (near_end or stopped or any(due)):
             continue
-        rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
+        rows, seconds = agree(trace, t0, world_size)  # the host waits for the device here
         t0 = time.perf_counter()
         train_time += seconds
-        step_time = seconds / (step - synced)
-        reason = guard.log_skips(rows, synced, metrics)
-        synced = step
-        loss, gnorm = rows[-1][:2]
+        step_time = seconds / len(rows)
+        trace = []
+        reason = log.skips(rows, step - len(rows), guard)
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
-            writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
+            ckpt = writer.rollback_point(guard, reason, log, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             first = step  # the batches read since are skipped, not read again
-            synced = step
             t0 = time.perf_counter()
+        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
+        lossf, gnormf = rows[-1][:2]  # the step's loss and grad norm, on the host
+        if step > first and (every(step, cfg.log_every) or last_step):  # (after a rollback: no new step yet)
+            log.step(step, max_steps, time_budget, train_time, step_time, loss=lossf, lr=cfg.lr * mult, gnorm=gnormf,
+                     epoch=loader.epoch + loader.pos / len(loader.y))
+            history.append({"step": step, "loss": lossf})
 
-    # the end: how to resume after a signal, or the benchmark's figures, or the results
+    # the end: how to resume after a signal, or the results
     writer.wait()
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
-              "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
-        print(preempted_line(stop.received, step, cfg.out_dir))
+              "peak_mem_gb": log.peak_memory_gb(), "params": n_params}
+    if stopped:  # the checkpoint is saved: exit 0, and --resume goes on
+        print(stop.preempted(step, cfg.out_dir))
         result = {"preempted": True, "steps": step, "train_time": train_time}
-    elif cfg.benchmark:
-        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
-        bench.print_profile(cfg.out_dir, device, master)
-        result |= timings
-        what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W}/{cfg.patch_size} | {device} {dtype}"
-        print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
         # results.tsv ranks runs by the best score there is: the classifier's, else the denoising loss
         key = "val_loss"
@@ -1152,9 +1465,8 @@ def train(cfg, stop):
             key = "clf_acc"
         elif ema:
             key = "ema_val_loss"
-        result |= {**rec, "train_loss": loss, "images": step * images_per_step}
-        if master:
-            append_result(cfg.out_dir, key, result, cfg.description)
+        result |= {**rec, "train_loss": lossf, "images": step * images_per_step}
+        log.result(key, result, cfg.description)
         print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, cfg.out_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1165,7 +1477,7 @@ def check_config(cfg):
     check_choices(cfg)
     # sizes and counts first, since the checks below divide by them
     at_least_1 = ("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps per_class "
-                  "log_every bench_steps")
+                  "log_every")
     at_least_0 = ("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
                   "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
     for low, keys in ((1, at_least_1), (0, at_least_0), (-1, "num_classes")):
@@ -1186,288 +1498,26 @@ def check_config(cfg):
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
-    if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+    if not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
         path = getattr(cfg, k)
         if path and not os.path.exists(path):
             die(f"--{k}={path}: no such file or directory")
 
-# -----------------------------------------------------------------------------
-# Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
-# must match, sin-cos positions, an image dir, its loader, the EMA of the weights.
-
-# === shared: images ===
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with the run of its checkpoint's config dict c."""
-    return {
-        **{k: c[k] for k in ARCH_FIELDS},
-        "ema": c["ema"] > 0,
-        "batch_size": c["batch_size"],
-        "grad_accum": c["grad_accum"],
-        "world_size": world_size,
-        "dtype": c["dtype"],
-        **data_info
-    }
-
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
-    # half the channels encode the row, half the column, each as sin and cos at dim/4 frequencies
-    quarter = dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim/4,)
-    rows, cols = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")  # (h, w) each
-    parts = []
-    for pos in (rows, cols):
-        angle = pos.flatten()[:, None] * omega  # (h * w, dim/4)
-        parts += [torch.sin(angle), torch.cos(angle)]
-    return torch.cat(parts, dim=1)
-
-def load_image_data(data_dir, splits=("train", "val")):
-    """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
-    path = os.path.join(data_dir, "meta.json")
-    fix = "re-run prepare_data.py for this data dir"
-    if not os.path.exists(path):
-        die(f"no prepared images in {data_dir!r} (no meta.json); make them with 'python "
-            f"prepare_data.py shapes --data_dir={data_dir}' (or cifar10, mnist, imagefolder PATH ...)")
-    with exit_if_unreadable(path, fix), open(path) as f:
-        meta = json.load(f)
-        if "vocab_size" in meta:  # prepare_data.py's text: token shards
-            die(f"{data_dir} holds token shards (text), which train_gpt.py reads; give --data_dir an image data "
-                f"dir, e.g. python prepare_data.py shapes --data_dir=data/shapes")
-        if meta["format"] != "trainsuite-image-1":
-            raise ValueError(f"format {meta['format']!r} is not an image dataset")
-        H, W = meta["image_size"]
-        C = meta["channels"]
-        K = meta["num_classes"]
-        fits = all(isinstance(v, int) and v > 0 for v in (H, W, C, K)) and len(meta["classes"]) == K
-        for k in ("mean", "std"):  # a number a channel
-            fits = fits and len(meta[k]) == C and all(isinstance(v, (int, float)) for v in meta[k])
-        if not fits:
-            raise ValueError("image_size, channels, num_classes, classes, mean and std do not fit")
-        if not isinstance(meta.get("flip_ok", False), bool):
-            raise ValueError("flip_ok must be true or false")
-    arrays = {}
-    for s in splits:
-        images = os.path.join(data_dir, f"{s}_images.npy")
-        labels = os.path.join(data_dir, f"{s}_labels.npy")
-        # a memory map reads no pixels yet, but checks that the file holds all the rows its header promises
-        with exit_if_unreadable(images, fix):
-            images = np.load(images, mmap_mode="r")
-        with exit_if_unreadable(labels, fix):
-            labels = np.load(labels)
-        arrays[s] = (images, labels)
-    for s, (x, y) in arrays.items():
-        if x.dtype != np.uint8 or x.ndim != 4 or list(x.shape[1:]) != [H, W, C]:
-            die(f"{data_dir}/{s}_images.npy is {x.dtype} {x.shape}, not uint8 (N, {H}, {W}, {C}) "
-                f"as meta.json says; {fix}")
-        if len(x) != len(y) or (len(y) and not 0 <= y.min() <= y.max() < K):
-            die(f"{data_dir}: {s} has {len(x)} images and {len(y)} labels (or labels outside "
-                f"0..{K - 1}); {fix}")
-    return meta, arrays
-
-def image_data(cfg, rank, world_size, device, what, *flags):
-    """meta, the train split's loader, and the val images and labels (images on the device, or read from their file)."""
-    if cfg.benchmark:  # random images, no val split
-        size = cfg.image_size or 32
-        n = 4 * cfg.batch_size
-        g = torch.Generator().manual_seed(0)
-        meta = {
-            "classes": [str(i) for i in range(10)],
-            "num_classes": 10,
-            "image_size": [size, size],
-            "channels": 3,
-            "mean": [0.5] * 3,
-            "std": [0.25] * 3,
-            "flip_ok": True
-        }
-        x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
-        labels = torch.randint(0, 10, (n,), generator=g)
-        arrays = {"train": (x.numpy(), labels.numpy())}
-    else:
-        prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
-        meta, arrays = load_image_data(cfg.data_dir)
-    H, W = meta["image_size"]
-    p = cfg.patch_size
-    if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
-            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % p:
-        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
-    on_device = data_on_device(cfg, arrays, device)
-    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed, on_device)
-    val_x = val_y = None  # --benchmark has no val split
-    if "val" in arrays:
-        images, labels = arrays["val"]
-        val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
-        val_x = hold(images, device, on_device)
-    return meta, loader, val_x, val_y
-
-def data_on_device(cfg, arrays, device):
-    """Whether the images are copied to the device whole (--loader=device), or stay in their files on the host and
-    are read a batch at a time (host). auto: the device, if both splits take under a quarter of its memory."""
-    if cfg.loader != "auto" or cfg.benchmark:  # --benchmark's random images have no file to read from
-        return cfg.loader != "host" or cfg.benchmark
-    need = sum(x.nbytes for x, _ in arrays.values())
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:  # the CPU, or MPS, which shares the host's memory: every rank on this host holds a copy
-        free = host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return need < free / 4
-
-def host_memory():
-    """The host's memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-def hold(images, device, on_device):
-    """A split's uint8 images (N, H, W, C): copied whole to the device, or left in their file (HostImages)."""
-    if on_device:
-        return torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
-    return HostImages(images, device)
-
-def flips(cfg, meta):
-    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
-    if cfg.flip != "auto":
-        return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
-    return meta["flip_ok"], "the data's flip_ok"
-
-class HostImages:
-    """A split's images left in their .npy file on the host: rows read on request, with plain file reads into fresh
-    host memory (pinned when they go to a GPU, so that the copy runs beside the compute). No copy of the whole
-    split is made anywhere. Why not index np.load's memory map: its disk reads happen as page faults inside
-    numpy's copy, which holds Python's lock (the GIL) meanwhile and stalls the training thread; a file read lets
-    it go. And every page the map touched would count in this process's memory, where a read's stay the kernel's
-    page cache."""
-
-    def __init__(self, array, device):
-        self.path = array.filename  # array: np.load's memory map, which has checked the file's size
-        self.offset = array.offset  # where the rows start, past the .npy header
-        self.shape = array.shape
-        self.row = math.prod(self.shape[1:])  # bytes a uint8 image
-        self.pin = device.type == "cuda"
-        self.file = open(self.path, "rb", buffering=0)  # reads straight into the batch, no buffer between
-
-    def __len__(self):
-        return self.shape[0]
-
-    def __getitem__(self, rows):
-        """uint8 images (n, H, W, C) on the host: rows is a slice, or a tensor of indices."""
-        if isinstance(rows, slice):
-            rows = torch.arange(*rows.indices(len(self)))
-        out = torch.empty((len(rows), *self.shape[1:]), dtype=torch.uint8, pin_memory=self.pin)
-        flat = out.numpy().reshape(len(rows), self.row)
-        for k in rows.argsort().tolist():  # in the file's order: the disk reads forward
-            self.file.seek(self.offset + int(rows[k]) * self.row)
-            if self.file.readinto(flat[k]) != self.row:
-                raise EOFError(f"{self.path} ends before image {int(rows[k])}; re-run prepare_data.py")
-        return out
-
-class ImageLoader:
-    """(B, H, W, C) uint8 batches of the train split, in an order per epoch seeded by (seed, epoch); rank r takes
-    the r-th B of each global batch. Two paths, one order. A split that fits is copied to the device once and
-    indexed there. A larger one stays in its file (HostImages): a thread reads the next batches, two waiting while
-    the device computes, and each goes to the device with a non-blocking copy."""
-
-    def __init__(self, images, labels, B, rank, world_size, device, seed=0, on_device=True):
-        self.x = hold(images, device, on_device)
-        self.y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-        if on_device:
-            self.y = self.y.to(device)
-            self.where = f"held on {device.type}"
-        else:
-            self.where = "read from their file a batch ahead (host)"
-            self.reader = ThreadPoolExecutor(1)  # one thread: its reads of the file come one after another
-        self.on_device = on_device
-        self.device = device
-        self.B = B
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        if len(self.y) < B * world_size:
-            die(f"the train split has {len(self.y)} images, fewer than one batch of --batch_size x "
-                f"ranks = {B * world_size}; lower --batch_size")
-        self.load_state({"epoch": 0, "pos": 0})
-
-    def state(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state(self, s):
-        self.epoch = int(s["epoch"])
-        self.pos = int(s["pos"])  # where the next global batch starts in the epoch's order
-        self.order_epoch = None  # the epoch whose permutation self.order holds: none yet
-        self.ahead = collections.deque()  # the host path's reads: (batch to come, epoch and pos after it)
-        self.planned = (self.epoch, self.pos)  # where the next read starts
-
-    def plan(self, epoch, pos):
-        """(this rank's indices of the global batch at pos in the epoch's order, and the epoch and pos after it)."""
-        n = len(self.y)
-        step = self.B * self.world_size  # a global batch
-        if pos + step > n:  # drop the epoch's partial last batch
-            epoch += 1
-            pos = 0
-        if self.order_epoch != epoch:  # the epoch's permutation, drawn at its first batch
-            g = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-            self.order = torch.randperm(n, generator=g).to(self.y.device)
-            self.order_epoch = epoch
-        start = pos + self.rank * self.B  # this rank's B of the global batch
-        return self.order[start:start + self.B], epoch, pos + step
-
-    def next(self):
-        """This rank's next (images (B, H, W, C) uint8, labels (B,) int64), on the device."""
-        if self.on_device:
-            idx, self.epoch, self.pos = self.plan(self.epoch, self.pos)
-            return self.x[idx], self.y[idx]
-        while len(self.ahead) < 3:  # this batch, and two more read while the device computes
-            idx, epoch, pos = self.plan(*self.planned)
-            self.planned = (epoch, pos)
-            self.ahead.append((self.reader.submit(self.read, idx), epoch, pos))
-        batch, self.epoch, self.pos = self.ahead.popleft()
-        x, y = batch.result()
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    def read(self, idx):
-        """The images and labels at idx, in host memory (the reading thread's job)."""
-        y = self.y[idx]
-        if self.x.pin:
-            y = y.pin_memory()
-        return self.x[idx], y
-
-class EMA:
-    """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
-    swap() trades it with the live weights, so one model evaluates with either."""
-
-    def __init__(self, params, decay, model=None):
-        self.params = list(params)
-        self.decay = decay
-        self.t = 0  # updates so far
-        self.model = model
-        self.shadow = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self):
-        self.t += 1
-        d = min(self.decay, (1 + self.t) / (10 + self.t))  # early weights are forgotten fast
-        live = [p.detach() for p in self.params]
-        torch._foreach_lerp_(self.shadow, live, 1 - d)
-
-    @torch.no_grad()
-    def swap(self):
-        for p, s in zip(self.params, self.shadow):
-            tmp = p.detach().clone()
-            p.copy_(s)
-            s.copy_(tmp)
-        if hasattr(self.model, "reshard"):  # FSDP2 keeps a no-grad forward's gathered weights
-            self.model.reshard()
-# === end shared ===
+def main(cfg):
+    """Train per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
+        return train(cfg, stop)
 
 # -----------------------------------------------------------------------------
-# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
-# the guards, signals, reporting. The recipe above reads without it.
+# Machinery, the same bytes in every train_*.py: flags, logs, checkpoint I/O, resume and rollback,
+# signals. The recipe above reads without it.
 
 # === shared: machinery ===
-# What every trainer needs and none of them teaches: flags, logs, checkpoints, the guard
-# against bad steps, signals. This block is the same, byte for byte, in the three trainers (a
+# What every trainer needs and none of them teaches: flags, logs, checkpoints, rollbacks,
+# signals. This block is the same, byte for byte, in the three trainers (a
 # test compares them), so a fix lands in all three at once. A reader may skip it: train() calls
 # each part by a name that says what it does, and the names that stop a run say so.
 
@@ -1513,11 +1563,9 @@ def choose(field, value):
 
 def check_choices(cfg):
     """Stop on a value that no flag could have given: a test or a companion may build a Config
-    directly. --profile and --offload mean something only in their modes."""
+    directly. --offload means something only under FSDP2."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # else it would trace every step of a long run
-        die("--profile profiles --benchmark's steps; add --benchmark")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or ranks < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
@@ -1591,38 +1639,13 @@ def parse_args(cls, argv):
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
               "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
-def peak_seconds(flops, device, dtype):
-    """flops' seconds at the GPU's peak (tf32, in fp32: half of it), or 0 where the peak is unknown."""
-    gpu = ""
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-    for name, peak in PEAK_FLOPS.items():
-        if name in gpu:
-            return flops / (peak / 2 if dtype == torch.float32 else peak)
-    return 0.0
-
-def speed(rate, dt):
-    """({unit_s, mfu}, throughput text, MFU text) at dt seconds a step. rate: (units a step, the
-    unit's name, a step's seconds at peak)."""
-    per_step, unit, ideal = rate
-    x = per_step / dt
-    mfu = ideal / dt or None
-    if x >= 1e6:
-        text = f"{x / 1e6:.2f}M"
-    elif x >= 1e3:
-        text = f"{x / 1e3:.1f}k"
-    else:
-        text = f"{x:.0f}"
-    mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
-    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", mfu_text
-
-def start_log(cfg, master):
-    """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
-    metrics file's path (None elsewhere)."""
+def start_log(cfg, master, units, unit, flops, device, dtype):
+    """Print the config; rank 0 writes it and the scripts' source to out_dir. Returns the run's
+    RunLog: units, unit and flops are what one step is worth (its tokens or images, and FLOPs)."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
-    if not master or cfg.benchmark:
-        return None
+    if not master:
+        return RunLog(None, units, unit, flops, device, dtype)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1638,121 +1661,104 @@ def start_log(cfg, master):
         die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
     except ImportError:
         die("--wandb needs the wandb package: pip install wandb")
-    return os.path.join(cfg.out_dir, "metrics.jsonl")
+    return RunLog(os.path.join(cfg.out_dir, "metrics.jsonl"), units, unit, flops, device, dtype)
 
-def record(metrics, **kv):
-    """Append kv to metrics.jsonl (a JSON object a line, read with pandas.read_json(lines=True)),
-    and to wandb if a run is open."""
-    if not metrics:
-        return
-    with open(metrics, "a") as f:
-        f.write(json.dumps(kv) + "\n")
-    wandb = sys.modules.get("wandb")
-    if wandb and wandb.run:
-        wandb.log(kv, step=kv.get("step"))
+class RunLog:
+    """A run's log: every rank prints its lines (those of ranks > 0 go to devnull), and rank 0
+    records every logged value in metrics.jsonl, a JSON object a line (pandas.read_json(lines=True)),
+    and in wandb if a run is open. A step's worth gives its throughput and MFU."""
 
-def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
-    max_steps, time_budget = budget
-    rates, tput, mfu = speed(rate, dt)
-    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time,
-           **extra)
-    if time_budget:
-        of = f"{train_time:.0f}/{time_budget:.0f}s"
-    else:
-        of = f"{max_steps:05d}"
-    extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
-    print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-          f"{tput} | {mfu}{extras}")
+    def __init__(self, path, units, unit, flops, device, dtype):
+        self.path = path  # None: nothing is recorded
+        self.units = units  # a step's tokens (or images)
+        self.unit = unit  # their name: tok, img
+        self.device = device
+        # a step's seconds at the GPU's peak (tf32, in fp32: half of it), 0 where the peak is unknown
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        peak = next((f for name, f in PEAK_FLOPS.items() if name in gpu), 0)
+        if dtype == torch.float32:
+            peak /= 2
+        self.ideal = flops / peak if peak else 0.0
 
-# --benchmark's first steps compile and autotune, so they are not timed; then it times
-# --bench_steps steps between two syncs, and --profile traces a few more
-BENCH_WARMUP = 5
-PROFILE_STEPS = 3
-
-class Benchmark:
-    """--benchmark: time steps after warm-up, then profile. The host syncs only where the timed
-    stretch starts and ends, so the figure is the device's pace with the host queueing ahead,
-    as in a real run, and not the pace of a loop that waits on every step."""
-
-    def __init__(self, steps, profile):
-        self.steps = steps
-        self.times = {}  # {step: train_time after it}
-        self.profiler = torch.profiler.profile() if profile else None
-        self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
-
-    def due(self, step):
-        """Whether the host must sync after this step: the timed stretch starts or ends."""
-        return step in (BENCH_WARMUP, BENCH_WARMUP + self.steps)
-
-    def mark(self, step, train_time):
-        """After a synced step: note the time; start the profiler after the timed steps."""
-        self.times[step] = train_time
-        if step == BENCH_WARMUP and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()  # peak memory of the timed steps, not of compiling
-        if self.profiler and step == BENCH_WARMUP + self.steps:
-            self.profiler.start()
-
-    def timings(self, rate, signal, step):
-        """({unit_s, mfu, ms_per_step}, their text) over the timed steps; stops if a signal cut them short."""
-        if signal:
-            die(f"--benchmark stopped by {signal} at step {step}; nothing measured")
-        dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
-        rates, tput, mfu = speed(rate, dt)
-        return {**rates, "ms_per_step": dt * 1e3}, f"{tput} | {dt * 1e3:.1f} ms/step | {mfu}"
-
-    def print_profile(self, out_dir, device, master):
-        """--profile: trace.json of the profiled steps for ui.perfetto.dev, and the top ops."""
-        if not self.profiler:
+    def record(self, **kv):
+        """Append kv to metrics.jsonl, and to wandb."""
+        if not self.path:
             return
-        self.profiler.stop()
-        if not master:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        wandb = sys.modules.get("wandb")
+        if wandb and wandb.run:
+            wandb.log(kv, step=kv.get("step"))
+
+    def step(self, step, max_steps, time_budget, train_time, dt, loss, lr, gnorm, **extra):
+        """Print and record a log step: its loss, LR and grad norm, dt (a step's seconds), extra."""
+        x = self.units / dt
+        mfu = self.ideal / dt or None
+        self.record(step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **{f"{self.unit}_s": x}, mfu=mfu,
+                    train_time=train_time, **extra)
+        if x >= 1e6:
+            rate = f"{x / 1e6:.2f}M"
+        elif x >= 1e3:
+            rate = f"{x / 1e3:.1f}k"
+        else:
+            rate = f"{x:.0f}"
+        of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+        extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
+        mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
+        print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{rate} {self.unit}/s | {mfu_text}{extras}")
+
+    def skips(self, rows, step, guard):
+        """At a sync, the rows [loss, grad norm, verdict] of the steps after step: prints and records
+        the bad ones, notes them as the guard's recent bad steps, and returns why the last one was
+        skipped (None if none was)."""
+        last = None
+        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
+            if verdict not in BAD:  # GOOD, or fp16's OVERFLOW
+                continue
+            guard.bad = [b for b in guard.bad if b > s - guard.window] + [s]
+            last = f"{BAD[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
+            self.record(step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
+            print(f"step {s:05d} | update skipped: {last} | {len(guard.bad)} bad in {guard.window} steps")
+        return last
+
+    def peak_memory_gb(self):
+        """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        if sys.platform == "win32":
+            return 0.0
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
+
+    def result(self, metric, result, description):
+        """A row in results.tsv beside out_dir (rank 0): one line a finished run (time, script,
+        commit, metric, its value, memory, wall time, --description), to compare experiments."""
+        if not self.path:
             return
-        os.makedirs(out_dir, exist_ok=True)
-        self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-        print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-
-def peak_memory_gb(device):
-    """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    if sys.platform == "win32":
-        return 0.0
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
-
-def append_result(out_dir, metric, result, description):
-    """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
-    its value, memory, wall time, --description), to compare experiments at a glance."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = ""
-    if shutil.which("git"):
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
-    row = [time.strftime("%Y%m%d-%H%M%S"),
-           os.path.basename(__file__),
-           commit or "unknown",
-           metric,
-           f"{result[metric]:.4f}",
-           f"{result['peak_mem_gb']:.2f}",
-           f"{result['wall_time']:.0f}",
-           description.replace("\t", " ")]
-    try:
-        tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
-        with open(tsv, "a") as f:
-            if f.tell() == 0:
-                f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
-            f.write("\t".join(row) + "\n")
-    except OSError as e:  # a side output: the run is done, its checkpoint saved
-        print(f"warning: results.tsv not written: {e}")
-
-def preempted_line(signal, step, out_dir):
-    """What a run stopped by a signal says: its checkpoint is saved and --resume continues it."""
-    return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
-            f"run the same command with --resume to continue")
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = ""
+        if shutil.which("git"):
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
+        row = [time.strftime("%Y%m%d-%H%M%S"),
+               os.path.basename(__file__),
+               commit or "unknown",
+               metric,
+               f"{result[metric]:.4f}",
+               f"{result['peak_mem_gb']:.2f}",
+               f"{result['wall_time']:.0f}",
+               description.replace("\t", " ")]
+        try:
+            out_dir = os.path.dirname(self.path)
+            tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
+            with open(tsv, "a") as f:
+                if f.tell() == 0:
+                    f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
+                f.write("\t".join(row) + "\n")
+        except OSError as e:  # a side output: the run is done, its checkpoint saved
+            print(f"warning: results.tsv not written: {e}")
 
 # ---- checkpoints
 # A checkpoint is a dict that train() builds: the weights and the optimizers' state, the step,
@@ -1769,10 +1775,10 @@ def preempted_line(signal, step, out_dir):
 # plain model, DDP and FSDP2: keyed by parameter name (not by the optimizer's numbering), full
 # on rank 0's CPU or sharded. So one checkpoint format serves every layout.
 
-def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: full tensors on the CPU, or (full=False) each rank's shards."""
+def model_state(model, opts, ema=None, whole=True):
+    """{model, optim, ema, ema_t}: whole tensors on the CPU, or (whole=False) each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = StateDictOptions(full_state_dict=whole, cpu_offload=whole)
     weights, optim = get_state_dict(model, opts, options=options)
     sd = {"model": weights, "optim": optim, "ema": None, "ema_t": 0}
     if ema:  # the EMA's weights are read through the model, so that they are sharded alike
@@ -1789,7 +1795,7 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
     if "shards" in ckpt:  # DCP reads each rank's part, and reshards if the number of ranks changed
-        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
+        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, whole=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
         ema.swap()
@@ -1807,10 +1813,11 @@ class CheckpointWriter:
     """Writes one checkpoint at a time. With --async_save the write runs beside training (a thread,
     or DCP's async_save for shards), and the next save, a rollback or the end waits for it."""
 
-    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
+    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, world_size, master):
         self.out_dir = out_dir
         self.keep = (keep_last, milestone_every)
         self.async_save = async_save
+        self.world_size = world_size
         self.master = master
         self.pending = None  # the write in flight
         # DCP gathers the shards' plan over a gloo group of its own, apart from training's NCCL
@@ -1822,22 +1829,22 @@ class CheckpointWriter:
         # checkpoint on disk would not be the newest one saved.
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = None
+        write_tensors = None
         if self.group:  # FSDP: the tensors go to DCP's shards, the rest to state.pt
-            shards = self.shards(ckpt)
+            write_tensors = self.dcp_writer(ckpt)
             rest = {k: v for k, v in ckpt.items() if k not in ("model", "optim", "ema")}
             ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
-        if not (self.master or shards):
+        if not (self.master or write_tensors):
             return
         if self.async_save:
             ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors the thread writes
-        args = (self.out_dir, ckpt, *self.keep, shards, self.master)
+        args = (self.out_dir, ckpt, *self.keep, write_tensors, self.master)
         if self.async_save:
             self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
             write_checkpoint(*args)
 
-    def shards(self, ckpt):
+    def dcp_writer(self, ckpt):
         """A function that writes ckpt's tensors as DCP shards and returns when they are on disk."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
@@ -1856,16 +1863,42 @@ class CheckpointWriter:
             self.pending.result()
             self.pending = None
 
-def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
+    # A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
+    # steps, but not the loader's place: the run goes on from the batch it had reached, so the
+    # batches that caused the trouble are not seen again (PaLM's fix).
+
+    def rollback_point(self, guard, reason, log, step):
+        """The newest intact checkpoint from before the guard's first bad step; stops in one line
+        if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
+        self.wait()
+        if self.world_size > 1:
+            dist.barrier()  # rank 0's last write lands before any rank looks
+        ckpt, path = load_checkpoint(self.out_dir, before=guard.bad[0], whole=False)
+        if ckpt is None:  # else it would skip to the end
+            die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before "
+                f"step {guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
+        guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
+        if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+            die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
+                f"lower --lr or raise --warmup_steps")
+        print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        log.record(step=step, event="rollback", to_step=ckpt["step"])
+        if self.master:  # the steps after it are a timeline that nothing may resume
+            prune(self.out_dir, lambda s: s > ckpt["step"])
+        return ckpt
+
+MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
+
+def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, write_tensors=None, master=True):
     """Write ckpt_STEP.pt (or the shards, then ckpt_STEP/state.pt) atomically, then prune the old
     ones: all but the newest keep_last, and the milestones (steps that are multiples of milestone_every)."""
-    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt")
+    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if write_tensors else ".pt")
     path = os.path.join(out_dir, name)
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, "ckpt.tmp")
     try:
-        if shards:
-            shards()  # returns when every rank's shards are on disk
+        if write_tensors:
+            write_tensors()  # returns when every rank's shards are on disk
             if not master:
                 return
             sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
@@ -1908,10 +1941,11 @@ def list_checkpoints(out_dir):
 # curve after it means nothing. run_layout() (in the recipe) names the fields that must match,
 # and a resume that changes one stops with the list of differences.
 
-def resume_point(out_dir, resume, layout, master):
+def resume_point(out_dir, resume, layout, master, max_steps=0, time_budget=0.0):
     """(ckpt, path) of the newest intact checkpoint to resume from, or (None, None) for a fresh
     run. Stops if out_dir holds an earlier run and --resume is not given (torchrun's restarts
-    resume by themselves), or if the checkpoint's run had another layout."""
+    resume by themselves), if the checkpoint's run had another layout, or if it is complete
+    (its step is max_steps, or its train_time time_budget)."""
     found = list_checkpoints(out_dir)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if found and not (resume or restarted):
@@ -1926,45 +1960,19 @@ def resume_point(out_dir, resume, layout, master):
     with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
         saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
         diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+        step = int(ckpt["step"])
+        done = float(ckpt["train_time"]) >= time_budget if time_budget else 0 < max_steps <= step
     if diff:
         die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
             f"use a new --out_dir")
-    if master:  # the newer ones are unreadable: a later save must not count them among the newest
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt, path
-
-def print_resume_or_exit(path, step, done, out_dir):
-    """Print where a resume starts; stop in one line if the run is already done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
+    if master:  # the newer ones are unreadable: a later save must not count them among the newest
+        prune(out_dir, lambda s: s > ckpt["step"])
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-
-MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
-
-# A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
-# steps, but not the loader's place: the run goes on from the batch it had reached, so the
-# batches that caused the trouble are not seen again (PaLM's fix).
-
-def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
-    """The newest intact checkpoint from before the guard's first bad step; stops in one line
-    if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
-    if world_size > 1:
-        dist.barrier()  # rank 0's last write lands before any rank looks
-    ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # else it would skip to the end
-        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
-            f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
-    if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
-            f"lower --lr or raise --warmup_steps")
-    print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-    record(metrics, step=step, event="rollback", to_step=ckpt["step"])
-    if master:  # the steps after it are a timeline that nothing may resume
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt
+    return ckpt, path
 
 def check_intact(path):
     """A checkpoint's dict, loaded on the CPU, if it is intact: raises ValueError naming the fault,
@@ -2059,100 +2067,7 @@ def exit_if_unreadable(path, fix):
     except Exception as e:  # noqa: BLE001 - whatever a crafted file makes the reader raise
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
-# ---- the guard, signals, default data
-
-def every(step, n):
-    """Whether step is a multiple of n (n = 0: never)."""
-    return n > 0 and step % n == 0
-
-class Guard:
-    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
-    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
-    checkpoint before the spike and skip the batches around it).
-
-    It decides on the device: reading the loss on the host at every step would make the host wait
-    for the device at every step. A spike is measured against running statistics of the good
-    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
-    grad norm, and their variance. The host reads the verdicts at the next sync (log_skips)."""
-
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
-        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
-        self.window = window
-        self.max_bad = max_bad
-        self.clip_mult = clip_mult
-        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
-        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
-
-    def state(self):
-        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
-        n, *mean_var = self.stats.tolist()
-        return {
-            "n": int(n),
-            "mean": mean_var[:2],  # the loss's and the grad norm's
-            "var": mean_var[2:],
-            "bad": list(self.bad)
-        }
-
-    def load_state(self, s):
-        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
-        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
-        mean = [float(m) for m in s["mean"][:2]]
-        var = [float(v) for v in s["var"][:2]]
-        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
-
-    def clip(self, max_norm):
-        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
-        times the mean grad norm, once ten steps have made that mean."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        if not self.clip_mult:
-            return limit
-        warm = self.stats[0] >= 10
-        mean_gnorm = self.stats[2]
-        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
-
-    def check(self, loss, gnorm, fp16=False):
-        """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
-        1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
-        skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
-        into the running statistics."""
-        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
-        n, mean, var = self.stats.split([1, 2, 2])
-        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
-        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
-        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
-        verdict = torch.where(spike[1], 3, 0)
-        verdict = torch.where(spike[0], 2, verdict)  # a loss spike is named before a grad norm one
-        # a non-finite value: the scaler's overflow in fp16 if the loss is finite, else bad
-        overflow = torch.where(fp16 & v[0].isfinite(), 4, 1)
-        verdict = torch.where(v.isfinite().all(), verdict, overflow)
-        # the statistics of good steps: a running mean for the first window steps, then an EMA
-        a = (1 / (n + 1)).clamp(min=1 / self.window)
-        d = v - mean
-        new_mean = mean + a * d
-        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
-        new = torch.cat([n + 1, new_mean, new_var])
-        self.stats = torch.where(verdict == 0, new, self.stats)
-        row = torch.stack([v[0], v[1], verdict.float()])
-        skip = (verdict > 0).float()
-        return row, skip
-
-    def log_skips(self, rows, step, metrics):
-        """At a sync, the rows of the steps after step: prints and records the skipped ones, and
-        returns why the last one was skipped (None if none was)."""
-        why = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}
-        last = None
-        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
-            if verdict not in why:  # 0 good, 4 the scaler's (it lowers its scale and goes on)
-                continue
-            self.bad = [b for b in self.bad if b > s - self.window] + [s]
-            last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
-            record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
-            print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
-        return last
-
-    def rollback_due(self):
-        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
-        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# ---- signals, default data
 
 class StopSignal:
     """SIGTERM/SIGINT: finish the step, save, exit 0; a second signal acts at once.
@@ -2187,6 +2102,11 @@ class StopSignal:
         flag = torch.tensor([float(self.received is not None)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag.item() > 0
+
+    def preempted(self, step, out_dir):
+        """What a run stopped by the signal says: its checkpoint is saved and --resume continues it."""
+        return (f"stopped by {self.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                f"{out_dir}; run the same command with --resume to continue")
 
     def __exit__(self, *exc):
         for sig, handler in self.old.items():

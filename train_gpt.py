@@ -8,7 +8,7 @@ DDP or FSDP2, exact resume, a KV-cache sampler.
 
   python train_gpt.py          # CPU demo on the stdlib corpus, ~4 min
   torchrun --nproc_per_node=8 train_gpt.py --preset=gpt2_124m
-  python train_gpt.py --benchmark --preset=gpt2_124m
+  python bench.py train_gpt.py --preset=gpt2_124m   # its speed, on random tokens
   python train_gpt.py -h       # every flag, with its default
 
 Jobs on a finished checkpoint live beside it: sample_gpt.py samples text,
@@ -133,14 +133,11 @@ class Config:
     # system
     activation_checkpointing: Literal["none", "blocks", "selective"] = "none"  # recompute in backward: less memory
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # auto: cuda, else mps, else cpu
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # autocast's; auto: bf16 if fast, else fp32
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # autocast's; auto: bf16 on GPUs, fp32 on CPUs
     compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (DDP) or shard it (FSDP2)
     offload: Literal["none", "params"] = "none"  # fsdp: keep the parameters in CPU memory
     seed: int = 1337  # of the init, the order of the train rows and the sampling
-    benchmark: bool = False  # time steps on random tokens, print the speed, and exit
-    bench_steps: int = 20  # steps that --benchmark times, after 5 warm-up steps
-    profile: bool = False  # with --benchmark: write trace.json of 3 more steps
     kernels: Literal["auto", "triton", "torch"] = "auto"  # Triton's or PyTorch's ops; auto: the faster per op
     # the text sampled at evals (sample_gpt.py samples a finished checkpoint)
     temperature: float = 0.8  # of the sampled text; 0 = greedy
@@ -180,6 +177,9 @@ MOVED = {
     "eval_only": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag",
     "consolidate": "python finetune_gpt.py --export=pt --ckpt=SHARDED_CKPT --out_dir=NEW_DIR",
     "eval_mc": "python eval_gpt.py --ckpt=out/gpt --items=data/hellaswag (--every_checkpoint for a run's milestones)",
+    "benchmark": "python bench.py train_gpt.py --preset=gpt2_124m (any flag of this script's)",
+    "bench_steps": "python bench.py train_gpt.py --steps=N",
+    "profile": "python bench.py train_gpt.py --profile",
 }
 # The fields that define the weights: a checkpoint carries them, and finetune_gpt.py takes them from the weights
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
@@ -649,51 +649,55 @@ class TokenLoader:
         self.device = device
         self.seed = seed
         self.vocab_size = vocab_size
-        self.shards = [open_shard(f) for f in files]
-        most = max(len(s) for s in self.shards)
+        self.maps = [open_shard(f) for f in files]  # a memory map of each shard's tokens
+        most = max(len(m) for m in self.maps)
         if most < T + 1:
             die(f"{files[0]}: shards of {most} tokens are shorter than --seq_len+1; lower it")
-        self.load_state({"epoch": 0, "shard": 0})
+        self.load_state({"epoch": 0, "shard": 0, "row": 0})
 
     def state(self):
+        """The position of the next batch: a checkpoint that stores it reads on from there."""
         return {"epoch": self.epoch, "shard": self.shard, "row": self.row}
 
     def load_state(self, s):
-        """Go to a saved position; without "row", to the start of the shard. (A checkpoint of the earlier
-        loader, whose position was its lanes' offsets, starts its shard over.)"""
-        self.epoch = int(s["epoch"])
-        self.shard = int(s["shard"])
+        """Go to a saved position. (A checkpoint of the earlier loader, whose position was its lanes' offsets, has no
+        "row": it starts its shard over.)"""
+        self.start_shard(int(s["epoch"]), int(s["shard"]))
         self.row = int(s.get("row", 0))  # the rows of this shard read so far this epoch
-        if not 0 <= self.shard < len(self.shards):
-            raise ValueError(f"the loader position {s} does not fit these shards")
-        rows = (len(self.shards[self.shard]) - 1) // self.T  # a shorter shard has none: the next one is read
-        # the order comes from the position alone, so a resume draws it again (numpy takes no negative seed)
-        rng = np.random.default_rng([self.seed % 2**32, self.epoch, self.shard])
-        self.order = rng.permutation(rows)
-        if not 0 <= self.row <= rows:
+        if not 0 <= self.row <= len(self.order):
             raise ValueError(f"the loader position {s} does not fit these shards")
 
-    def _next_row(self):
+    def start_shard(self, epoch, shard):
+        """Read shard from its first row in epoch's order."""
+        if not 0 <= shard < len(self.maps):
+            raise ValueError(f"the loader position (epoch {epoch}, shard {shard}) does not fit these shards")
+        self.epoch = epoch
+        self.shard = shard
+        self.row = 0
+        rows = (len(self.maps[shard]) - 1) // self.T  # a shorter shard has none: the next one is read
+        # the order comes from the position alone, so a resume draws it again (numpy takes no negative seed)
+        rng = np.random.default_rng([self.seed % 2**32, epoch, shard])
+        self.order = rng.permutation(rows)
+
+    def next_row(self):
         """(shard, start) of the next row in this epoch's order."""
         while self.row == len(self.order):
             # this shard is read: on to the next (a new epoch after the last)
-            shard = (self.shard + 1) % len(self.shards)
-            self.load_state({"epoch": self.epoch + (shard == 0), "shard": shard})
+            shard = (self.shard + 1) % len(self.maps)
+            self.start_shard(self.epoch + (shard == 0), shard)
         start = int(self.order[self.row]) * self.T
         self.row += 1
         return self.shard, start
 
     def next(self, T=None):
-        """This rank's next (x, y), (B, T) int64 (a shorter T gives more rows), and the loader's
-        state before them: a checkpoint that keeps it reads this batch again on resume."""
-        state = self.state()
+        """This rank's next (x, y), (B, T) int64 each: a shorter T gives more rows."""
         # --seq_len_warmup: at a shorter T, more rows, so that a step keeps its tokens; each reads the first T + 1
         # tokens of a row, and the rest of that row goes unread this epoch
         T = T or self.T
         B = self.B * self.T // T
-        rows = [self._next_row() for _ in range(B * self.world_size)]  # every rank's, so all stay in step
+        rows = [self.next_row() for _ in range(B * self.world_size)]  # every rank's, so all stay in step
         mine = rows[self.rank * B:(self.rank + 1) * B]
-        buf = np.stack([self.shards[s][p:p + T + 1] for s, p in mine])  # (B, T + 1) uint16
+        buf = np.stack([self.maps[s][p:p + T + 1] for s, p in mine])  # (B, T + 1) uint16
         # an id past the embedding would index out of range: a crash on a CPU, a device-side assert on CUDA
         if buf.max() >= self.vocab_size:
             die(f"{self.files[mine[0][0]]}: token id {buf.max()} >= vocab size {self.vocab_size}; "
@@ -704,17 +708,7 @@ class TokenLoader:
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
             buf = buf.to(self.device)
-        return buf[:, :-1], buf[:, 1:], state  # inputs and targets, (B, T) each: the same tokens shifted by one
-
-class SyntheticLoader:
-    """Random tokens for --benchmark: no data needed."""
-
-    def __init__(self, B, T, vocab_size, device):
-        gen = torch.Generator(device).manual_seed(0)
-        self.x = torch.randint(0, vocab_size, (B, T + 1), device=device, generator=gen)
-
-    def next(self, T=None):
-        return self.x[:, :-1], self.x[:, 1:], {}  # the same batch every step; no state to resume
+        return buf[:, :-1], buf[:, 1:]  # inputs and targets, (B, T) each: the same tokens shifted by one
 
 # A tokenizer is a pair of functions: encode (text -> ids) and decode (ids -> text), for the samples at evals and
 # for the companions. Which pair depends on what prepared the data: bytes, nanoGPT's characters, GPT-2's BPE
@@ -770,6 +764,29 @@ def tokenizer_info(data_dir, meta):
 # Optimizer and schedule
 
 # === shared: muon ===
+def unless(skip, old, new):
+    """new, or old where skip is true (a NaN in new stays out)."""
+    return new if skip is None else torch.where(skip, old, new)
+
+def orthogonalise(x):
+    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
+    # Each step maps every singular value s to a s + b s^3 + c s^5 and leaves U and V alone. The
+    # coefficients (Jordan et al. 2024) are tuned to push any s in (0, 1] to about 1 in five
+    # steps, fast rather than exactly: Muon needs U V^T only roughly
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
+        x = x.mT
+    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
+    x = x / norm.clamp(min=1e-7)
+    for _ in range(5):
+        gram = x @ x.mT  # (..., rows, rows)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
+        x = torch.baddbmm(x, poly, x, beta=a)  # a x + (b gram + c gram^2) x
+    if tall:
+        x = x.mT
+    return x
+
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
     scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
@@ -781,9 +798,8 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self, closure=None):
-        # the guard's verdict, as fused AdamW reads it: where it is 1 the step is skipped, on the device
-        skip = getattr(self, "found_inf", None)
+    def step(self, closure=None, skip=None):
+        """One update of every matrix; where skip (the guard's verdict, a tensor on the device) is true, none."""
         for group in self.param_groups:
             lr = group["lr"]
             mom = group["momentum"]
@@ -812,32 +828,26 @@ class Muon(torch.optim.Optimizer):
                 news = [*new_b.unbind(0), *new_w.unbind(0)]
                 for t, new in zip(bufs + ps, news):
                     t.copy_(new)
-
-def unless(skip, old, new):
-    """new, or old where skip is 1 (a NaN in new stays out)."""
-    return new if skip is None else torch.where(skip > 0, old, new)
-
-def orthogonalise(x):
-    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
-    # Each step maps every singular value s to a s + b s^3 + c s^5 and leaves U and V alone. The
-    # coefficients (Jordan et al. 2024) are tuned to push any s in (0, 1] to about 1 in five
-    # steps, fast rather than exactly: Muon needs U V^T only roughly
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = x.size(-2) > x.size(-1)
-    if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
-        x = x.mT
-    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
-    x = x / norm.clamp(min=1e-7)
-    for _ in range(5):
-        gram = x @ x.mT  # (..., rows, rows)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
-        x = torch.baddbmm(x, poly, x, beta=a)  # a x + (b gram + c gram^2) x
-    if tall:
-        x = x.mT
-    return x
 # === end shared ===
 
-def build_optimizers(cfg, raw, device, dtype=torch.float32):
+# === shared: adamw ===
+class AdamW(torch.optim.AdamW):
+    """torch's fused AdamW (one kernel for every parameter), whose step takes the guard's verdict: where skip is
+    true, the kernel leaves the weights, their moments and the step count as they were, on the device, with no
+    sync. It is the contract of torch.amp.GradScaler with fused optimizers, which skip fp16's overflows so: the
+    kernel reads the verdict from the optimizer's found_inf, which this step sets (and GradScaler.step, if skip is
+    None)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, fused=True, **kw)  # only the fused kernel reads found_inf
+
+    def step(self, closure=None, skip=None):
+        if skip is not None:
+            self.found_inf = skip.float()
+        return super().step(closure)
+# === end shared ===
+
+def build_optimizers(cfg, raw, dtype=torch.float32):
     """Muon on hidden matrices, AdamW on the rest (or all); decay on hidden ones only."""
     # Who gets Muon: Muon (Keller Jordan 2024) orthogonalises a matrix's update, setting all its singular values to
     # 1, so that no direction of the map from inputs to outputs takes the whole step. That means something for the
@@ -888,10 +898,7 @@ def build_optimizers(cfg, raw, device, dtype=torch.float32):
                   *embed]
     groups = [g for g in groups if g["params"]]  # none: LoRA under Muon
     if groups:
-        # fused: one kernel for every parameter; and it can skip a step on the device, through the found_inf
-        # tensor that the guard sets (as GradScaler does for fp16's overflows), with no sync to the host
-        opts.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                      weight_decay=0.0, fused=True))
+        opts.append(AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0))
     # the schedule multiplies each group's own peak: the embedding's 10x and muP's scaled LRs stay in proportion
     for opt in opts:
         for g in opt.param_groups:
@@ -937,7 +944,7 @@ def lr_mult(cfg, step, progress):
 def setup_dist(device_arg="auto"):
     """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
     WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
-    distributed path runs in CPU tests). Ranks > 0 print nothing."""
+    distributed path runs in CPU tests)."""
     if device_arg == "auto" and torch.cuda.is_available():
         device_arg = "cuda"
     elif device_arg == "auto" and torch.backends.mps.is_available():
@@ -968,8 +975,6 @@ def setup_dist(device_arg="auto"):
         store = dist.PrefixStore(f"attempt_{attempt}/", store)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    if rank:
-        sys.stdout = open(os.devnull, "w")
     return rank, world_size, device
 
 def all_mean(x, world_size):
@@ -984,39 +989,26 @@ def full(t):
     """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-@functools.cache  # one precision per process
-def cpu_has_bf16():
-    """Whether bf16 pays on this CPU: it has AVX512-BF16 or AMX, and a bf16 matmul runs 1.5x faster
-    than fp32. Most laptops stop at AVX2, where bf16 is emulated and many times slower than fp32."""
-    import timeit
-    cpuinfo = "/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull
-    with open(cpuinfo) as f:
-        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-            return False
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    b = a.bfloat16()
-    # the best of 5 timings after a warm-up one (~50 ms in all)
-    fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
-    bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
-    return fp32 > 1.5 * bf16
-
 def setup_precision(device, dtype_arg="auto", ckpt=None):
     """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
-    have it, fp16 on older ones, and bf16 on a CPU only where cpu_has_bf16()."""
+    have it, fp16 on older ones, and fp32 on a CPU or MPS."""
     # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
     # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
     # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
-    # backward, divides the grads after, and skips a step whose grads overflowed
+    # backward, divides the grads after, and skips a step whose grads overflowed.
+    # On a CPU auto is fp32, whatever the CPU: a rule of the device alone, so that one command
+    # trains in one precision on one machine, loaded or idle. Measured where bf16 is at its best,
+    # a 2-core Xeon with AVX512-BF16 and AMX (BENCHMARKS.md, 2026-12-01): in the GPT demo's 240 s
+    # bf16 made as many steps (1,646 against 1,650) and ended 0.024 bits per byte worse; the
+    # image demos made 1.2-1.3x the steps in bf16 and ended level, at 99.4-99.95%. Without those
+    # units (most laptops: AVX2) a CPU emulates bf16, many times slower than fp32
     saved = ckpt["config"].get("dtype") if ckpt else None
     if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
         dtype_arg = saved
     elif dtype_arg == "auto" and device.type == "cuda":
         dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     elif dtype_arg == "auto":
-        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # every rank the same: the slowest decides
-            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-        dtype_arg = "bfloat16" if fast else "float32"
+        dtype_arg = "float32"
     dtype = getattr(torch, dtype_arg)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
@@ -1035,7 +1027,6 @@ def wrap_model(raw, cfg, device, dtype, world_size):
     compiled = cfg.compile == "true"
     if cfg.compile == "auto":
         compiled = device.type == "cuda" and sys.platform == "linux"
-    kernels.use(cfg.kernels)  # before compile traces it
     if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
         print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
     if world_size > 1 and cfg.parallel == "fsdp":
@@ -1083,11 +1074,16 @@ def clip_grads(params, max_norm):
     torch._foreach_mul_(grads, scale)
     return norm
 
-def agree(rows, t0, world_size):
-    """The sync: the host reads the guard's rows of the steps since the last sync, which waits for
-    the device to finish them, then the seconds since t0, averaged over the ranks so that every
-    rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
-    rows = rows.tolist()  # the one host read of device values, at a sync only
+def every(step, n):
+    """Whether step is a multiple of n (n = 0: never)."""
+    return n > 0 and step % n == 0
+
+def agree(trace, t0, world_size):
+    """The sync: the host reads the rows of the steps since the last sync (each a tensor of its
+    loss, grad norm and the guard's verdict), which waits for the device to finish them, then the
+    seconds since t0, averaged over the ranks so that every rank decides alike (when to stop, what
+    the LR is). Returns (rows as lists, seconds)."""
+    rows = torch.stack(trace).tolist()  # the one host read of device values, at a sync only
     seconds = time.perf_counter() - t0
     if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -1099,9 +1095,88 @@ def agree(rows, t0, world_size):
 # -----------------------------------------------------------------------------
 # Training loop
 
+# === shared: guard ===
+# The guard's verdict on a step: a number on the device, which the host reads at the next sync. GOOD, or why the
+# optimizers skipped the step; OVERFLOW is fp16's, which the loss scaler handles (it lowers its scale), not a bad step
+GOOD, NONFINITE, LOSS_SPIKE, GNORM_SPIKE, OVERFLOW = range(5)
+BAD = {NONFINITE: "non-finite loss or grad norm", LOSS_SPIKE: "loss spike", GNORM_SPIKE: "grad norm spike"}
+
+class Guard:
+    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
+    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
+    checkpoint before the spike and skip the batches around it).
+
+    It decides on the device: reading the loss on the host at every step would make the host wait
+    for the device at every step. A spike is measured against running statistics of the good
+    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
+    grad norm, and their variance. The host reads the verdicts at the next sync (RunLog.skips)."""
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
+        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
+        self.window = window
+        self.max_bad = max_bad
+        self.clip_mult = clip_mult
+        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
+        n, *mean_var = self.stats.tolist()
+        return {
+            "n": int(n),
+            "mean": mean_var[:2],  # the loss's and the grad norm's
+            "var": mean_var[2:],
+            "bad": list(self.bad)
+        }
+
+    def load_state(self, s):
+        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
+        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
+        mean = [float(m) for m in s["mean"][:2]]
+        var = [float(v) for v in s["var"][:2]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
+
+    def clip(self, max_norm):
+        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
+        times the mean grad norm, once ten steps have made that mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        if not self.clip_mult:
+            return limit
+        warm = self.stats[0] >= 10
+        mean_gnorm = self.stats[2]
+        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
+
+    def check(self, loss, gnorm, fp16=False):
+        """The step's verdict, a 0-d float tensor on the device: GOOD, or why the optimizers must
+        leave the weights alone. A good step's loss and grad norm join the running statistics."""
+        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
+        n, mean, var = self.stats.split([1, 2, 2])
+        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
+        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
+        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
+        verdict = torch.where(spike[1], GNORM_SPIKE, GOOD)
+        verdict = torch.where(spike[0], LOSS_SPIKE, verdict)  # a loss spike is named before a grad norm one
+        nonfinite = NONFINITE
+        if fp16:  # non-finite grads of a finite loss: fp16 overflowed, and the scaler skips the step
+            nonfinite = torch.where(v[0].isfinite(), OVERFLOW, NONFINITE)
+        verdict = torch.where(v.isfinite().all(), verdict, nonfinite)
+        # the statistics of good steps: a running mean for the first window steps, then an EMA
+        a = (1 / (n + 1)).clamp(min=1 / self.window)
+        d = v - mean
+        new_mean = mean + a * d
+        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
+        new = torch.cat([n + 1, new_mean, new_var])
+        self.stats = torch.where(verdict == GOOD, new, self.stats)
+        return verdict.float()
+
+    def rollback_due(self):
+        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# === end shared ===
+
 def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     """Val loss, perplexity and bits per byte on eval_tokens (<= 4M at the end)."""
-    have = sum(len(s) for s in loader.shards)
+    have = sum(len(m) for m in loader.maps)
     per_batch = cfg.batch_size * cfg.seq_len * world_size
     # --eval_tokens at each eval; the final one reads the whole split, up to 4M tokens, so that the
     # run's last figure is the most exact one
@@ -1111,7 +1186,7 @@ def evaluate(cfg, model, loader, ctx, world_size, meta, step, final=False):
     total = torch.zeros((), device=loader.device)
     with torch.no_grad():
         for _ in range(n):
-            x, y, _ = loader.next()
+            x, y = loader.next()
             with ctx:
                 total += model(x, y).float()
     model.train()
@@ -1192,28 +1267,11 @@ def evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, toke
         out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)
         if out:
             print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40)
-    stats = side_path("layer statistics", layer_stats, raw, x, ctx)
+    stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # on x, the next batch to train on
     return rec, stats or {}
 
-class Start:
-    """What train() starts from: a fresh GPT (finetune_gpt.py's: other weights)."""
-
-    def arch(self, cfg, meta, tokenizer, rank, world_size):
-        """(config fields the weights override, vocab size, what build() takes)."""
-        return {}, cfg.vocab_size or meta["vocab_size"], None
-
-    def build(self, cfg, vocab_size, device, init):
-        return build_model(cfg, vocab_size, device)
-
-    def layout(self, cfg):
-        """What a resume must share besides run_layout's config fields."""
-        return {}
-
-def token_data(cfg, rank, world_size):
-    """(meta, tokenizer) of data_dir (prepared first if the default)."""
-    if cfg.benchmark:
-        return {"vocab_size": cfg.vocab_size or 50257, "eot_id": None}, None
-    prepare_default_data(cfg, rank, world_size, *DEFAULT_DATA)
+def token_data(cfg):
+    """(meta, tokenizer) of data_dir, checked."""
     meta = load_meta(cfg.data_dir)
     tokenizer_file = os.path.join(cfg.data_dir, meta.get("tokenizer_file") or "meta.json")
     with exit_if_unreadable(tokenizer_file, "re-run prepare_data.py"):
@@ -1233,7 +1291,7 @@ def done_line(step, tokens_per_step, train_time, rec, metric, meta, out_dir):
     return line + f" | checkpoint in {out_dir} | plot: python scaling.py compare {out_dir}"
 
 def run_layout(c, world_size, data_info):
-    """What a resume shares: shape, vocab, rows a step (not ranks: exact)."""
+    """What a resume shares, from a run's config dict c: shape, vocab, rows a step (not ranks: exact)."""
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
     rows = B * accum * world_size
@@ -1243,53 +1301,55 @@ def run_layout(c, world_size, data_info):
         **data_info
     }
 
-def train(cfg, stop, start=None):
-    """Set up, resume, then the loop (log, eval, save; micro-steps, clip, check, step, sync)."""
-    start = start or Start()  # finetune_gpt.py passes its own: other weights to start from
+def train(cfg, stop, build=None, resume_fields=()):
+    """Set up, resume, then the loop: evals and saves; micro-steps, clip, the guard, the update; the sync
+    and its log line. build makes the model (finetune_gpt.py's: from other weights), and a resume must
+    also match cfg's resume_fields (its adapters)."""
     rank, world_size, device = setup_dist(cfg.device)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
     wall0 = time.perf_counter()
-    meta, tokenizer = token_data(cfg, rank, world_size)
-
-    # cfg settles here, before anything derives from it: the shape (the flags', or other
-    # weights' through `start`) and the precision (auto: a resumed run's, else chosen now)
-    arch, vocab_size, init = start.arch(cfg, meta, tokenizer, rank, world_size)
+    prepare_default_data(cfg, rank, world_size, *DEFAULT_DATA)  # a first run: the demo's data, made offline
+    meta, tokenizer = token_data(cfg)
+    vocab_size = cfg.vocab_size or meta["vocab_size"]
     if meta["vocab_size"] > vocab_size:
         die(f"the data has {meta['vocab_size']} tokens but --vocab_size={cfg.vocab_size}; "
             f"raise it or use 0 (from data)")
-    info = {"vocab_size": vocab_size, **start.layout(cfg)}
-    layout = run_layout({**dataclasses.asdict(cfg), **arch}, world_size, info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
-    cfg = dataclasses.replace(cfg, **arch, dtype=str(dtype).removeprefix("torch."))
+
     # A step sees tokens_per_step tokens: B rows of T tokens on each of world_size ranks, in
     # accum micro-steps whose grads add up before the update (one big batch, in the memory of
     # one micro-batch). --total_batch fixes the tokens a step and derives accum from the ranks.
+    # (After a CUDA out-of-memory error, main() starts again at half the B, the same tokens.)
     B, T = cfg.batch_size, cfg.seq_len
     accum = cfg.total_batch // (B * T * world_size) if cfg.total_batch else cfg.grad_accum
     tokens_per_step = B * T * accum * world_size
     # val's rows are shuffled too, by a fixed seed, so a short eval samples the whole split, the same rows each time
-    if cfg.benchmark:
-        train_loader = SyntheticLoader(B, T, vocab_size, device)
-    else:
-        loader = functools.partial(TokenLoader, B=B, T=T, rank=rank, world_size=world_size,
-                                   device=device, vocab_size=vocab_size)
-        train_loader = loader(find_shards(cfg.data_dir, "train"), seed=cfg.seed)
-        val_loader = loader(find_shards(cfg.data_dir, "val"), seed=0)
+    loader = functools.partial(TokenLoader, B=B, T=T, rank=rank, world_size=world_size, device=device,
+                               vocab_size=vocab_size)
+    train_loader = loader(find_shards(cfg.data_dir, "train"), seed=cfg.seed)
+    val_loader = loader(find_shards(cfg.data_dir, "val"), seed=0)
 
-    # model, optimizers, guard; the budget: steps (--max_steps, or --tokens / tokens a step),
-    # or seconds. --tokens=auto is Chinchilla's 20 tokens a parameter (Hoffmann et al. 2022)
-    raw = start.build(cfg, vocab_size, device, init)
-    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opts = build_optimizers(cfg, raw, device, dtype)
-    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
+    # the model; the budget: steps (--max_steps, or --tokens / tokens a step), or seconds.
+    # --tokens=auto is Chinchilla's 20 tokens a parameter (Hoffmann et al. 2022)
+    raw = (build or build_model)(cfg, vocab_size, device)
     n_params = sum(p.numel() for p in raw.parameters())
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     n_tokens = 20 * n_params if cfg.tokens == "auto" else float(cfg.tokens or 0)
-    bench = Benchmark(cfg.bench_steps, cfg.profile)
-    max_steps = bench.total if cfg.benchmark else cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
-    time_budget = 0.0 if cfg.benchmark or cfg.max_steps or n_tokens else cfg.time_budget
-    # a step's units, their name, and its seconds at the GPU's peak (MFU)
-    rate = (tokens_per_step, "tok", peak_seconds(raw.flops_per_token() * tokens_per_step, device, dtype))
+    max_steps = cfg.max_steps or math.ceil(n_tokens / tokens_per_step)
+    time_budget = 0.0 if cfg.max_steps or n_tokens else cfg.time_budget
+
+    # cfg settles here, before anything derives from it: the precision (auto: a resumed run's).
+    # What a resume must match (run_layout): the shape, the rows a step, the data, resume_fields
+    data_info = {"vocab_size": vocab_size, **{k: getattr(cfg, k) for k in resume_fields}}
+    layout = run_layout(dataclasses.asdict(cfg), world_size, data_info)
+    ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, rank == 0, max_steps, time_budget)
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
+    cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
+    # the wrapped model, the optimizers, the guard
+    kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
+    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
+    opts = build_optimizers(cfg, raw, dtype)
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
 
     # the loop's state: these locals; a resume sets them, and the loader's place
     step, train_time, history = 0, 0.0, []
@@ -1297,12 +1357,16 @@ def train(cfg, stop, start=None):
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
             train_loader.load_state(ckpt["data"])
-        print_resume_or_exit(path, step, train_time >= time_budget if time_budget else step >= max_steps,
-                             cfg.out_dir)
-    x, y, data_state = train_loader.next(seq_len_at(cfg, step))  # bad data fails now, not mid-run
-    metrics = start_log(cfg, rank == 0)  # metrics.jsonl (None on ranks > 0)
+    # The loop reads each batch ahead, while the device computes the one before (nanoGPT's prefetch):
+    # (x, y) is the batch held, and `at` where it starts in the data, which a checkpoint stores so
+    # that a resume reads it again. The first is read now: bad data fails before any file is written
+    at = train_loader.state()
+    x, y = train_loader.next(seq_len_at(cfg, step))
+    # the log: a line a log step, every value in metrics.jsonl; what a step is worth gives its speed and MFU
+    log = start_log(cfg, rank == 0, tokens_per_step, "tok", raw.flops_per_token() * tokens_per_step, device, dtype)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a folder of shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, rank == 0)
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, world_size,
+                              rank == 0)
     budget = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps"
     print(f"{n_params / 1e6:.2f}M parameters | vocab {vocab_size} | {tokens_per_step} tokens/step "
           f"(B {B} x T {T} x accum {accum} x world {world_size}) | {budget} | {device} {dtype} | "
@@ -1312,36 +1376,29 @@ def train(cfg, stop, start=None):
     # The host reads what the device computed (each step's loss, grad norm and the guard's
     # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
     # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
-    # counts the reads). Time has three names: train_time, the seconds of training up to the
-    # last sync; t0, when the clock last started; step_time, a step's seconds over the last
-    # interval, which estimates the time between syncs.
-    first, synced, step_time, stopped = step, step, 0.0, False  # first: where this run (re)starts
-    trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
+    # counts the reads). The sync's state is two names: trace, the rows of the steps since the
+    # last sync, and step_time, a step's seconds over the last interval, which estimates the time
+    # since (train_time is the time up to it; t0 is when the clock last started).
+    first, trace, step_time = step, [], 0.0  # first: where this run (re)starts
+    last_step = stopped = False
     t0 = time.perf_counter()  # start the clock
     while True:
-        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
-        if step == synced and step > first:  # a sync has just read this step: report it
-            if step % cfg.log_every == 0 or last_step:
-                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time)
-                history.append({"step": step, "loss": loss})
-            if cfg.benchmark:
-                bench.mark(step, train_time)
         # Evals (one at step 0: a val loss near ln(vocab) says the model starts untrained) and
         # saves, but not again at the step a resume or rollback starts from. The clock stopped
         # at the sync: they are not training time.
-        evals = (last_step and not stopped) or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
-        if evals and not cfg.benchmark:
+        if evals:
             rec, stats = evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x,
-                                             step, last_step and not stopped)
-            record(metrics, step=step, **rec, **stats)
+                                             step, final)
+            log.record(step=step, **rec, **stats)
             history.append({"step": step, **rec})
-        if saves and not cfg.benchmark:
-            writer.save({**model_state(raw, opts, full=not sharded), "scaler": scaler.state_dict(),
+        if saves:
+            writer.save({**model_state(raw, opts, whole=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
-                         "data": data_state, "config": dataclasses.asdict(cfg), "world_size": world_size,
-                         "data_info": info, "tokenizer": tokenizer})
+                         "data": at, "config": dataclasses.asdict(cfg), "world_size": world_size,
+                         "data_info": data_info, "tokenizer": tokenizer})
         if last_step:
             break
         if evals or saves:
@@ -1349,7 +1406,7 @@ def train(cfg, stop, start=None):
 
         # one optimizer step: its LR, then accum micro-steps of one big batch
         if time_budget:  # the schedule follows the time, estimated since the sync
-            progress = (train_time + (step - synced) * step_time) / time_budget
+            progress = (train_time + len(trace) * step_time) / time_budget
         else:
             progress = step / max_steps
         mult = lr_mult(cfg, step, progress)
@@ -1358,74 +1415,72 @@ def train(cfg, stop, start=None):
             opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
                 g["lr"] = g["peak_lr"] * mult
-        loss_sum = torch.zeros((), device=device)
+        loss = torch.zeros((), device=device)  # the step's mean loss, on the device
         for micro in range(accum):
             # Under DDP a backward all-reduces the grads; only the last micro-step needs to,
             # so grad_sync turns it off for the others (FSDP2: its reduce-scatter likewise)
             with grad_sync(model, micro == accum - 1):
                 with ctx:
-                    loss = model(x, y, cfg.z_loss) / accum  # the mean over micro-steps: one big batch
-                # read the next batch while the device computes (the last: at the next step's length)
-                x, y, data_state = train_loader.next(seq_len_at(cfg, step + (micro == accum - 1)))
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+                    micro_loss = model(x, y, cfg.z_loss) / accum  # the mean over micro-steps: one big batch
+                # the next batch, read while the device computes: the last micro-step's is the next step's
+                next_step = step + 1 if micro == accum - 1 else step
+                at = train_loader.state()
+                x, y = train_loader.next(seq_len_at(cfg, next_step))  # (B', T') tokens, their next tokens
+                scaler.scale(micro_loss).backward()
+            loss += micro_loss.detach()
         for opt in opts:
             scaler.unscale_(opt)
         gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
         # The guard skips a bad step (a non-finite or spiking loss or grad norm, PaLM 5.1), and
         # decides on the device: asking the host would stall the device at every step. Its
-        # verdict reaches the optimizers as a tensor: where skip is 1, fused AdamW and our Muon
-        # leave the weights and their state as they were, as fused AdamW does on an fp16 overflow.
-        row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
-        trace[step - synced] = row
+        # verdict reaches the optimizers as a tensor: where it is not GOOD, AdamW's fused kernel
+        # and our Muon leave the weights and their state as they were.
+        loss = all_mean(loss, world_size)
+        verdict = guard.check(loss, gnorm, scaler.is_enabled())
         for opt in opts:
-            opt.found_inf = skip
-            opt.step()
+            opt.step(skip=verdict != GOOD)
         scaler.update()
         step += 1
+        trace.append(torch.stack([loss, gnorm, verdict]))
 
         # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
         # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
         stopped = stop.requested(world_size)
         if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
-            near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
+            near_end = not step_time or train_time + len(trace) * step_time >= time_budget
         else:
             near_end = step >= max_steps
         due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
-        if not (near_end or stopped or any(due) or (cfg.benchmark and bench.due(step))):
+        if not (near_end or stopped or any(due)):
             continue
-        rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
+        rows, seconds = agree(trace, t0, world_size)  # the host waits for the device here
         t0 = time.perf_counter()
         train_time += seconds
-        step_time = seconds / (step - synced)
-        reason = guard.log_skips(rows, synced, metrics)
-        synced = step
-        loss, gnorm = rows[-1][:2]
+        step_time = seconds / len(rows)
+        trace = []
+        reason = log.skips(rows, step - len(rows), guard)
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
-            writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, rank == 0, metrics, step)
+            ckpt = writer.rollback_point(guard, reason, log, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard)
-            first = synced = step  # the batches read since are skipped, not read again
+            first = step  # the batches read since are skipped, not read again
             t0 = time.perf_counter()
+        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
+        lossf, gnormf = rows[-1][:2]  # the step's loss and grad norm, on the host
+        if step > first and (every(step, cfg.log_every) or last_step):  # (after a rollback: no new step yet)
+            log.step(step, max_steps, time_budget, train_time, step_time, loss=lossf, lr=cfg.lr * mult, gnorm=gnormf)
+            history.append({"step": step, "loss": lossf})
 
-    # the end: how to resume after a signal, or the benchmark's figures, or the results
+    # the end: how to resume after a signal, or the results
     writer.wait()
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
-              "peak_mem_gb": peak_memory_gb(device), "params": n_params, "trained_params": n_trained}
-    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
-        print(preempted_line(stop.received, step, cfg.out_dir))
+              "peak_mem_gb": log.peak_memory_gb(), "params": n_params, "trained_params": n_trained}
+    if stopped:  # the checkpoint is saved: exit 0, and --resume goes on
+        print(stop.preempted(step, cfg.out_dir))
         result = {"preempted": True, "steps": step, "train_time": train_time}
-    elif cfg.benchmark:
-        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
-        bench.print_profile(cfg.out_dir, device, rank == 0)
-        result |= timings
-        what = f"{cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {device} {dtype} compile={compiled}"
-        print(f"benchmark | {what} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
     else:
         metric = "val_bpb" if "val_bpb" in rec else "val_loss"
-        result |= {**rec, "train_loss": loss, "tokens": step * tokens_per_step}
-        if rank == 0:
-            append_result(cfg.out_dir, metric, result, cfg.description)
+        result |= {**rec, "train_loss": lossf, "tokens": step * tokens_per_step}
+        log.result(metric, result, cfg.description)
         print(done_line(step, tokens_per_step, train_time, rec, metric, meta, cfg.out_dir))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1434,8 +1489,7 @@ def train(cfg, stop, start=None):
 def check_config(cfg):
     """Reject impossible settings with a one-line message that names the fix."""
     check_choices(cfg)
-    ones = ("n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every "
-            "bench_steps rope_base").split()
+    ones = "n_layer n_head n_embd seq_len batch_size grad_accum guard_window log_every rope_base".split()
     zeros = ("loss_spike gnorm_spike clip_mult rollback_after total_batch window window_pattern "
              "seq_len_warmup max_steps time_budget embed_lr warmup_steps n_kv_head eval_every "
              "save_every top_k temperature weight_decay init_std norm_eps").split()  # < 0: no end
@@ -1463,17 +1517,17 @@ def check_config(cfg):
     if cfg.tokens not in ("", "auto") and not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE]\+?\d+)?", cfg.tokens):
         die(f"--tokens={cfg.tokens} is neither a number >= 0 (e.g. 2.5e9) nor 'auto'")
     tokens = cfg.tokens == "auto" or float(cfg.tokens or 0) > 0
-    if not cfg.benchmark and not (cfg.max_steps or tokens or cfg.time_budget > 0):
+    if not (cfg.max_steps or tokens or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --tokens (or --tokens=auto) or --time_budget")
 
-def main(cfg, start=None):
-    """Train (or --benchmark) per cfg; returns the final metrics."""
+def main(cfg, build=None, resume_fields=()):
+    """Train per cfg; returns the final metrics. build and resume_fields: train()'s."""
     check_config(cfg)
     with StopSignal() as stop:  # SIGTERM or SIGINT: finish the step, save, exit 0
         while True:
             found = list_checkpoints(cfg.out_dir)
             try:
-                return train(cfg, stop, start)
+                return train(cfg, stop, build, resume_fields)
             except torch.cuda.OutOfMemoryError:  # nothing saved: the batch in halves
                 if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
                     raise  # under torchrun the other ranks are mid-step
@@ -1486,11 +1540,11 @@ def main(cfg, start=None):
             torch.cuda.empty_cache()
 
 # -----------------------------------------------------------------------------
-# Machinery, shared by every train_*.py: flags, checkpoint I/O, guards, signals, reporting
+# Machinery, shared by every train_*.py: flags, logs, checkpoint I/O, rollbacks, signals
 
 # === shared: machinery ===
-# What every trainer needs and none of them teaches: flags, logs, checkpoints, the guard
-# against bad steps, signals. This block is the same, byte for byte, in the three trainers (a
+# What every trainer needs and none of them teaches: flags, logs, checkpoints, rollbacks,
+# signals. This block is the same, byte for byte, in the three trainers (a
 # test compares them), so a fix lands in all three at once. A reader may skip it: train() calls
 # each part by a name that says what it does, and the names that stop a run say so.
 
@@ -1536,11 +1590,9 @@ def choose(field, value):
 
 def check_choices(cfg):
     """Stop on a value that no flag could have given: a test or a companion may build a Config
-    directly. --profile and --offload mean something only in their modes."""
+    directly. --offload means something only under FSDP2."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # else it would trace every step of a long run
-        die("--profile profiles --benchmark's steps; add --benchmark")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or ranks < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
@@ -1614,38 +1666,13 @@ def parse_args(cls, argv):
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
               "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
-def peak_seconds(flops, device, dtype):
-    """flops' seconds at the GPU's peak (tf32, in fp32: half of it), or 0 where the peak is unknown."""
-    gpu = ""
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-    for name, peak in PEAK_FLOPS.items():
-        if name in gpu:
-            return flops / (peak / 2 if dtype == torch.float32 else peak)
-    return 0.0
-
-def speed(rate, dt):
-    """({unit_s, mfu}, throughput text, MFU text) at dt seconds a step. rate: (units a step, the
-    unit's name, a step's seconds at peak)."""
-    per_step, unit, ideal = rate
-    x = per_step / dt
-    mfu = ideal / dt or None
-    if x >= 1e6:
-        text = f"{x / 1e6:.2f}M"
-    elif x >= 1e3:
-        text = f"{x / 1e3:.1f}k"
-    else:
-        text = f"{x:.0f}"
-    mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
-    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", mfu_text
-
-def start_log(cfg, master):
-    """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
-    metrics file's path (None elsewhere)."""
+def start_log(cfg, master, units, unit, flops, device, dtype):
+    """Print the config; rank 0 writes it and the scripts' source to out_dir. Returns the run's
+    RunLog: units, unit and flops are what one step is worth (its tokens or images, and FLOPs)."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
-    if not master or cfg.benchmark:
-        return None
+    if not master:
+        return RunLog(None, units, unit, flops, device, dtype)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1661,121 +1688,104 @@ def start_log(cfg, master):
         die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
     except ImportError:
         die("--wandb needs the wandb package: pip install wandb")
-    return os.path.join(cfg.out_dir, "metrics.jsonl")
+    return RunLog(os.path.join(cfg.out_dir, "metrics.jsonl"), units, unit, flops, device, dtype)
 
-def record(metrics, **kv):
-    """Append kv to metrics.jsonl (a JSON object a line, read with pandas.read_json(lines=True)),
-    and to wandb if a run is open."""
-    if not metrics:
-        return
-    with open(metrics, "a") as f:
-        f.write(json.dumps(kv) + "\n")
-    wandb = sys.modules.get("wandb")
-    if wandb and wandb.run:
-        wandb.log(kv, step=kv.get("step"))
+class RunLog:
+    """A run's log: every rank prints its lines (those of ranks > 0 go to devnull), and rank 0
+    records every logged value in metrics.jsonl, a JSON object a line (pandas.read_json(lines=True)),
+    and in wandb if a run is open. A step's worth gives its throughput and MFU."""
 
-def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
-    max_steps, time_budget = budget
-    rates, tput, mfu = speed(rate, dt)
-    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time,
-           **extra)
-    if time_budget:
-        of = f"{train_time:.0f}/{time_budget:.0f}s"
-    else:
-        of = f"{max_steps:05d}"
-    extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
-    print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-          f"{tput} | {mfu}{extras}")
+    def __init__(self, path, units, unit, flops, device, dtype):
+        self.path = path  # None: nothing is recorded
+        self.units = units  # a step's tokens (or images)
+        self.unit = unit  # their name: tok, img
+        self.device = device
+        # a step's seconds at the GPU's peak (tf32, in fp32: half of it), 0 where the peak is unknown
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        peak = next((f for name, f in PEAK_FLOPS.items() if name in gpu), 0)
+        if dtype == torch.float32:
+            peak /= 2
+        self.ideal = flops / peak if peak else 0.0
 
-# --benchmark's first steps compile and autotune, so they are not timed; then it times
-# --bench_steps steps between two syncs, and --profile traces a few more
-BENCH_WARMUP = 5
-PROFILE_STEPS = 3
-
-class Benchmark:
-    """--benchmark: time steps after warm-up, then profile. The host syncs only where the timed
-    stretch starts and ends, so the figure is the device's pace with the host queueing ahead,
-    as in a real run, and not the pace of a loop that waits on every step."""
-
-    def __init__(self, steps, profile):
-        self.steps = steps
-        self.times = {}  # {step: train_time after it}
-        self.profiler = torch.profiler.profile() if profile else None
-        self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
-
-    def due(self, step):
-        """Whether the host must sync after this step: the timed stretch starts or ends."""
-        return step in (BENCH_WARMUP, BENCH_WARMUP + self.steps)
-
-    def mark(self, step, train_time):
-        """After a synced step: note the time; start the profiler after the timed steps."""
-        self.times[step] = train_time
-        if step == BENCH_WARMUP and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()  # peak memory of the timed steps, not of compiling
-        if self.profiler and step == BENCH_WARMUP + self.steps:
-            self.profiler.start()
-
-    def timings(self, rate, signal, step):
-        """({unit_s, mfu, ms_per_step}, their text) over the timed steps; stops if a signal cut them short."""
-        if signal:
-            die(f"--benchmark stopped by {signal} at step {step}; nothing measured")
-        dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
-        rates, tput, mfu = speed(rate, dt)
-        return {**rates, "ms_per_step": dt * 1e3}, f"{tput} | {dt * 1e3:.1f} ms/step | {mfu}"
-
-    def print_profile(self, out_dir, device, master):
-        """--profile: trace.json of the profiled steps for ui.perfetto.dev, and the top ops."""
-        if not self.profiler:
+    def record(self, **kv):
+        """Append kv to metrics.jsonl, and to wandb."""
+        if not self.path:
             return
-        self.profiler.stop()
-        if not master:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        wandb = sys.modules.get("wandb")
+        if wandb and wandb.run:
+            wandb.log(kv, step=kv.get("step"))
+
+    def step(self, step, max_steps, time_budget, train_time, dt, loss, lr, gnorm, **extra):
+        """Print and record a log step: its loss, LR and grad norm, dt (a step's seconds), extra."""
+        x = self.units / dt
+        mfu = self.ideal / dt or None
+        self.record(step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **{f"{self.unit}_s": x}, mfu=mfu,
+                    train_time=train_time, **extra)
+        if x >= 1e6:
+            rate = f"{x / 1e6:.2f}M"
+        elif x >= 1e3:
+            rate = f"{x / 1e3:.1f}k"
+        else:
+            rate = f"{x:.0f}"
+        of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+        extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
+        mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
+        print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{rate} {self.unit}/s | {mfu_text}{extras}")
+
+    def skips(self, rows, step, guard):
+        """At a sync, the rows [loss, grad norm, verdict] of the steps after step: prints and records
+        the bad ones, notes them as the guard's recent bad steps, and returns why the last one was
+        skipped (None if none was)."""
+        last = None
+        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
+            if verdict not in BAD:  # GOOD, or fp16's OVERFLOW
+                continue
+            guard.bad = [b for b in guard.bad if b > s - guard.window] + [s]
+            last = f"{BAD[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
+            self.record(step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
+            print(f"step {s:05d} | update skipped: {last} | {len(guard.bad)} bad in {guard.window} steps")
+        return last
+
+    def peak_memory_gb(self):
+        """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        if sys.platform == "win32":
+            return 0.0
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
+
+    def result(self, metric, result, description):
+        """A row in results.tsv beside out_dir (rank 0): one line a finished run (time, script,
+        commit, metric, its value, memory, wall time, --description), to compare experiments."""
+        if not self.path:
             return
-        os.makedirs(out_dir, exist_ok=True)
-        self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-        print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-
-def peak_memory_gb(device):
-    """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    if sys.platform == "win32":
-        return 0.0
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
-
-def append_result(out_dir, metric, result, description):
-    """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
-    its value, memory, wall time, --description), to compare experiments at a glance."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = ""
-    if shutil.which("git"):
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
-    row = [time.strftime("%Y%m%d-%H%M%S"),
-           os.path.basename(__file__),
-           commit or "unknown",
-           metric,
-           f"{result[metric]:.4f}",
-           f"{result['peak_mem_gb']:.2f}",
-           f"{result['wall_time']:.0f}",
-           description.replace("\t", " ")]
-    try:
-        tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
-        with open(tsv, "a") as f:
-            if f.tell() == 0:
-                f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
-            f.write("\t".join(row) + "\n")
-    except OSError as e:  # a side output: the run is done, its checkpoint saved
-        print(f"warning: results.tsv not written: {e}")
-
-def preempted_line(signal, step, out_dir):
-    """What a run stopped by a signal says: its checkpoint is saved and --resume continues it."""
-    return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
-            f"run the same command with --resume to continue")
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = ""
+        if shutil.which("git"):
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
+        row = [time.strftime("%Y%m%d-%H%M%S"),
+               os.path.basename(__file__),
+               commit or "unknown",
+               metric,
+               f"{result[metric]:.4f}",
+               f"{result['peak_mem_gb']:.2f}",
+               f"{result['wall_time']:.0f}",
+               description.replace("\t", " ")]
+        try:
+            out_dir = os.path.dirname(self.path)
+            tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
+            with open(tsv, "a") as f:
+                if f.tell() == 0:
+                    f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
+                f.write("\t".join(row) + "\n")
+        except OSError as e:  # a side output: the run is done, its checkpoint saved
+            print(f"warning: results.tsv not written: {e}")
 
 # ---- checkpoints
 # A checkpoint is a dict that train() builds: the weights and the optimizers' state, the step,
@@ -1792,10 +1802,10 @@ def preempted_line(signal, step, out_dir):
 # plain model, DDP and FSDP2: keyed by parameter name (not by the optimizer's numbering), full
 # on rank 0's CPU or sharded. So one checkpoint format serves every layout.
 
-def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: full tensors on the CPU, or (full=False) each rank's shards."""
+def model_state(model, opts, ema=None, whole=True):
+    """{model, optim, ema, ema_t}: whole tensors on the CPU, or (whole=False) each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = StateDictOptions(full_state_dict=whole, cpu_offload=whole)
     weights, optim = get_state_dict(model, opts, options=options)
     sd = {"model": weights, "optim": optim, "ema": None, "ema_t": 0}
     if ema:  # the EMA's weights are read through the model, so that they are sharded alike
@@ -1812,7 +1822,7 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
     if "shards" in ckpt:  # DCP reads each rank's part, and reshards if the number of ranks changed
-        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
+        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, whole=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
         ema.swap()
@@ -1830,10 +1840,11 @@ class CheckpointWriter:
     """Writes one checkpoint at a time. With --async_save the write runs beside training (a thread,
     or DCP's async_save for shards), and the next save, a rollback or the end waits for it."""
 
-    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
+    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, world_size, master):
         self.out_dir = out_dir
         self.keep = (keep_last, milestone_every)
         self.async_save = async_save
+        self.world_size = world_size
         self.master = master
         self.pending = None  # the write in flight
         # DCP gathers the shards' plan over a gloo group of its own, apart from training's NCCL
@@ -1845,22 +1856,22 @@ class CheckpointWriter:
         # checkpoint on disk would not be the newest one saved.
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = None
+        write_tensors = None
         if self.group:  # FSDP: the tensors go to DCP's shards, the rest to state.pt
-            shards = self.shards(ckpt)
+            write_tensors = self.dcp_writer(ckpt)
             rest = {k: v for k, v in ckpt.items() if k not in ("model", "optim", "ema")}
             ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
-        if not (self.master or shards):
+        if not (self.master or write_tensors):
             return
         if self.async_save:
             ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors the thread writes
-        args = (self.out_dir, ckpt, *self.keep, shards, self.master)
+        args = (self.out_dir, ckpt, *self.keep, write_tensors, self.master)
         if self.async_save:
             self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
             write_checkpoint(*args)
 
-    def shards(self, ckpt):
+    def dcp_writer(self, ckpt):
         """A function that writes ckpt's tensors as DCP shards and returns when they are on disk."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
@@ -1879,16 +1890,42 @@ class CheckpointWriter:
             self.pending.result()
             self.pending = None
 
-def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
+    # A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
+    # steps, but not the loader's place: the run goes on from the batch it had reached, so the
+    # batches that caused the trouble are not seen again (PaLM's fix).
+
+    def rollback_point(self, guard, reason, log, step):
+        """The newest intact checkpoint from before the guard's first bad step; stops in one line
+        if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
+        self.wait()
+        if self.world_size > 1:
+            dist.barrier()  # rank 0's last write lands before any rank looks
+        ckpt, path = load_checkpoint(self.out_dir, before=guard.bad[0], whole=False)
+        if ckpt is None:  # else it would skip to the end
+            die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before "
+                f"step {guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
+        guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
+        if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+            die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
+                f"lower --lr or raise --warmup_steps")
+        print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        log.record(step=step, event="rollback", to_step=ckpt["step"])
+        if self.master:  # the steps after it are a timeline that nothing may resume
+            prune(self.out_dir, lambda s: s > ckpt["step"])
+        return ckpt
+
+MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
+
+def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, write_tensors=None, master=True):
     """Write ckpt_STEP.pt (or the shards, then ckpt_STEP/state.pt) atomically, then prune the old
     ones: all but the newest keep_last, and the milestones (steps that are multiples of milestone_every)."""
-    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt")
+    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if write_tensors else ".pt")
     path = os.path.join(out_dir, name)
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, "ckpt.tmp")
     try:
-        if shards:
-            shards()  # returns when every rank's shards are on disk
+        if write_tensors:
+            write_tensors()  # returns when every rank's shards are on disk
             if not master:
                 return
             sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
@@ -1931,10 +1968,11 @@ def list_checkpoints(out_dir):
 # curve after it means nothing. run_layout() (in the recipe) names the fields that must match,
 # and a resume that changes one stops with the list of differences.
 
-def resume_point(out_dir, resume, layout, master):
+def resume_point(out_dir, resume, layout, master, max_steps=0, time_budget=0.0):
     """(ckpt, path) of the newest intact checkpoint to resume from, or (None, None) for a fresh
     run. Stops if out_dir holds an earlier run and --resume is not given (torchrun's restarts
-    resume by themselves), or if the checkpoint's run had another layout."""
+    resume by themselves), if the checkpoint's run had another layout, or if it is complete
+    (its step is max_steps, or its train_time time_budget)."""
     found = list_checkpoints(out_dir)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if found and not (resume or restarted):
@@ -1949,45 +1987,19 @@ def resume_point(out_dir, resume, layout, master):
     with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
         saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
         diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+        step = int(ckpt["step"])
+        done = float(ckpt["train_time"]) >= time_budget if time_budget else 0 < max_steps <= step
     if diff:
         die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
             f"use a new --out_dir")
-    if master:  # the newer ones are unreadable: a later save must not count them among the newest
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt, path
-
-def print_resume_or_exit(path, step, done, out_dir):
-    """Print where a resume starts; stop in one line if the run is already done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
+    if master:  # the newer ones are unreadable: a later save must not count them among the newest
+        prune(out_dir, lambda s: s > ckpt["step"])
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-
-MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
-
-# A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
-# steps, but not the loader's place: the run goes on from the batch it had reached, so the
-# batches that caused the trouble are not seen again (PaLM's fix).
-
-def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
-    """The newest intact checkpoint from before the guard's first bad step; stops in one line
-    if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
-    if world_size > 1:
-        dist.barrier()  # rank 0's last write lands before any rank looks
-    ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # else it would skip to the end
-        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
-            f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
-    if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
-            f"lower --lr or raise --warmup_steps")
-    print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-    record(metrics, step=step, event="rollback", to_step=ckpt["step"])
-    if master:  # the steps after it are a timeline that nothing may resume
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt
+    return ckpt, path
 
 def check_intact(path):
     """A checkpoint's dict, loaded on the CPU, if it is intact: raises ValueError naming the fault,
@@ -2082,100 +2094,7 @@ def exit_if_unreadable(path, fix):
     except Exception as e:  # noqa: BLE001 - whatever a crafted file makes the reader raise
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
-# ---- the guard, signals, default data
-
-def every(step, n):
-    """Whether step is a multiple of n (n = 0: never)."""
-    return n > 0 and step % n == 0
-
-class Guard:
-    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
-    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
-    checkpoint before the spike and skip the batches around it).
-
-    It decides on the device: reading the loss on the host at every step would make the host wait
-    for the device at every step. A spike is measured against running statistics of the good
-    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
-    grad norm, and their variance. The host reads the verdicts at the next sync (log_skips)."""
-
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
-        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
-        self.window = window
-        self.max_bad = max_bad
-        self.clip_mult = clip_mult
-        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
-        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
-
-    def state(self):
-        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
-        n, *mean_var = self.stats.tolist()
-        return {
-            "n": int(n),
-            "mean": mean_var[:2],  # the loss's and the grad norm's
-            "var": mean_var[2:],
-            "bad": list(self.bad)
-        }
-
-    def load_state(self, s):
-        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
-        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
-        mean = [float(m) for m in s["mean"][:2]]
-        var = [float(v) for v in s["var"][:2]]
-        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
-
-    def clip(self, max_norm):
-        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
-        times the mean grad norm, once ten steps have made that mean."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        if not self.clip_mult:
-            return limit
-        warm = self.stats[0] >= 10
-        mean_gnorm = self.stats[2]
-        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
-
-    def check(self, loss, gnorm, fp16=False):
-        """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
-        1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
-        skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
-        into the running statistics."""
-        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
-        n, mean, var = self.stats.split([1, 2, 2])
-        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
-        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
-        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
-        verdict = torch.where(spike[1], 3, 0)
-        verdict = torch.where(spike[0], 2, verdict)  # a loss spike is named before a grad norm one
-        # a non-finite value: the scaler's overflow in fp16 if the loss is finite, else bad
-        overflow = torch.where(fp16 & v[0].isfinite(), 4, 1)
-        verdict = torch.where(v.isfinite().all(), verdict, overflow)
-        # the statistics of good steps: a running mean for the first window steps, then an EMA
-        a = (1 / (n + 1)).clamp(min=1 / self.window)
-        d = v - mean
-        new_mean = mean + a * d
-        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
-        new = torch.cat([n + 1, new_mean, new_var])
-        self.stats = torch.where(verdict == 0, new, self.stats)
-        row = torch.stack([v[0], v[1], verdict.float()])
-        skip = (verdict > 0).float()
-        return row, skip
-
-    def log_skips(self, rows, step, metrics):
-        """At a sync, the rows of the steps after step: prints and records the skipped ones, and
-        returns why the last one was skipped (None if none was)."""
-        why = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}
-        last = None
-        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
-            if verdict not in why:  # 0 good, 4 the scaler's (it lowers its scale and goes on)
-                continue
-            self.bad = [b for b in self.bad if b > s - self.window] + [s]
-            last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
-            record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
-            print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
-        return last
-
-    def rollback_due(self):
-        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
-        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# ---- signals, default data
 
 class StopSignal:
     """SIGTERM/SIGINT: finish the step, save, exit 0; a second signal acts at once.
@@ -2210,6 +2129,11 @@ class StopSignal:
         flag = torch.tensor([float(self.received is not None)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag.item() > 0
+
+    def preempted(self, step, out_dir):
+        """What a run stopped by the signal says: its checkpoint is saved and --resume continues it."""
+        return (f"stopped by {self.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                f"{out_dir}; run the same command with --resume to continue")
 
     def __exit__(self, *exc):
         for sig, handler in self.old.items():

@@ -8,7 +8,7 @@ LayerScale, stochastic depth, registers); augmentation on the device; Muon or Ad
   python prepare_data.py cifar10 && python train_vit.py --preset=cifar10
   torchrun --nproc_per_node=8 train_vit.py --preset=cifar10
   python predict_vit.py --ckpt=out/vit --images=IMAGE_OR_DIR   # a checkpoint classifies your images
-  python train_vit.py --benchmark --preset=cifar10
+  python bench.py train_vit.py --preset=cifar10   # its speed, on random images
   python train_vit.py -h               # every flag, with its default
 """
 import argparse
@@ -121,14 +121,11 @@ class Config:
     rollback_after: int = 5  # roll back to a checkpoint after this many bad steps in the window; 0 = never
     # system
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"  # where to train; auto: cuda, else mps, else cpu
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 if fast
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: a resume's, else bf16 on GPUs
     compile: Literal["auto", "true", "false"] = "auto"  # torch.compile the model; auto: on CUDA under Linux
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp) or shard it (fsdp)
     offload: Literal["none", "params"] = "none"  # fsdp: keep the parameter shards in CPU memory
     seed: int = 1337  # seeds the init, the data order and the augmentation
-    benchmark: bool = False  # time steps on random images, print the speed, and exit
-    bench_steps: int = 20  # timed steps of --benchmark, after 5 warm-up steps
-    profile: bool = False  # with --benchmark: write trace.json and print the slowest ops
     kernels: Literal["auto", "triton", "torch"] = "auto"  # attention and norm kernels; auto: the faster per op
     loader: Literal["auto", "device", "host"] = "auto"  # images held on the device, or read from disk; auto: by size
 
@@ -208,7 +205,10 @@ ARCH_FIELDS = (
 # is predict_vit.py's job; its old flags here stop in one line that names the new command.
 MOVED = {"predict": "python predict_vit.py --ckpt=out/vit --images=PATH",
          "ckpt": "python predict_vit.py --ckpt=PATH --images=PATH",
-         "top_k": "python predict_vit.py --ckpt=out/vit --images=PATH --show=K"}
+         "top_k": "python predict_vit.py --ckpt=out/vit --images=PATH --show=K",
+         "benchmark": "python bench.py train_vit.py --preset=cifar10 (any flag of this script's)",
+         "bench_steps": "python bench.py train_vit.py --steps=N",
+         "profile": "python bench.py train_vit.py --profile"}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -278,7 +278,7 @@ class MLP(nn.Module):
             return self.proj(F.silu(a) * b)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
-def drop_path(x, p, training):
+def stochastic_depth(x, p, training):
     """Stochastic depth (Huang et al. 2016), per sample."""
     # Each image of the batch skips this residual branch with chance p: a regulariser that trains an ensemble of
     # shallower networks. Dividing by 1 - p keeps the branch's expected output, so eval uses the branch as it is.
@@ -309,11 +309,25 @@ class Block(nn.Module):
         a = self.attn(self.norm1(x))  # (B, T, d)
         if self.ls1 is not None:
             a = a * self.ls1
-        x = x + drop_path(a, self.drop, self.training)
+        x = x + stochastic_depth(a, self.drop, self.training)
         m = self.mlp(self.norm2(x))  # (B, T, d)
         if self.ls2 is not None:
             m = m * self.ls2
-        return x + drop_path(m, self.drop, self.training)
+        return x + stochastic_depth(m, self.drop, self.training)
+
+# === shared: sincos ===
+def sincos_2d(h, w, dim):
+    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
+    # half the channels encode the row, half the column, each as sin and cos at dim/4 frequencies
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")  # (h, w) each
+    parts = []
+    for pos in (rows, cols):
+        angle = pos.flatten()[:, None] * omega  # (h * w, dim/4)
+        parts += [torch.sin(angle), torch.cos(angle)]
+    return torch.cat(parts, dim=1)
+# === end shared ===
 
 class ViT(nn.Module):
     """Patches, positions, blocks, a final norm, then a linear head on the pooled tokens (Dosovitskiy et al. 2021)."""
@@ -437,789 +451,7 @@ def build_model(cfg, meta, device):
 # the target puts 1 - label_smoothing on the true class and spreads the rest over all classes, so the logits
 # need not grow without bound to fit the training images.
 
-def augment(x, cfg, flip):
-    """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
-    B, H, W, _ = x.shape
-    dev = x.device
-    t = cfg.translate
-    if t:
-        # a random H x W crop of the image padded by t reflected pixels: a shift that invents no black border
-        chw = x.permute(0, 3, 1, 2)  # (B, C, H, W): F.pad pads the last two dims
-        xp = F.pad(chw, (t, t, t, t), mode="reflect")  # (B, C, H+2t, W+2t)
-        xp = xp.permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
-        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)  # each image's offset, (B, 1)
-        rows = dy + torch.arange(H, device=dev)  # (B, H)
-        cols = dx + torch.arange(W, device=dev)  # (B, W)
-        batch = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
-        x = xp[batch, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C): image b's rows and columns
-    if flip:
-        # a mirror image is the same class only for some data (not for letters): the caller decides, from
-        # --flip or the data's flip_ok
-        mirror = torch.rand(B, 1, 1, 1, device=dev) < 0.5  # (B, 1, 1, 1)
-        x = torch.where(mirror, x.flip(2), x)
-    return x
-
-def check_shift(cfg, side):
-    """Stop in one line if --translate is not under the images' side: a shift pads with reflected pixels, and a
-    reflection is no longer than the image."""
-    if cfg.translate >= side:
-        die(f"--translate={cfg.translate} must be under the images' side, {side}; lower it")
-
-def mix(x, y, cfg):
-    """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
-    # Mixup (Zhang et al. 2018) blends two images, cutmix (Yun et al. 2019) pastes a box of one into the other; the
-    # target mixes the same way, lam of one label and 1 - lam of the other. Cross-entropy is linear in its target,
-    # so the loop adds the two labels' losses by their weights. Each image's partner is the one at the mirrored
-    # place in the batch (the batch reversed), whose order is already random: no second batch is read.
-    use_cutmix = cfg.cutmix > 0
-    if use_cutmix and cfg.mixup > 0:
-        use_cutmix = torch.rand(()).item() < 0.5
-    alpha = cfg.cutmix if use_cutmix else cfg.mixup
-    if alpha == 0:
-        return x, y, y, 1.0
-    lam = torch.distributions.Beta(alpha, alpha).sample().item()
-    if not use_cutmix:
-        x = lam * x + (1 - lam) * x.flip(0)
-        return x, y, y.flip(0), lam
-    # paste a box of area 1 - lam from the partner, centred anywhere
-    B, H, W, _ = x.shape
-    h = int(H * math.sqrt(1 - lam))
-    w = int(W * math.sqrt(1 - lam))
-    cy = int(torch.randint(H, ()))
-    cx = int(torch.randint(W, ()))
-    y0 = max(cy - h // 2, 0)
-    y1 = min(cy + h // 2, H)
-    x0 = max(cx - w // 2, 0)
-    x1 = min(cx + w // 2, W)
-    x = x.clone()
-    x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
-    # the image's edge may clip the box: the weight is the share of the image really kept
-    kept = 1 - (y1 - y0) * (x1 - x0) / (H * W)
-    return x, y, y.flip(0), kept
-
-# -----------------------------------------------------------------------------
-# Optimizer and schedule
-
-# === shared: muon ===
-class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
-    scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
-    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but batched per shape, and in bf16
-    only if the run is (a CPU emulates bf16 ~100x slower)."""
-
-    def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
-        self.ns_dtype = ns_dtype
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        # the guard's verdict, as fused AdamW reads it: where it is 1 the step is skipped, on the device
-        skip = getattr(self, "found_inf", None)
-        for group in self.param_groups:
-            lr = group["lr"]
-            mom = group["momentum"]
-            # The matrices of one shape are stacked and orthogonalised in one batched call: a
-            # model has a few shapes (qkv, proj, fc) repeated in every block, so a step makes a
-            # few large matmuls instead of many small ones
-            shapes = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    shapes.setdefault(p.shape, []).append(p)
-            for ps in shapes.values():
-                bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
-                g = torch.stack([p.grad for p in ps])  # (n, rows, cols)
-                b = torch.stack(bufs)
-                w = torch.stack(ps)
-                new_b = unless(skip, b, b.lerp(g, 1 - mom))  # momentum: b = mom b + (1 - mom) g
-                # Nesterov: the update looks ahead along the momentum, then is orthogonalised
-                x = orthogonalise(g.lerp(new_b, mom).to(self.ns_dtype)).to(w.dtype)
-                # decoupled weight decay, then the step: an orthogonal x has an RMS of about
-                # 1/sqrt(max(rows, cols)), so this scale gives it AdamW's RMS of about 0.2
-                scale = 0.2 * math.sqrt(max(w.shape[1:]))
-                decayed = w * (1 - lr * group["weight_decay"])
-                new_w = torch.add(decayed, x, alpha=-lr * scale)
-                new_w = unless(skip, w, new_w)
-                # one copy a tensor, back into the parameters and buffers (DTensor has no _foreach_copy_)
-                news = [*new_b.unbind(0), *new_w.unbind(0)]
-                for t, new in zip(bufs + ps, news):
-                    t.copy_(new)
-
-def unless(skip, old, new):
-    """new, or old where skip is 1 (a NaN in new stays out)."""
-    return new if skip is None else torch.where(skip > 0, old, new)
-
-def orthogonalise(x):
-    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
-    # Each step maps every singular value s to a s + b s^3 + c s^5 and leaves U and V alone. The
-    # coefficients (Jordan et al. 2024) are tuned to push any s in (0, 1] to about 1 in five
-    # steps, fast rather than exactly: Muon needs U V^T only roughly
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = x.size(-2) > x.size(-1)
-    if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
-        x = x.mT
-    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
-    x = x / norm.clamp(min=1e-7)
-    for _ in range(5):
-        gram = x @ x.mT  # (..., rows, rows)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
-        x = torch.baddbmm(x, poly, x, beta=a)  # a x + (b gram + c gram^2) x
-    if tall:
-        x = x.mT
-    return x
-# === end shared ===
-
-def build_optimizers(cfg, raw, dtype=torch.float32):
-    """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
-    # Muon orthogonalises an update, which suits a matrix that maps hidden features to hidden features: the blocks'.
-    # The patch embedding reads pixels and the head writes logits; Muon's authors leave such input and output layers
-    # to AdamW, as they do vectors, which have no matrix to orthogonalise. Weight decay pulls weights toward zero:
-    # right for the matrices, wrong for norm gains (1 at init), biases, positions and the extra tokens.
-    hidden = []  # the blocks' matrices: Muon's, or AdamW's with decay
-    decay = []  # the patch embedding's and the head's matrices: AdamW's, with decay
-    rest = []  # norm gains, biases, positions, the class token and registers: AdamW's, no decay
-    for name, p in raw.named_parameters():
-        top = name.split(".")[0]  # blocks, patch, head, pos, extra or norm
-        if p.ndim == 2 and top == "blocks":
-            hidden.append(p)
-        elif p.ndim == 2 and top in ("patch", "head"):
-            decay.append(p)
-        else:
-            rest.append(p)
-    wd = cfg.weight_decay
-    opts = []
-    if cfg.optimizer == "muon":
-        # Newton-Schulz runs in bf16 only if the run does: a CPU without bf16 matmuls emulates them ~100x slower
-        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
-    else:
-        decay = hidden + decay
-    groups = [
-        dict(params=decay, weight_decay=wd),
-        dict(params=rest, weight_decay=0.0)
-    ]
-    # fused: one kernel for all the parameters; it also reads found_inf, which is how the guard skips a step
-    adamw = torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=True
-    )
-    opts.append(adamw)
-    return opts
-
-def lr_mult(cfg, step, progress):
-    """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
-    # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
-    # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget, so
-    # a run on a time budget decays to its end whatever its speed.
-    # Linear, from peak / warmup_steps at the first step to the peak at step warmup_steps - 1.
-    warm = 1.0
-    if cfg.warmup_steps:
-        warm = min(1.0, (step + 1) / cfg.warmup_steps)
-    p = min(max(progress, 0.0), 1.0)
-    f = cfg.final_lr_frac  # the floor that every decay ends on
-    if cfg.schedule == "cosine":
-        # cosine decay (Loshchilov & Hutter 2017) from the peak down to final_lr_frac of it
-        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
-    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
-        # warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak until the last cooldown_frac, then a linear
-        # decay. A checkpoint of the stable phase can train on, or be cooled down for an early result.
-        return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
-    return warm
-
-def budget(cfg, steps_per_epoch, bench_steps):
-    """(max_steps, time_budget): a count of steps to train, or else seconds of training; the other is 0."""
-    # Steps: --max_steps, or --epochs counted in steps (an epoch is at least one step: the loader refuses a train
-    # split smaller than a batch), or --benchmark's own count. Seconds: --time_budget, where no count is set.
-    # The LR schedule runs over whichever it is, so a run on a time budget decays to its end whatever its speed.
-    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
-    if cfg.benchmark:
-        max_steps = bench_steps
-    time_budget = 0.0 if max_steps else cfg.time_budget
-    return max_steps, time_budget
-
-# -----------------------------------------------------------------------------
-# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
-# context; the same bytes in every train_*.py
-
-# === shared: system ===
-def setup_dist(device_arg="auto"):
-    """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
-    WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
-    distributed path runs in CPU tests). Ranks > 0 print nothing."""
-    if device_arg == "auto" and torch.cuda.is_available():
-        device_arg = "cuda"
-    elif device_arg == "auto" and torch.backends.mps.is_available():
-        device_arg = "mps"
-    elif device_arg == "auto":
-        device_arg = "cpu"
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
-    if device_arg == "mps" and not torch.backends.mps.is_available():
-        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
-    # expandable segments let the CUDA allocator grow a block instead of leaving holes: less
-    # fragmentation when shapes vary (evals, --seq_len_warmup). A user's own setting wins
-    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device(device_arg)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    device = torch.device(device_arg)
-    if device_arg == "cuda":  # one GPU a process: the local rank's
-        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
-        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
-        store, _, _ = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}/", store)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    if rank:
-        sys.stdout = open(os.devnull, "w")
-    return rank, world_size, device
-
-def all_mean(x, world_size):
-    """x averaged over ranks."""
-    if world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= world_size
-    return x
-
-def full(t):
-    """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-@functools.cache  # one precision per process
-def cpu_has_bf16():
-    """Whether bf16 pays on this CPU: it has AVX512-BF16 or AMX, and a bf16 matmul runs 1.5x faster
-    than fp32. Most laptops stop at AVX2, where bf16 is emulated and many times slower than fp32."""
-    import timeit
-    cpuinfo = "/proc/cpuinfo" if os.path.exists("/proc/cpuinfo") else os.devnull
-    with open(cpuinfo) as f:
-        if not set(f.read().split()) & {"avx512_bf16", "amx_bf16"}:
-            return False
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
-    b = a.bfloat16()
-    # the best of 5 timings after a warm-up one (~50 ms in all)
-    fp32 = min(timeit.repeat(lambda: a @ a, number=1, repeat=6)[1:])
-    bf16 = min(timeit.repeat(lambda: b @ b, number=1, repeat=6)[1:])
-    return fp32 > 1.5 * bf16
-
-def setup_precision(device, dtype_arg="auto", ckpt=None):
-    """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
-    have it, fp16 on older ones, and bf16 on a CPU only where cpu_has_bf16()."""
-    # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
-    # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
-    # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
-    # backward, divides the grads after, and skips a step whose grads overflowed
-    saved = ckpt["config"].get("dtype") if ckpt else None
-    if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
-        dtype_arg = saved
-    elif dtype_arg == "auto" and device.type == "cuda":
-        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    elif dtype_arg == "auto":
-        fast = torch.tensor(int(device.type == "cpu" and cpu_has_bf16()))
-        if dist.is_available() and dist.is_initialized():  # every rank the same: the slowest decides
-            dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-        dtype_arg = "bfloat16" if fast else "float32"
-    dtype = getattr(torch, dtype_arg)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
-    ctx = contextlib.nullcontext()
-    if dtype != torch.float32:
-        ctx = torch.autocast(device.type, dtype=dtype)
-    fp16 = dtype == torch.float16
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
-    return dtype, ctx, scaler
-
-def wrap_model(raw, cfg, device, dtype, world_size):
-    """(model, compiled): raw compiled, and wrapped in DDP or FSDP2 under torchrun. The optimizers
-    and checkpoints keep using raw, whose parameter names have no wrapper's prefix."""
-    # torch.compile fuses the elementwise ops between matmuls into Triton kernels. auto: on Linux
-    # GPUs, where it pays back its minute of compiling; on a CPU it rarely does for a short run
-    compiled = cfg.compile == "true"
-    if cfg.compile == "auto":
-        compiled = device.type == "cuda" and sys.platform == "linux"
-    kernels.use(cfg.kernels)  # before compile traces it
-    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
-        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
-    if world_size > 1 and cfg.parallel == "fsdp":
-        # FSDP2 (Zhao et al. 2023): each rank keeps 1/world_size of every weight, gradient and
-        # optimizer state, and gathers a block's weights just before it runs. Sharded block by
-        # block, so only one block is whole at a time, and the next block's gather overlaps this
-        # one's compute
-        if dtype == torch.float16:
-            die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        offload = OffloadPolicy()  # none
-        if cfg.offload == "params":  # the shards live in CPU memory between uses
-            offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        # computed in dtype, gradients reduced in fp32: a sum over many ranks in bf16 loses bits
-        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        mesh = dist.init_device_mesh(device.type, (world_size,))
-        for block in raw.blocks:
-            if compiled:
-                block.compile()
-            fully_shard(block, mp_policy=precision, offload_policy=offload, mesh=mesh)
-        return fully_shard(raw, mp_policy=precision, offload_policy=offload, mesh=mesh), compiled
-    model = raw
-    if compiled:
-        model = torch.compile(raw)
-    if world_size > 1:
-        # DDP: every rank holds the whole model and all-reduces the grads in backward, bucket by
-        # bucket while backward goes on. The buffers (RoPE's tables) are constants: not broadcast
-        ids = [device.index] if device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-    return model, compiled
-
-def grad_sync(model, sync):
-    """A micro-step's backward context: the grads are synced across ranks only if sync."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag on the model
-        model.set_requires_gradient_sync(sync)
-    if hasattr(model, "no_sync") and not sync:  # DDP: a context
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-def clip_grads(params, max_norm):
-    """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = full(nn.utils.get_total_norm(grads))
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
-    torch._foreach_mul_(grads, scale)
-    return norm
-
-def agree(rows, t0, world_size):
-    """The sync: the host reads the guard's rows of the steps since the last sync, which waits for
-    the device to finish them, then the seconds since t0, averaged over the ranks so that every
-    rank decides alike (when to stop, what the LR is). Returns (rows as lists, seconds)."""
-    rows = rows.tolist()  # the one host read of device values, at a sync only
-    seconds = time.perf_counter() - t0
-    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        seconds = all_mean(t, world_size).item()
-    return rows, seconds
-# === end shared ===
-
-# -----------------------------------------------------------------------------
-# Training loop
-
-@torch.no_grad()
-def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
-    """({val_acc, val_top5, val_loss}, the confusion matrix (true, predicted)) of the first n val images."""
-    model.eval()
-    # This rank's sums, in one tensor so that one all-reduce adds them up over the ranks: top-1 hits, top-5 hits,
-    # the loss's sum, then the K x K confusion counts (true class, predicted class), flattened.
-    sums = torch.zeros(3 + K * K, device=y_all.device, dtype=torch.float64)
-    # The ranks take turns at batches of B. Under FSDP every forward is a collective, so every rank runs as many:
-    # a rank past the end of the n images reads one image and counts it with weight 0.
-    for it in range(math.ceil(n / (B * world_size))):
-        i = (it * world_size + rank) * B
-        j = min(i + B, n)
-        w = 1.0
-        if i >= n:
-            i = 0
-            j = 1
-            w = 0.0
-        x = x_all[i:j].to(y_all.device, non_blocking=True)  # (b, H, W, C) uint8, from the host under --loader=host
-        x = x.float() / 255  # in [0, 1]
-        y = y_all[i:j]
-        with ctx:
-            logits = model(x).float()  # (b, K)
-            if tta_flip:
-                # test-time augmentation: the log of the mean of the two views' probabilities (up to a constant,
-                # which the softmax below cancels)
-                mirrored = model(x.flip(2)).float()  # (b, K): the mirror images' logits
-                both = torch.stack((logits, mirrored))  # (2, b, K)
-                logits = both.log_softmax(-1).logsumexp(0)
-        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5): the classes in order of their logits
-        top1 = (top[:, 0] == y).sum()
-        top5 = (top == y[:, None]).any(1).sum()
-        loss = F.cross_entropy(logits, y, reduction="sum")
-        sums[:3] += w * torch.stack([top1, top5, loss]).double()
-        cells = y * K + top[:, 0]  # (b,): each image's cell (true, predicted) of the confusion matrix, flattened
-        sums[3:] += w * torch.bincount(cells, minlength=K * K).double()
-    model.train()
-    total = all_mean(sums, world_size) * world_size
-    acc, top5, loss = (total[:3] / n).tolist()
-    confusion = total[3:].view(K, K).long().cpu().numpy()  # (K, K): rows true, columns predicted
-    return {"val_acc": acc, "val_top5": top5, "val_loss": loss}, confusion
-
-def evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
-    """Evaluate the weights and their EMA, print the eval line and record it in metrics.jsonl; returns (the
-    record, the confusion matrix of the better weights, "" or "ema_": which weights were better)."""
-    # Periodic evals read the first eval_images of the val split, to keep them cheap; the final one reads it all.
-    n = len(val_y) if final else min(cfg.eval_images, len(val_y))
-    args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
-    scores, conf = evaluate(model, *args)
-    rec = {"step": step, **scores}
-    best = ""
-    # The EMA's weights are a second model for free: swapped into the model for their eval, then swapped back.
-    # The better of the two (the raw weights on a tie) gives the per-class accuracies and the confusion matrix.
-    if ema:
-        ema.swap()
-        ema_scores, ema_conf = evaluate(model, *args)
-        ema.swap()
-        rec |= {"ema_" + k: v for k, v in ema_scores.items()}
-        if ema_scores["val_acc"] > scores["val_acc"]:
-            best = "ema_"
-            conf = ema_conf
-    # each class's accuracy: the final line names the three weakest, so a class the model keeps confusing is not
-    # averaged away
-    right = conf.diagonal()  # (K,): each class's val images predicted right
-    seen = np.maximum(conf.sum(1), 1)  # (K,): its val images, at least 1 so that a class with none scores 0
-    rec["per_class_acc"] = (right / seen).round(4).tolist()
-    line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
-    line += f" | loss {rec['val_loss']:.4f}"
-    if ema:
-        line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
-    line += f" | {n} images"
-    if cfg.tta_flip:
-        line += " (flip TTA)"
-    print(line)
-    record(metrics, **rec)
-    return rec, conf, best
-
-def plot_results(out_dir, history, confusion, classes):
-    """accuracy.png (val accuracy, its EMA's, train loss) and confusion.png."""
-    # imported here, not at the top: only a finished run on rank 0 plots, and Agg draws without a display
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    # history holds the log steps' train losses and the evals' records, in the order they happened
-    fig1, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
-        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
-        if pts:
-            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
-    ax.set(
-        xlabel="step",
-        ylabel="val top-1 accuracy (%)",
-        title=os.path.basename(os.path.abspath(out_dir))
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower left")
-    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    if losses:
-        ax2 = ax.twinx()  # the loss on its own axis, at the right
-        ax2.plot(*zip(*losses), color="gray", alpha=0.5)
-        ax2.set_ylabel("train loss")
-    # The confusion matrix, as rates: row i is where the val images of class i went. Up to 30 classes each cell
-    # is labelled with its count; more would not be legible, so only the colours show.
-    K = len(classes)
-    labelled = K <= 30
-    size = (12, 11)
-    if labelled:
-        size = (2 + 0.5 * K, 1.5 + 0.5 * K)
-    fig2, ax = plt.subplots(figsize=size)
-    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # (K, K), each row sums to 1
-    ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
-    if labelled:
-        ax.set_xticks(range(K), classes, rotation=90)
-        ax.set_yticks(range(K), classes)
-        for i, j in zip(*np.nonzero(confusion)):
-            color = "white" if rates[i, j] > 0.5 else "black"  # legible on a dark cell and a light one
-            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
-    ax.set(
-        xlabel="predicted",
-        ylabel="true",
-        title=f"confusion on val ({int(confusion.sum())} images)"
-    )
-    for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=120)
-        plt.close(fig)
-
-def done_line(step, epochs, train_time, rec, best, meta, out_dir):
-    """The run's last line: steps, epochs, time, the final val accuracy (of the EMA weights where
-    they did better), and the three weakest classes."""
-    acc = rec["per_class_acc"]
-    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
-    return (
-        f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s"
-        f" | val acc {100 * rec[best + 'val_acc']:.2f}% ({'EMA' if best else 'raw'} weights)"
-        f" | weakest: {weakest}"
-        f" | checkpoint, accuracy.png and confusion.png in {out_dir}"
-    )
-
-def main(cfg):
-    """Train (or --benchmark) per cfg; returns a dict of final metrics."""
-    check_config(cfg)
-    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
-        return train(cfg, stop)
-
-def train(cfg, stop):
-    """Set up, resume, then the loop: micro-steps, clip, agree, check, step, log, eval, save."""
-    rank, world_size, device = setup_dist(cfg.device)
-    wall0 = time.perf_counter()
-    master = rank == 0  # every rank prints (ranks > 0 into devnull), but only rank 0 writes files
-    # data: both splits as uint8, held on the device or read from their files (--loader); random images for --benchmark
-    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device, "the shapes dataset")
-    H, W = meta["image_size"]
-    C = meta["channels"]
-    K = meta["num_classes"]
-    check_shift(cfg, H)
-    flip, why = flips(cfg, meta)
-    # Two views of the data go into every checkpoint: data_info, which a resume must match, and data_meta, which
-    # lets predict_vit.py classify images with the checkpoint alone (the class names, the pixel statistics).
-    data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
-    data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean", "std")}
-
-    # cfg settles here, before anything derives from it. The width: under 10k images, 128
-    # stalls near chance for ~500 steps where 64 learns (README). The precision: a resumed run's.
-    width = cfg.n_embd
-    if not width:
-        width = 64 if len(loader.y) < 10000 and not cfg.benchmark else 128
-    layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
-    ckpt, path = (None, None) if cfg.benchmark else resume_point(cfg.out_dir, cfg.resume, layout, master)
-    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
-    cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
-    B = cfg.batch_size
-    accum = cfg.grad_accum
-    images_per_step = B * accum * world_size
-
-    # model, optimizers, EMA, guard
-    raw = build_model(cfg, meta, device)
-    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
-    opts = build_optimizers(cfg, raw, dtype)
-    ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
-    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
-    n_params = sum(p.numel() for p in raw.parameters())
-    steps_per_epoch = len(loader.y) // (B * world_size) / accum
-    bench = Benchmark(cfg.bench_steps, cfg.profile)
-    max_steps, time_budget = budget(cfg, steps_per_epoch, bench.total)
-    # per step: images, and its seconds at the GPU's peak (for MFU)
-    rate = (images_per_step, "img", peak_seconds(raw.flops_per_image() * images_per_step, device, dtype))
-
-    # the loop's state is these locals; a resume sets them, and the loader's place
-    step, train_time, history = 0, 0.0, []
-    if ckpt:
-        with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            loader.load_state(ckpt["data"])
-        done = train_time >= time_budget if time_budget else step >= max_steps
-        print_resume_or_exit(path, step, done, cfg.out_dir)
-    metrics = start_log(cfg, master)  # the file of every logged value (None on ranks > 0)
-    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
-    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, master)
-    span = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
-    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
-          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world"
-          f" {world_size}) | {span} | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
-          f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why}) | images {loader.where}")
-
-    # The host reads what the device computed (each step's loss, grad norm and the guard's
-    # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
-    # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
-    # counts the reads). Time has three names: train_time, the seconds of training up to the
-    # last sync; t0, when the clock last started; step_time, a step's seconds over the last
-    # interval, which estimates the time between syncs.
-    first = synced = step  # first: where this run (re)starts; synced: the newest step the host has read
-    step_time = 0.0
-    stopped = False
-    trace = torch.zeros(cfg.log_every, 3, device=device)  # (steps since the sync, [loss, grad norm, verdict])
-    t0 = time.perf_counter()  # start the clock
-    while True:
-        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
-        if step == synced and step > first:  # a sync has just read this step: report it
-            if step % cfg.log_every == 0 or last_step:
-                log_step(metrics, step, (max_steps, time_budget), loss, cfg.lr * mult, gnorm, step_time, rate,
-                         train_time, epoch=loader.epoch + loader.pos / len(loader.y))
-                history.append({"step": step, "loss": loss})
-            if cfg.benchmark:
-                bench.mark(step, train_time)
-        # Evals (one at step 0: an untrained model is at chance) and saves, but not again at the
-        # step a resume or rollback starts from. The clock stopped at the sync: they are not
-        # training time. A stop saves, and leaves the final eval (of the whole val split) to the resumed run.
-        final = last_step and not stopped
-        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
-        saves = last_step or (every(step, cfg.save_every) and step > first)
-        if evals and not cfg.benchmark:
-            rec, conf, best = evaluate_both(metrics, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size,
-                                            step, final)
-            history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
-        if saves and not cfg.benchmark:
-            # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
-            # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
-            writer.save({
-                **model_state(raw, opts, ema, full=not sharded),
-                "scaler": scaler.state_dict(), "step": step, "guard": guard.state(), "train_time": train_time,
-                "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
-        if last_step:
-            break
-        if evals or saves:
-            t0 = time.perf_counter()  # start the clock again
-
-        # one optimizer step. Augmentation and stochastic depth draw from the global RNG seeded
-        # by (seed, step, rank): a resumed run draws the same numbers, with no RNG state saved
-        torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
-        if time_budget:  # the schedule follows the time, estimated since the sync
-            progress = (train_time + (step - synced) * step_time) / time_budget
-        else:
-            progress = step / max_steps
-        # Every group of both optimizers shares one peak LR (Muon scales its update to AdamW's size), so one
-        # multiplier sets them all.
-        mult = lr_mult(cfg, step, progress)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * mult
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = loader.next()  # (B, H, W, C) uint8, (B,)
-            x = augment(x.float() / 255, cfg, flip)  # (B, H, W, C) in [0, 1]
-            x, ya, yb, lam = mix(x, y, cfg)
-            # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
-            with grad_sync(model, micro == accum - 1):
-                with ctx:
-                    logits = model(x).float()  # (B, K)
-                    loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
-                    if lam < 1:  # a mixed batch: each partner's loss, by its share
-                        loss = lam * loss + (1 - lam) * F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
-                    loss = loss / accum  # the mean over micro-steps: one big batch
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        for opt in opts:
-            scaler.unscale_(opt)
-        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
-        # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
-        # the host would stall the device every step. Where skip is 1, fused AdamW and Muon
-        # leave the weights and their state as they were (fused AdamW's fp16-overflow path).
-        row, skip = guard.check(all_mean(loss_sum, world_size), gnorm, scaler.is_enabled())
-        trace[step - synced] = row
-        for opt in opts:
-            opt.found_inf = skip
-            opt.step()
-        if ema:  # a skipped step left the weights as they were
-            ema.update()
-        scaler.update()
-        step += 1
-
-        # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
-        # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
-        stopped = stop.requested(world_size)
-        if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
-            near_end = not step_time or train_time + (step - synced) * step_time >= time_budget
-        else:
-            near_end = step >= max_steps
-        due = any(every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every))
-        if not (near_end or stopped or due or (cfg.benchmark and bench.due(step))):  # bench: where it times
-            continue
-        rows, seconds = agree(trace[:step - synced], t0, world_size)  # the host waits for the device here
-        t0 = time.perf_counter()
-        train_time += seconds
-        step_time = seconds / (step - synced)
-        reason = guard.log_skips(rows, synced, metrics)
-        synced = step
-        loss, gnorm = rows[-1][:2]
-        if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
-            writer.wait()
-            ckpt = rollback_point(cfg.out_dir, guard, reason, world_size, master, metrics, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            first = synced = step  # the batches read since are skipped, not read again
-            t0 = time.perf_counter()
-
-    # the end: how to resume after a signal, or the benchmark's figures, or the results
-    writer.wait()
-    result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
-              "peak_mem_gb": peak_memory_gb(device), "params": n_params}
-    if stopped and not cfg.benchmark:  # the checkpoint is saved: exit 0, and --resume goes on
-        print(preempted_line(stop.received, step, cfg.out_dir))
-        result = {"preempted": True, "steps": step, "train_time": train_time}
-    elif cfg.benchmark:
-        # a stop cuts the timed steps short, and the figures say so
-        timings, text = bench.timings(rate, stopped and (stop.received or "a signal to another rank"), step)
-        bench.print_profile(cfg.out_dir, device, master)
-        result |= timings
-        print(f"benchmark | {cfg.preset or 'default'} | {n_params / 1e6:.1f}M params | {H}x{W} patch {cfg.patch_size}"
-              f" | {device} {dtype} compile={compiled} | {text} | peak mem {result['peak_mem_gb']:.2f} GB")
-    else:
-        result |= {**rec, "train_loss": loss, "images": step * images_per_step}
-        # rank 0 draws the plots and adds the run's row to results.tsv, the log of experiments beside out_dir,
-        # under the better of the two val accuracies (raw or EMA weights)
-        if master:
-            side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
-            append_result(cfg.out_dir, f"{best}val_acc", result, cfg.description)
-        print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, best, meta, cfg.out_dir))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
-
-def check_config(cfg):
-    """Reject impossible settings with a one-line message that names the fix."""
-    check_choices(cfg)
-    # Counts and sizes must be at least 1; the rest at least 0, where 0 means off or "pick it for me". The counts
-    # come first, so that the head check below never divides by n_head = 0.
-    for low, keys in (
-        (1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every bench_steps"),
-        (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
-            "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
-    ):
-        for k in keys.split():
-            if getattr(cfg, k) < low:
-                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
-    if width % cfg.n_head or (width // cfg.n_head) % 2:
-        fit = [h for h in range(1, width + 1) if width % h == 0 and (width // h) % 2 == 0]
-        die(
-            f"--n_embd={width} must split into {cfg.n_head} heads of even size; --n_head={'|'.join(map(str, fit))} "
-            f"would, or change --n_embd"
-        )
-    if (
-        cfg.lr <= 0
-        or cfg.warmup_steps < 0
-        or not 0 <= cfg.final_lr_frac <= 1
-        or not 0 < cfg.cooldown_frac <= 1
-    ):
-        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
-    # Decays and probabilities stay under 1: an EMA of 1 never moves, Adam's bias correction divides by 1 - beta,
-    # stochastic depth by 1 - drop_path, and a label smoothing of 1 leaves no trace of the true class.
-    if not (
-        0 <= cfg.ema < 1
-        and 0 <= cfg.drop_path < 1
-        and 0 <= cfg.label_smoothing < 1
-        and 0 <= cfg.beta1 < 1
-        and 0 <= cfg.beta2 < 1
-        and cfg.mlp_ratio > 0
-    ):
-        die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
-    if not (cfg.benchmark or cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
-        die("no training budget: set --max_steps, --epochs or --time_budget")
-
-# -----------------------------------------------------------------------------
-# Images, the same bytes in train_vit.py and train_diffusion.py: what a resumed run
-# must match, sin-cos positions, an image dir, its loader, the EMA of the weights.
-
 # === shared: images ===
-def run_layout(c, world_size, data_info):
-    """What a resumed run must share with the run of its checkpoint's config dict c."""
-    return {
-        **{k: c[k] for k in ARCH_FIELDS},
-        "ema": c["ema"] > 0,
-        "batch_size": c["batch_size"],
-        "grad_accum": c["grad_accum"],
-        "world_size": world_size,
-        "dtype": c["dtype"],
-        **data_info
-    }
-
-def sincos_2d(h, w, dim):
-    """Fixed 2-D sin-cos positions (h * w, dim), fp32 (MAE; Beyer et al. 2022; DiT)."""
-    # half the channels encode the row, half the column, each as sin and cos at dim/4 frequencies
-    quarter = dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter)  # (dim/4,)
-    rows, cols = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")  # (h, w) each
-    parts = []
-    for pos in (rows, cols):
-        angle = pos.flatten()[:, None] * omega  # (h * w, dim/4)
-        parts += [torch.sin(angle), torch.cos(angle)]
-    return torch.cat(parts, dim=1)
-
 def load_image_data(data_dir, splits=("train", "val")):
     """meta.json and {split: (uint8 images (N, H, W, C), int64 labels (N,))} of an image dir."""
     path = os.path.join(data_dir, "meta.json")
@@ -1263,72 +495,21 @@ def load_image_data(data_dir, splits=("train", "val")):
                 f"0..{K - 1}); {fix}")
     return meta, arrays
 
-def image_data(cfg, rank, world_size, device, what, *flags):
-    """meta, the train split's loader, and the val images and labels (images on the device, or read from their file)."""
-    if cfg.benchmark:  # random images, no val split
-        size = cfg.image_size or 32
-        n = 4 * cfg.batch_size
-        g = torch.Generator().manual_seed(0)
-        meta = {
-            "classes": [str(i) for i in range(10)],
-            "num_classes": 10,
-            "image_size": [size, size],
-            "channels": 3,
-            "mean": [0.5] * 3,
-            "std": [0.25] * 3,
-            "flip_ok": True
-        }
-        x = torch.randint(0, 256, (n, size, size, 3), generator=g, dtype=torch.uint8)
-        labels = torch.randint(0, 10, (n,), generator=g)
-        arrays = {"train": (x.numpy(), labels.numpy())}
-    else:
-        prepare_default_data(cfg, rank, world_size, "shapes", what, *flags)
-        meta, arrays = load_image_data(cfg.data_dir)
-    H, W = meta["image_size"]
-    p = cfg.patch_size
-    if cfg.image_size and cfg.image_size != H:
-        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
-            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
-    if H != W or H % p:
-        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
-    on_device = data_on_device(cfg, arrays, device)
-    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed, on_device)
-    val_x = val_y = None  # --benchmark has no val split
-    if "val" in arrays:
-        images, labels = arrays["val"]
-        val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
-        val_x = hold(images, device, on_device)
-    return meta, loader, val_x, val_y
+def host_memory():
+    """The host's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 def data_on_device(cfg, arrays, device):
     """Whether the images are copied to the device whole (--loader=device), or stay in their files on the host and
     are read a batch at a time (host). auto: the device, if both splits take under a quarter of its memory."""
-    if cfg.loader != "auto" or cfg.benchmark:  # --benchmark's random images have no file to read from
-        return cfg.loader != "host" or cfg.benchmark
+    if cfg.loader != "auto":
+        return cfg.loader == "device"
     need = sum(x.nbytes for x, _ in arrays.values())
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:  # the CPU, or MPS, which shares the host's memory: every rank on this host holds a copy
         free = host_memory() / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return need < free / 4
-
-def host_memory():
-    """The host's memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-def hold(images, device, on_device):
-    """A split's uint8 images (N, H, W, C): copied whole to the device, or left in their file (HostImages)."""
-    if on_device:
-        return torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
-    return HostImages(images, device)
-
-def flips(cfg, meta):
-    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
-    if cfg.flip != "auto":
-        return cfg.flip == "true", "--flip"
-    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
-        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
-    return meta["flip_ok"], "the data's flip_ok"
 
 class HostImages:
     """A split's images left in their .npy file on the host: rows read on request, with plain file reads into fresh
@@ -1360,6 +541,12 @@ class HostImages:
             if self.file.readinto(flat[k]) != self.row:
                 raise EOFError(f"{self.path} ends before image {int(rows[k])}; re-run prepare_data.py")
         return out
+
+def hold(images, device, on_device):
+    """A split's uint8 images (N, H, W, C): copied whole to the device, or left in their file (HostImages)."""
+    if on_device:
+        return torch.from_numpy(np.array(images)).to(device)  # uint8: 4x smaller than fp32
+    return HostImages(images, device)
 
 class ImageLoader:
     """(B, H, W, C) uint8 batches of the train split, in an order per epoch seeded by (seed, epoch); rank r takes
@@ -1431,6 +618,192 @@ class ImageLoader:
             y = y.pin_memory()
         return self.x[idx], y
 
+def image_data(cfg, rank, world_size, device):
+    """meta, the train split's loader, and the val images and labels (images on the device, or read from their file)."""
+    meta, arrays = load_image_data(cfg.data_dir)
+    H, W = meta["image_size"]
+    p = cfg.patch_size
+    if cfg.image_size and cfg.image_size != H:
+        die(f"--image_size={cfg.image_size} but the images in {cfg.data_dir} are {H}x{W}; prepare them "
+            f"at that size (prepare_data.py ... --image_size={cfg.image_size}) or use --image_size=0")
+    if H != W or H % p:
+        die(f"images of {H}x{W} do not split into {p}x{p} patches; change --patch_size")
+    on_device = data_on_device(cfg, arrays, device)
+    loader = ImageLoader(*arrays["train"], cfg.batch_size, rank, world_size, device, cfg.seed, on_device)
+    images, labels = arrays["val"]
+    val_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device)  # labels are small: always there
+    val_x = hold(images, device, on_device)
+    return meta, loader, val_x, val_y
+
+def flips(cfg, meta):
+    """(whether training flips images, why): --flip, else meta.json's flip_ok."""
+    if cfg.flip != "auto":
+        return cfg.flip == "true", "--flip"
+    if "flip_ok" not in meta:  # older data flips, as it did (a mirrored digit is not a digit)
+        return True, "meta.json predates flip_ok: re-run prepare_data.py, or --flip=false for digits"
+    return meta["flip_ok"], "the data's flip_ok"
+
+def run_layout(c, world_size, data_info):
+    """What a resumed run must share with the run of its checkpoint's config dict c."""
+    return {
+        **{k: c[k] for k in ARCH_FIELDS},
+        "ema": c["ema"] > 0,
+        "batch_size": c["batch_size"],
+        "grad_accum": c["grad_accum"],
+        "world_size": world_size,
+        "dtype": c["dtype"],
+        **data_info
+    }
+# === end shared ===
+
+def augment(x, cfg, flip):
+    """Shift x (B, H, W, C) by up to cfg.translate pixels; flip it if flip."""
+    B, H, W, _ = x.shape
+    dev = x.device
+    t = cfg.translate
+    if t:
+        # a random H x W crop of the image padded by t reflected pixels: a shift that invents no black border
+        chw = x.permute(0, 3, 1, 2)  # (B, C, H, W): F.pad pads the last two dims
+        xp = F.pad(chw, (t, t, t, t), mode="reflect")  # (B, C, H+2t, W+2t)
+        xp = xp.permute(0, 2, 3, 1)  # (B, H+2t, W+2t, C)
+        dy, dx = torch.randint(0, 2 * t + 1, (2, B, 1), device=dev)  # each image's offset, (B, 1)
+        rows = dy + torch.arange(H, device=dev)  # (B, H)
+        cols = dx + torch.arange(W, device=dev)  # (B, W)
+        batch = torch.arange(B, device=dev)[:, None, None]  # (B, 1, 1)
+        x = xp[batch, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C): image b's rows and columns
+    if flip:
+        # a mirror image is the same class only for some data (not for letters): the caller decides, from
+        # --flip or the data's flip_ok
+        mirror = torch.rand(B, 1, 1, 1, device=dev) < 0.5  # (B, 1, 1, 1)
+        x = torch.where(mirror, x.flip(2), x)
+    return x
+
+def check_shift(cfg, side):
+    """Stop in one line if --translate is not under the images' side: a shift pads with reflected pixels, and a
+    reflection is no longer than the image."""
+    if cfg.translate >= side:
+        die(f"--translate={cfg.translate} must be under the images' side, {side}; lower it")
+
+def mix(x, y, cfg):
+    """Mixup or cutmix (one at random if both, as timm) with the reversed batch: (x, y, y reversed, y's weight)."""
+    # Mixup (Zhang et al. 2018) blends two images, cutmix (Yun et al. 2019) pastes a box of one into the other; the
+    # target mixes the same way, lam of one label and 1 - lam of the other. Cross-entropy is linear in its target,
+    # so the loop adds the two labels' losses by their weights. Each image's partner is the one at the mirrored
+    # place in the batch (the batch reversed), whose order is already random: no second batch is read.
+    use_cutmix = cfg.cutmix > 0
+    if use_cutmix and cfg.mixup > 0:
+        use_cutmix = torch.rand(()).item() < 0.5
+    alpha = cfg.cutmix if use_cutmix else cfg.mixup
+    if alpha == 0:
+        return x, y, y, 1.0
+    lam = torch.distributions.Beta(alpha, alpha).sample().item()
+    if not use_cutmix:
+        x = lam * x + (1 - lam) * x.flip(0)
+        return x, y, y.flip(0), lam
+    # paste a box of area 1 - lam from the partner, centred anywhere
+    B, H, W, _ = x.shape
+    h = int(H * math.sqrt(1 - lam))
+    w = int(W * math.sqrt(1 - lam))
+    cy = int(torch.randint(H, ()))
+    cx = int(torch.randint(W, ()))
+    y0 = max(cy - h // 2, 0)
+    y1 = min(cy + h // 2, H)
+    x0 = max(cx - w // 2, 0)
+    x1 = min(cx + w // 2, W)
+    x = x.clone()
+    x[:, y0:y1, x0:x1] = x.flip(0)[:, y0:y1, x0:x1]
+    # the image's edge may clip the box: the weight is the share of the image really kept
+    kept = 1 - (y1 - y0) * (x1 - x0) / (H * W)
+    return x, y, y.flip(0), kept
+
+# -----------------------------------------------------------------------------
+# Optimizer and schedule
+
+# === shared: muon ===
+def unless(skip, old, new):
+    """new, or old where skip is true (a NaN in new stays out)."""
+    return new if skip is None else torch.where(skip, old, new)
+
+def orthogonalise(x):
+    """Roughly U V^T for each x = U S V^T (..., rows, cols), by 5 Newton-Schulz steps."""
+    # Each step maps every singular value s to a s + b s^3 + c s^5 and leaves U and V alone. The
+    # coefficients (Jordan et al. 2024) are tuned to push any s in (0, 1] to about 1 in five
+    # steps, fast rather than exactly: Muon needs U V^T only roughly
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # work on the wide side, so that the Gram matrix x x^T is the smaller square
+        x = x.mT
+    norm = x.norm(dim=(-2, -1), keepdim=True)  # the Frobenius norm bounds the spectral norm: then s <= 1
+    x = x / norm.clamp(min=1e-7)
+    for _ in range(5):
+        gram = x @ x.mT  # (..., rows, rows)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b gram + c gram^2
+        x = torch.baddbmm(x, poly, x, beta=a)  # a x + (b gram + c gram^2) x
+    if tall:
+        x = x.mT
+    return x
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) for 2-D hidden matrices: Nesterov momentum, orthogonalised,
+    scaled to AdamW's update RMS, 0.2 sqrt(max(rows, cols)), so one LR serves both (Moonlight).
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw", but batched per shape, and in bf16
+    only if the run is (a CPU emulates bf16 ~100x slower)."""
+
+    def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None, skip=None):
+        """One update of every matrix; where skip (the guard's verdict, a tensor on the device) is true, none."""
+        for group in self.param_groups:
+            lr = group["lr"]
+            mom = group["momentum"]
+            # The matrices of one shape are stacked and orthogonalised in one batched call: a
+            # model has a few shapes (qkv, proj, fc) repeated in every block, so a step makes a
+            # few large matmuls instead of many small ones
+            shapes = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    shapes.setdefault(p.shape, []).append(p)
+            for ps in shapes.values():
+                bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
+                g = torch.stack([p.grad for p in ps])  # (n, rows, cols)
+                b = torch.stack(bufs)
+                w = torch.stack(ps)
+                new_b = unless(skip, b, b.lerp(g, 1 - mom))  # momentum: b = mom b + (1 - mom) g
+                # Nesterov: the update looks ahead along the momentum, then is orthogonalised
+                x = orthogonalise(g.lerp(new_b, mom).to(self.ns_dtype)).to(w.dtype)
+                # decoupled weight decay, then the step: an orthogonal x has an RMS of about
+                # 1/sqrt(max(rows, cols)), so this scale gives it AdamW's RMS of about 0.2
+                scale = 0.2 * math.sqrt(max(w.shape[1:]))
+                decayed = w * (1 - lr * group["weight_decay"])
+                new_w = torch.add(decayed, x, alpha=-lr * scale)
+                new_w = unless(skip, w, new_w)
+                # one copy a tensor, back into the parameters and buffers (DTensor has no _foreach_copy_)
+                news = [*new_b.unbind(0), *new_w.unbind(0)]
+                for t, new in zip(bufs + ps, news):
+                    t.copy_(new)
+# === end shared ===
+
+# === shared: adamw ===
+class AdamW(torch.optim.AdamW):
+    """torch's fused AdamW (one kernel for every parameter), whose step takes the guard's verdict: where skip is
+    true, the kernel leaves the weights, their moments and the step count as they were, on the device, with no
+    sync. It is the contract of torch.amp.GradScaler with fused optimizers, which skip fp16's overflows so: the
+    kernel reads the verdict from the optimizer's found_inf, which this step sets (and GradScaler.step, if skip is
+    None)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, fused=True, **kw)  # only the fused kernel reads found_inf
+
+    def step(self, closure=None, skip=None):
+        if skip is not None:
+            self.found_inf = skip.float()
+        return super().step(closure)
+# === end shared ===
+
+# === shared: ema ===
 class EMA:
     """An fp32 moving average of the weights, beside them (sharded like them under FSDP).
     swap() trades it with the live weights, so one model evaluates with either."""
@@ -1459,13 +832,678 @@ class EMA:
             self.model.reshard()
 # === end shared ===
 
+def build_optimizers(cfg, raw, dtype=torch.float32):
+    """AdamW, and with --optimizer=muon Muon on the blocks' matrices; no decay on vectors."""
+    # Muon orthogonalises an update, which suits a matrix that maps hidden features to hidden features: the blocks'.
+    # The patch embedding reads pixels and the head writes logits; Muon's authors leave such input and output layers
+    # to AdamW, as they do vectors, which have no matrix to orthogonalise. Weight decay pulls weights toward zero:
+    # right for the matrices, wrong for norm gains (1 at init), biases, positions and the extra tokens.
+    hidden = []  # the blocks' matrices: Muon's, or AdamW's with decay
+    decay = []  # the patch embedding's and the head's matrices: AdamW's, with decay
+    rest = []  # norm gains, biases, positions, the class token and registers: AdamW's, no decay
+    for name, p in raw.named_parameters():
+        top = name.split(".")[0]  # blocks, patch, head, pos, extra or norm
+        if p.ndim == 2 and top == "blocks":
+            hidden.append(p)
+        elif p.ndim == 2 and top in ("patch", "head"):
+            decay.append(p)
+        else:
+            rest.append(p)
+    wd = cfg.weight_decay
+    opts = []
+    if cfg.optimizer == "muon":
+        # Newton-Schulz runs in bf16 only if the run does: a CPU without bf16 matmuls emulates them ~100x slower
+        ns_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        opts.append(Muon(hidden, lr=cfg.lr, weight_decay=wd, ns_dtype=ns_dtype))
+    else:
+        decay = hidden + decay
+    groups = [
+        dict(params=decay, weight_decay=wd),
+        dict(params=rest, weight_decay=0.0)
+    ]
+    opts.append(AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)))
+    return opts
+
+def lr_mult(cfg, step, progress):
+    """Linear warmup, then cosine, WSD or no decay over progress in [0, 1]."""
+    # Warmup: Adam's first updates divide by second moments estimated from a handful of gradients, and are too
+    # large at the peak LR (Liu et al. 2020). progress is steps / max_steps, or training seconds / time_budget, so
+    # a run on a time budget decays to its end whatever its speed.
+    # Linear, from peak / warmup_steps at the first step to the peak at step warmup_steps - 1.
+    warm = 1.0
+    if cfg.warmup_steps:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    p = min(max(progress, 0.0), 1.0)
+    f = cfg.final_lr_frac  # the floor that every decay ends on
+    if cfg.schedule == "cosine":
+        # cosine decay (Loshchilov & Hutter 2017) from the peak down to final_lr_frac of it
+        return warm * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * p)))
+    if cfg.schedule == "wsd" and p >= 1 - cfg.cooldown_frac:
+        # warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak until the last cooldown_frac, then a linear
+        # decay. A checkpoint of the stable phase can train on, or be cooled down for an early result.
+        return warm * (f + (1 - f) * (1 - p) / cfg.cooldown_frac)
+    return warm
+
 # -----------------------------------------------------------------------------
-# Machinery, the same bytes in every train_*.py: flags, checkpoint I/O, resume and rollback,
-# the guards, signals, reporting. The recipe above reads without it.
+# System: processes and devices, precision, compile, DDP/FSDP2 wrapping, the grad-sync
+# context; the same bytes in every train_*.py
+
+# === shared: system ===
+def setup_dist(device_arg="auto"):
+    """(rank, world_size, device). Plain `python` is rank 0 of 1; under torchrun, which sets RANK,
+    WORLD_SIZE and LOCAL_RANK, each process joins the group: NCCL on GPUs, gloo on CPUs (so every
+    distributed path runs in CPU tests)."""
+    if device_arg == "auto" and torch.cuda.is_available():
+        device_arg = "cuda"
+    elif device_arg == "auto" and torch.backends.mps.is_available():
+        device_arg = "mps"
+    elif device_arg == "auto":
+        device_arg = "cpu"
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        die("--device=cuda but no CUDA GPU is visible; use --device=cpu")
+    if device_arg == "mps" and not torch.backends.mps.is_available():
+        die("--device=mps but MPS is not available (it needs Apple silicon and macOS); use --device=cpu")
+    # expandable segments let the CUDA allocator grow a block instead of leaving holes: less
+    # fragmentation when shapes vary (evals, --seq_len_warmup). A user's own setting wins
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device(device_arg)
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = torch.device(device_arg)
+    if device_arg == "cuda":  # one GPU a process: the local rank's
+        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
+        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
+        store, _, _ = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}/", store)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return rank, world_size, device
+
+def all_mean(x, world_size):
+    """x averaged over ranks."""
+    if world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world_size
+    return x
+
+def full(t):
+    """t whole: an FSDP2 DTensor is gathered from every rank (a collective: all ranks call it); else t."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def setup_precision(device, dtype_arg="auto", ckpt=None):
+    """(dtype, autocast context, loss scaler). auto: a resumed run's dtype; else bf16 on GPUs that
+    have it, fp16 on older ones, and fp32 on a CPU or MPS."""
+    # Mixed precision: the weights and the optimizer's state stay fp32, and autocast runs the
+    # matmuls in the low precision (half the memory traffic, and tensor cores). bf16 has fp32's
+    # range, so nothing overflows; fp16 has not, so the scaler multiplies the loss before
+    # backward, divides the grads after, and skips a step whose grads overflowed.
+    # On a CPU auto is fp32, whatever the CPU: a rule of the device alone, so that one command
+    # trains in one precision on one machine, loaded or idle. Measured where bf16 is at its best,
+    # a 2-core Xeon with AVX512-BF16 and AMX (BENCHMARKS.md, 2026-12-01): in the GPT demo's 240 s
+    # bf16 made as many steps (1,646 against 1,650) and ended 0.024 bits per byte worse; the
+    # image demos made 1.2-1.3x the steps in bf16 and ended level, at 99.4-99.95%. Without those
+    # units (most laptops: AVX2) a CPU emulates bf16, many times slower than fp32
+    saved = ckpt["config"].get("dtype") if ckpt else None
+    if dtype_arg == "auto" and saved in ("bfloat16", "float16", "float32"):
+        dtype_arg = saved
+    elif dtype_arg == "auto" and device.type == "cuda":
+        dtype_arg = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif dtype_arg == "auto":
+        dtype_arg = "float32"
+    dtype = getattr(torch, dtype_arg)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
+    ctx = contextlib.nullcontext()
+    if dtype != torch.float32:
+        ctx = torch.autocast(device.type, dtype=dtype)
+    fp16 = dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16, growth_interval=2000)
+    return dtype, ctx, scaler
+
+def wrap_model(raw, cfg, device, dtype, world_size):
+    """(model, compiled): raw compiled, and wrapped in DDP or FSDP2 under torchrun. The optimizers
+    and checkpoints keep using raw, whose parameter names have no wrapper's prefix."""
+    # torch.compile fuses the elementwise ops between matmuls into Triton kernels. auto: on Linux
+    # GPUs, where it pays back its minute of compiling; on a CPU it rarely does for a short run
+    compiled = cfg.compile == "true"
+    if cfg.compile == "auto":
+        compiled = device.type == "cuda" and sys.platform == "linux"
+    if world_size == 1 and cfg.parallel == "fsdp":  # a flag that would do nothing: say so
+        print("--parallel=fsdp shards a model across the ranks of torchrun; this run is one process, unsharded")
+    if world_size > 1 and cfg.parallel == "fsdp":
+        # FSDP2 (Zhao et al. 2023): each rank keeps 1/world_size of every weight, gradient and
+        # optimizer state, and gathers a block's weights just before it runs. Sharded block by
+        # block, so only one block is whole at a time, and the next block's gather overlaps this
+        # one's compute
+        if dtype == torch.float16:
+            die("--parallel=fsdp has no float16 (no sharded loss scaler); use bfloat16 or --parallel=ddp")
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        offload = OffloadPolicy()  # none
+        if cfg.offload == "params":  # the shards live in CPU memory between uses
+            offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # computed in dtype, gradients reduced in fp32: a sum over many ranks in bf16 loses bits
+        precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        mesh = dist.init_device_mesh(device.type, (world_size,))
+        for block in raw.blocks:
+            if compiled:
+                block.compile()
+            fully_shard(block, mp_policy=precision, offload_policy=offload, mesh=mesh)
+        return fully_shard(raw, mp_policy=precision, offload_policy=offload, mesh=mesh), compiled
+    model = raw
+    if compiled:
+        model = torch.compile(raw)
+    if world_size > 1:
+        # DDP: every rank holds the whole model and all-reduces the grads in backward, bucket by
+        # bucket while backward goes on. The buffers (RoPE's tables) are constants: not broadcast
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    return model, compiled
+
+def grad_sync(model, sync):
+    """A micro-step's backward context: the grads are synced across ranks only if sync."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a flag on the model
+        model.set_requires_gradient_sync(sync)
+    if hasattr(model, "no_sync") and not sync:  # DDP: a context
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+def clip_grads(params, max_norm):
+    """Scales the grads to norm <= max_norm (a float or a tensor) on the device; their norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full(nn.utils.get_total_norm(grads))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # 1: the norm is within the limit
+    torch._foreach_mul_(grads, scale)
+    return norm
+
+def every(step, n):
+    """Whether step is a multiple of n (n = 0: never)."""
+    return n > 0 and step % n == 0
+
+def agree(trace, t0, world_size):
+    """The sync: the host reads the rows of the steps since the last sync (each a tensor of its
+    loss, grad norm and the guard's verdict), which waits for the device to finish them, then the
+    seconds since t0, averaged over the ranks so that every rank decides alike (when to stop, what
+    the LR is). Returns (rows as lists, seconds)."""
+    rows = torch.stack(trace).tolist()  # the one host read of device values, at a sync only
+    seconds = time.perf_counter() - t0
+    if world_size > 1:  # NCCL reduces tensors on the GPU, gloo on the CPU
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        seconds = all_mean(t, world_size).item()
+    return rows, seconds
+# === end shared ===
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+# === shared: guard ===
+# The guard's verdict on a step: a number on the device, which the host reads at the next sync. GOOD, or why the
+# optimizers skipped the step; OVERFLOW is fp16's, which the loss scaler handles (it lowers its scale), not a bad step
+GOOD, NONFINITE, LOSS_SPIKE, GNORM_SPIKE, OVERFLOW = range(5)
+BAD = {NONFINITE: "non-finite loss or grad norm", LOSS_SPIKE: "loss spike", GNORM_SPIKE: "grad norm spike"}
+
+class Guard:
+    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
+    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
+    checkpoint before the spike and skip the batches around it).
+
+    It decides on the device: reading the loss on the host at every step would make the host wait
+    for the device at every step. A spike is measured against running statistics of the good
+    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
+    grad norm, and their variance. The host reads the verdicts at the next sync (RunLog.skips)."""
+
+    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
+        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
+        self.window = window
+        self.max_bad = max_bad
+        self.clip_mult = clip_mult
+        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
+        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
+
+    def state(self):
+        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
+        n, *mean_var = self.stats.tolist()
+        return {
+            "n": int(n),
+            "mean": mean_var[:2],  # the loss's and the grad norm's
+            "var": mean_var[2:],
+            "bad": list(self.bad)
+        }
+
+    def load_state(self, s):
+        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
+        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
+        mean = [float(m) for m in s["mean"][:2]]
+        var = [float(v) for v in s["var"][:2]]
+        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
+
+    def clip(self, max_norm):
+        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
+        times the mean grad norm, once ten steps have made that mean."""
+        limit = max_norm if max_norm > 0 else float("inf")
+        if not self.clip_mult:
+            return limit
+        warm = self.stats[0] >= 10
+        mean_gnorm = self.stats[2]
+        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
+
+    def check(self, loss, gnorm, fp16=False):
+        """The step's verdict, a 0-d float tensor on the device: GOOD, or why the optimizers must
+        leave the weights alone. A good step's loss and grad norm join the running statistics."""
+        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
+        n, mean, var = self.stats.split([1, 2, 2])
+        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
+        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
+        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
+        verdict = torch.where(spike[1], GNORM_SPIKE, GOOD)
+        verdict = torch.where(spike[0], LOSS_SPIKE, verdict)  # a loss spike is named before a grad norm one
+        nonfinite = NONFINITE
+        if fp16:  # non-finite grads of a finite loss: fp16 overflowed, and the scaler skips the step
+            nonfinite = torch.where(v[0].isfinite(), OVERFLOW, NONFINITE)
+        verdict = torch.where(v.isfinite().all(), verdict, nonfinite)
+        # the statistics of good steps: a running mean for the first window steps, then an EMA
+        a = (1 / (n + 1)).clamp(min=1 / self.window)
+        d = v - mean
+        new_mean = mean + a * d
+        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
+        new = torch.cat([n + 1, new_mean, new_var])
+        self.stats = torch.where(verdict == GOOD, new, self.stats)
+        return verdict.float()
+
+    def rollback_due(self):
+        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
+        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# === end shared ===
+
+@torch.no_grad()
+def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
+    """({val_acc, val_top5, val_loss}, the confusion matrix (true, predicted)) of the first n val images."""
+    model.eval()
+    # This rank's sums, in one tensor so that one all-reduce adds them up over the ranks: top-1 hits, top-5 hits,
+    # the loss's sum, then the K x K confusion counts (true class, predicted class), flattened.
+    sums = torch.zeros(3 + K * K, device=y_all.device, dtype=torch.float64)
+    # The ranks take turns at batches of B. Under FSDP every forward is a collective, so every rank runs as many:
+    # a rank past the end of the n images reads one image and counts it with weight 0.
+    for it in range(math.ceil(n / (B * world_size))):
+        i = (it * world_size + rank) * B
+        j = min(i + B, n)
+        w = 1.0
+        if i >= n:
+            i = 0
+            j = 1
+            w = 0.0
+        x = x_all[i:j].to(y_all.device, non_blocking=True)  # (b, H, W, C) uint8, from the host under --loader=host
+        x = x.float() / 255  # in [0, 1]
+        y = y_all[i:j]
+        with ctx:
+            logits = model(x).float()  # (b, K)
+            if tta_flip:
+                # test-time augmentation: the log of the mean of the two views' probabilities (up to a constant,
+                # which the softmax below cancels)
+                mirrored = model(x.flip(2)).float()  # (b, K): the mirror images' logits
+                both = torch.stack((logits, mirrored))  # (2, b, K)
+                logits = both.log_softmax(-1).logsumexp(0)
+        top = logits.topk(min(5, K), dim=-1).indices  # (b, 5): the classes in order of their logits
+        top1 = (top[:, 0] == y).sum()
+        top5 = (top == y[:, None]).any(1).sum()
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        sums[:3] += w * torch.stack([top1, top5, loss]).double()
+        cells = y * K + top[:, 0]  # (b,): each image's cell (true, predicted) of the confusion matrix, flattened
+        sums[3:] += w * torch.bincount(cells, minlength=K * K).double()
+    model.train()
+    total = all_mean(sums, world_size) * world_size
+    acc, top5, loss = (total[:3] / n).tolist()
+    confusion = total[3:].view(K, K).long().cpu().numpy()  # (K, K): rows true, columns predicted
+    return {"val_acc": acc, "val_top5": top5, "val_loss": loss}, confusion
+
+def evaluate_both(log, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
+    """Evaluate the weights and their EMA, print the eval line and record it in metrics.jsonl; returns (the
+    record, the confusion matrix of the better weights, "" or "ema_": which weights were better)."""
+    # Periodic evals read the first eval_images of the val split, to keep them cheap; the final one reads it all.
+    n = len(val_y) if final else min(cfg.eval_images, len(val_y))
+    args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
+    scores, conf = evaluate(model, *args)
+    rec = {"step": step, **scores}
+    best = ""
+    # The EMA's weights are a second model for free: swapped into the model for their eval, then swapped back.
+    # The better of the two (the raw weights on a tie) gives the per-class accuracies and the confusion matrix.
+    if ema:
+        ema.swap()
+        ema_scores, ema_conf = evaluate(model, *args)
+        ema.swap()
+        rec |= {"ema_" + k: v for k, v in ema_scores.items()}
+        if ema_scores["val_acc"] > scores["val_acc"]:
+            best = "ema_"
+            conf = ema_conf
+    # each class's accuracy: the final line names the three weakest, so a class the model keeps confusing is not
+    # averaged away
+    right = conf.diagonal()  # (K,): each class's val images predicted right
+    seen = np.maximum(conf.sum(1), 1)  # (K,): its val images, at least 1 so that a class with none scores 0
+    rec["per_class_acc"] = (right / seen).round(4).tolist()
+    line = f"eval {step:05d} | val acc {100 * rec['val_acc']:.2f}% | top5 {100 * rec['val_top5']:.2f}%"
+    line += f" | loss {rec['val_loss']:.4f}"
+    if ema:
+        line += f" | ema acc {100 * rec['ema_val_acc']:.2f}% | ema loss {rec['ema_val_loss']:.4f}"
+    line += f" | {n} images"
+    if cfg.tta_flip:
+        line += " (flip TTA)"
+    print(line)
+    log.record(**rec)
+    return rec, conf, best
+
+def plot_results(out_dir, history, confusion, classes):
+    """accuracy.png (val accuracy, its EMA's, train loss) and confusion.png."""
+    # imported here, not at the top: only a finished run on rank 0 plots, and Agg draws without a display
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    # history holds the log steps' train losses and the evals' records, in the order they happened
+    fig1, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("val_acc", "o-"), ("ema_val_acc", "s-")):
+        pts = [(h["step"], 100 * h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), style, label=key.replace("_", " "))
+    ax.set(
+        xlabel="step",
+        ylabel="val top-1 accuracy (%)",
+        title=os.path.basename(os.path.abspath(out_dir))
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    if losses:
+        ax2 = ax.twinx()  # the loss on its own axis, at the right
+        ax2.plot(*zip(*losses), color="gray", alpha=0.5)
+        ax2.set_ylabel("train loss")
+    # The confusion matrix, as rates: row i is where the val images of class i went. Up to 30 classes each cell
+    # is labelled with its count; more would not be legible, so only the colours show.
+    K = len(classes)
+    labelled = K <= 30
+    size = (12, 11)
+    if labelled:
+        size = (2 + 0.5 * K, 1.5 + 0.5 * K)
+    fig2, ax = plt.subplots(figsize=size)
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)  # (K, K), each row sums to 1
+    ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    if labelled:
+        ax.set_xticks(range(K), classes, rotation=90)
+        ax.set_yticks(range(K), classes)
+        for i, j in zip(*np.nonzero(confusion)):
+            color = "white" if rates[i, j] > 0.5 else "black"  # legible on a dark cell and a light one
+            ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=7, color=color)
+    ax.set(
+        xlabel="predicted",
+        ylabel="true",
+        title=f"confusion on val ({int(confusion.sum())} images)"
+    )
+    for fig, name in ((fig1, "accuracy.png"), (fig2, "confusion.png")):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=120)
+        plt.close(fig)
+
+def done_line(step, epochs, train_time, rec, best, meta, out_dir):
+    """The run's last line: steps, epochs, time, the final val accuracy (of the EMA weights where
+    they did better), and the three weakest classes."""
+    acc = rec["per_class_acc"]
+    weakest = ", ".join(f"{meta['classes'][i]} {100 * acc[i]:.0f}%" for i in np.argsort(acc)[:3])
+    return (
+        f"done: {step} steps, {epochs:.1f} epochs in {train_time:.0f} s"
+        f" | val acc {100 * rec[best + 'val_acc']:.2f}% ({'EMA' if best else 'raw'} weights)"
+        f" | weakest: {weakest}"
+        f" | checkpoint, accuracy.png and confusion.png in {out_dir}"
+    )
+
+def train(cfg, stop):
+    """Set up, resume, then the loop: evals and saves; micro-steps, clip, the guard, the update; the sync
+    and its log line."""
+    rank, world_size, device = setup_dist(cfg.device)
+    if rank:  # one rank prints: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
+    wall0 = time.perf_counter()
+    master = rank == 0  # only rank 0 writes files
+    prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")  # a first run: the demo's data
+    # data: both splits as uint8, held on the device or read from their files (--loader)
+    meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device)
+    H, W = meta["image_size"]
+    C = meta["channels"]
+    K = meta["num_classes"]
+    check_shift(cfg, H)
+    flip, why = flips(cfg, meta)
+    # Two views of the data go into every checkpoint: data_info, which a resume must match, and data_meta, which
+    # lets predict_vit.py classify images with the checkpoint alone (the class names, the pixel statistics).
+    data_info = {"num_classes": K, "image_size": [H, W], "channels": C}
+    data_meta = {k: meta[k] for k in ("classes", "num_classes", "image_size", "channels", "mean", "std")}
+
+    # cfg settles here, before anything derives from it. The width: under 10k images, 128
+    # stalls near chance for ~500 steps where 64 learns (README). The precision: a resumed run's.
+    # The budget: steps (--max_steps, or --epochs in steps: an epoch is at least one, as the
+    # loader refuses a split smaller than a batch), else seconds of training (--time_budget)
+    B = cfg.batch_size
+    accum = cfg.grad_accum
+    images_per_step = B * accum * world_size
+    steps_per_epoch = len(loader.y) // (B * world_size) / accum
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    time_budget = 0.0 if max_steps else cfg.time_budget
+    width = cfg.n_embd
+    if not width:
+        width = 64 if len(loader.y) < 10000 else 128
+    layout = run_layout({**dataclasses.asdict(cfg), "n_embd": width}, world_size, data_info)
+    ckpt, path = resume_point(cfg.out_dir, cfg.resume, layout, master, max_steps, time_budget)
+    dtype, ctx, scaler = setup_precision(device, cfg.dtype, ckpt)
+    cfg = dataclasses.replace(cfg, n_embd=width, dtype=str(dtype).removeprefix("torch."))
+
+    # model, optimizers, EMA, guard
+    raw = build_model(cfg, meta, device)
+    kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
+    model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
+    opts = build_optimizers(cfg, raw, dtype)
+    ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
+    guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
+    n_params = sum(p.numel() for p in raw.parameters())
+
+    # the loop's state: these locals; a resume sets them, and the loader's place
+    step, train_time, history = 0, 0.0, []
+    if ckpt:
+        with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            loader.load_state(ckpt["data"])
+    # the log: a line a log step, every value in metrics.jsonl; what a step is worth gives its speed and MFU
+    log = start_log(cfg, master, images_per_step, "img", raw.flops_per_image() * images_per_step, device, dtype)
+    sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
+    writer = CheckpointWriter(cfg.out_dir, cfg.keep_last, cfg.milestone_every, cfg.async_save, sharded, world_size,
+                              master)
+    span = f"{time_budget:.0f} s" if time_budget else f"{max_steps} steps ({max_steps / steps_per_epoch:.1f} epochs)"
+    print(f"{n_params / 1e6:.2f}M parameters | {len(loader.y)} train images of {H}x{W}x{C}, {K} classes"
+          f" | {(H // cfg.patch_size) ** 2} patches | {images_per_step} images/step (B {B} x accum {accum} x world"
+          f" {world_size}) | {span} | {device} {dtype} | compile {compiled} | kernels {kernels.backend(device)}"
+          f" | {cfg.optimizer} lr {cfg.lr:g} | flips {'on' if flip else 'off'} ({why}) | images {loader.where}")
+
+    # The host reads what the device computed (each step's loss, grad norm and the guard's
+    # verdict) only at a sync: a log step, before an eval or a save, near the end, on a stop.
+    # Between syncs it queues steps while the device runs, and nothing waits (tests/test_sync.py
+    # counts the reads). The sync's state is two names: trace, the rows of the steps since the
+    # last sync, and step_time, a step's seconds over the last interval, which estimates the time
+    # since (train_time is the time up to it; t0 is when the clock last started).
+    first, trace, step_time = step, [], 0.0  # first: where this run (re)starts
+    last_step = stopped = False
+    t0 = time.perf_counter()  # start the clock
+    while True:
+        # Evals (one at step 0: an untrained model is at chance) and saves, but not again at the
+        # step a resume or rollback starts from. The clock stopped at the sync: they are not
+        # training time.
+        final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        saves = last_step or (every(step, cfg.save_every) and step > first)
+        if evals:
+            rec, conf, best = evaluate_both(log, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final)
+            history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
+        if saves:
+            # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
+            # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
+            writer.save({
+                **model_state(raw, opts, ema, whole=not sharded),
+                "scaler": scaler.state_dict(), "step": step, "guard": guard.state(), "train_time": train_time,
+                "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
+        if last_step:
+            break
+        if evals or saves:
+            t0 = time.perf_counter()  # start the clock again
+
+        # one optimizer step. Augmentation and stochastic depth draw from the global RNG seeded
+        # by (seed, step, rank): a resumed run draws the same numbers, with no RNG state saved
+        torch.manual_seed(cfg.seed + 1000003 * (step + 1) + 7919 * rank)
+        if time_budget:  # the schedule follows the time, estimated since the sync
+            progress = (train_time + len(trace) * step_time) / time_budget
+        else:
+            progress = step / max_steps
+        # Every group of both optimizers shares one peak LR (Muon scales its update to AdamW's size), so one
+        # multiplier sets them all.
+        mult = lr_mult(cfg, step, progress)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * mult
+        loss = torch.zeros((), device=device)  # the step's mean loss, on the device
+        for micro in range(accum):
+            x, y = loader.next()  # (B, H, W, C) uint8, (B,)
+            x = augment(x.float() / 255, cfg, flip)  # (B, H, W, C) in [0, 1]
+            x, ya, yb, lam = mix(x, y, cfg)
+            # DDP all-reduces grads in backward; only the last micro-step needs to (grad_sync)
+            with grad_sync(model, micro == accum - 1):
+                with ctx:
+                    logits = model(x).float()  # (B, K)
+                    micro_loss = F.cross_entropy(logits, ya, label_smoothing=cfg.label_smoothing)
+                    if lam < 1:  # a mixed batch: each partner's loss, by its share
+                        other = F.cross_entropy(logits, yb, label_smoothing=cfg.label_smoothing)
+                        micro_loss = lam * micro_loss + (1 - lam) * other
+                    micro_loss = micro_loss / accum  # the mean over micro-steps: one big batch
+                scaler.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+        for opt in opts:
+            scaler.unscale_(opt)
+        gnorm = clip_grads(raw.parameters(), guard.clip(cfg.grad_clip))
+        # The guard skips a bad step (non-finite, or a spike), deciding on the device: asking
+        # the host would stall the device every step. Where its verdict is not GOOD, AdamW's
+        # fused kernel and Muon leave the weights and their state as they were.
+        loss = all_mean(loss, world_size)
+        verdict = guard.check(loss, gnorm, scaler.is_enabled())
+        for opt in opts:
+            opt.step(skip=verdict != GOOD)
+        if ema:  # a skipped step left the weights as they were
+            ema.update()
+        scaler.update()
+        step += 1
+        trace.append(torch.stack([loss, gnorm, verdict]))
+
+        # sync now? At a log step, before an eval or a save, near the end, or on a signal (the
+        # handler's flag is host state, read every step: a SIGTERM is obeyed after this step)
+        stopped = stop.requested(world_size)
+        if time_budget:  # will the budget be spent by this step's end? (no step_time yet: learn it)
+            near_end = not step_time or train_time + len(trace) * step_time >= time_budget
+        else:
+            near_end = step >= max_steps
+        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
+        if not (near_end or stopped or any(due)):
+            continue
+        rows, seconds = agree(trace, t0, world_size)  # the host waits for the device here
+        t0 = time.perf_counter()
+        train_time += seconds
+        step_time = seconds / len(rows)
+        trace = []
+        reason = log.skips(rows, step - len(rows), guard)
+        if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
+            ckpt = writer.rollback_point(guard, reason, log, step)
+            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            first = step  # the batches read since are skipped, not read again
+            t0 = time.perf_counter()
+        last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
+        lossf, gnormf = rows[-1][:2]  # the step's loss and grad norm, on the host
+        if step > first and (every(step, cfg.log_every) or last_step):  # (after a rollback: no new step yet)
+            log.step(step, max_steps, time_budget, train_time, step_time, loss=lossf, lr=cfg.lr * mult, gnorm=gnormf,
+                     epoch=loader.epoch + loader.pos / len(loader.y))
+            history.append({"step": step, "loss": lossf})
+
+    # the end: how to resume after a signal, or the results
+    writer.wait()
+    result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
+              "peak_mem_gb": log.peak_memory_gb(), "params": n_params}
+    if stopped:  # the checkpoint is saved: exit 0, and --resume goes on
+        print(stop.preempted(step, cfg.out_dir))
+        result = {"preempted": True, "steps": step, "train_time": train_time}
+    else:
+        result |= {**rec, "train_loss": lossf, "images": step * images_per_step}
+        # rank 0 draws the plots and adds the run's row to results.tsv, the log of experiments beside out_dir,
+        # under the better of the two val accuracies (raw or EMA weights)
+        if master:
+            side_path("writing the plots", plot_results, cfg.out_dir, history, conf, meta["classes"])
+        log.result(f"{best}val_acc", result, cfg.description)
+        print(done_line(step, step * images_per_step / len(loader.y), train_time, rec, best, meta, cfg.out_dir))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+def check_config(cfg):
+    """Reject impossible settings with a one-line message that names the fix."""
+    check_choices(cfg)
+    # Counts and sizes must be at least 1; the rest at least 0, where 0 means off or "pick it for me". The counts
+    # come first, so that the head check below never divides by n_head = 0.
+    for low, keys in (
+        (1, "patch_size n_layer n_head batch_size grad_accum guard_window log_every"),
+        (0, "n_embd translate mixup cutmix registers layer_scale epochs image_size init_std eval_images "
+            "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
+    ):
+        for k in keys.split():
+            if getattr(cfg, k) < low:
+                die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
+    width = cfg.n_embd or 64  # auto is 64 or 128: heads that split 64 evenly split 128 too
+    if width % cfg.n_head or (width // cfg.n_head) % 2:
+        fit = [h for h in range(1, width + 1) if width % h == 0 and (width // h) % 2 == 0]
+        die(
+            f"--n_embd={width} must split into {cfg.n_head} heads of even size; --n_head={'|'.join(map(str, fit))} "
+            f"would, or change --n_embd"
+        )
+    if (
+        cfg.lr <= 0
+        or cfg.warmup_steps < 0
+        or not 0 <= cfg.final_lr_frac <= 1
+        or not 0 < cfg.cooldown_frac <= 1
+    ):
+        die("need --lr > 0, --warmup_steps >= 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1")
+    # Decays and probabilities stay under 1: an EMA of 1 never moves, Adam's bias correction divides by 1 - beta,
+    # stochastic depth by 1 - drop_path, and a label smoothing of 1 leaves no trace of the true class.
+    if not (
+        0 <= cfg.ema < 1
+        and 0 <= cfg.drop_path < 1
+        and 0 <= cfg.label_smoothing < 1
+        and 0 <= cfg.beta1 < 1
+        and 0 <= cfg.beta2 < 1
+        and cfg.mlp_ratio > 0
+    ):
+        die("need 0 <= --ema, --drop_path, --label_smoothing, --beta1, --beta2 < 1 and --mlp_ratio > 0")
+    if not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
+        die("no training budget: set --max_steps, --epochs or --time_budget")
+
+def main(cfg):
+    """Train per cfg; returns a dict of final metrics."""
+    check_config(cfg)
+    with StopSignal() as stop:  # SIGTERM, SIGINT: finish the step, save, exit 0
+        return train(cfg, stop)
+
+# -----------------------------------------------------------------------------
+# Machinery, the same bytes in every train_*.py: flags, logs, checkpoint I/O, resume and rollback,
+# signals. The recipe above reads without it.
 
 # === shared: machinery ===
-# What every trainer needs and none of them teaches: flags, logs, checkpoints, the guard
-# against bad steps, signals. This block is the same, byte for byte, in the three trainers (a
+# What every trainer needs and none of them teaches: flags, logs, checkpoints, rollbacks,
+# signals. This block is the same, byte for byte, in the three trainers (a
 # test compares them), so a fix lands in all three at once. A reader may skip it: train() calls
 # each part by a name that says what it does, and the names that stop a run say so.
 
@@ -1511,11 +1549,9 @@ def choose(field, value):
 
 def check_choices(cfg):
     """Stop on a value that no flag could have given: a test or a companion may build a Config
-    directly. --profile and --offload mean something only in their modes."""
+    directly. --offload means something only under FSDP2."""
     for f in dataclasses.fields(cfg):
         choose(f, getattr(cfg, f.name))
-    if cfg.profile and not cfg.benchmark:  # else it would trace every step of a long run
-        die("--profile profiles --benchmark's steps; add --benchmark")
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.offload != "none" and (cfg.parallel != "fsdp" or ranks < 2):
         die("--offload needs --parallel=fsdp under torchrun (FSDP2 moves the shards); drop it or add those")
@@ -1589,38 +1625,13 @@ def parse_args(cls, argv):
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12,
               "4090": 165e12, "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12}
 
-def peak_seconds(flops, device, dtype):
-    """flops' seconds at the GPU's peak (tf32, in fp32: half of it), or 0 where the peak is unknown."""
-    gpu = ""
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-    for name, peak in PEAK_FLOPS.items():
-        if name in gpu:
-            return flops / (peak / 2 if dtype == torch.float32 else peak)
-    return 0.0
-
-def speed(rate, dt):
-    """({unit_s, mfu}, throughput text, MFU text) at dt seconds a step. rate: (units a step, the
-    unit's name, a step's seconds at peak)."""
-    per_step, unit, ideal = rate
-    x = per_step / dt
-    mfu = ideal / dt or None
-    if x >= 1e6:
-        text = f"{x / 1e6:.2f}M"
-    elif x >= 1e3:
-        text = f"{x / 1e3:.1f}k"
-    else:
-        text = f"{x:.0f}"
-    mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
-    return {f"{unit}_s": x, "mfu": mfu}, f"{text} {unit}/s", mfu_text
-
-def start_log(cfg, master):
-    """Print the config; rank 0 writes it and the scripts' source to out_dir, and returns the
-    metrics file's path (None elsewhere)."""
+def start_log(cfg, master, units, unit, flops, device, dtype):
+    """Print the config; rank 0 writes it and the scripts' source to out_dir. Returns the run's
+    RunLog: units, unit and flops are what one step is worth (its tokens or images, and FLOPs)."""
     config = dataclasses.asdict(cfg)
     print(json.dumps(config))
-    if not master or cfg.benchmark:
-        return None
+    if not master:
+        return RunLog(None, units, unit, flops, device, dtype)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1636,121 +1647,104 @@ def start_log(cfg, master):
         die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
     except ImportError:
         die("--wandb needs the wandb package: pip install wandb")
-    return os.path.join(cfg.out_dir, "metrics.jsonl")
+    return RunLog(os.path.join(cfg.out_dir, "metrics.jsonl"), units, unit, flops, device, dtype)
 
-def record(metrics, **kv):
-    """Append kv to metrics.jsonl (a JSON object a line, read with pandas.read_json(lines=True)),
-    and to wandb if a run is open."""
-    if not metrics:
-        return
-    with open(metrics, "a") as f:
-        f.write(json.dumps(kv) + "\n")
-    wandb = sys.modules.get("wandb")
-    if wandb and wandb.run:
-        wandb.log(kv, step=kv.get("step"))
+class RunLog:
+    """A run's log: every rank prints its lines (those of ranks > 0 go to devnull), and rank 0
+    records every logged value in metrics.jsonl, a JSON object a line (pandas.read_json(lines=True)),
+    and in wandb if a run is open. A step's worth gives its throughput and MFU."""
 
-def log_step(metrics, step, budget, loss, lr, gnorm, dt, rate, train_time, **extra):
-    """Print and record a log step. budget: (max_steps, seconds); dt: a step's seconds."""
-    max_steps, time_budget = budget
-    rates, tput, mfu = speed(rate, dt)
-    record(metrics, step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **rates, train_time=train_time,
-           **extra)
-    if time_budget:
-        of = f"{train_time:.0f}/{time_budget:.0f}s"
-    else:
-        of = f"{max_steps:05d}"
-    extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
-    print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
-          f"{tput} | {mfu}{extras}")
+    def __init__(self, path, units, unit, flops, device, dtype):
+        self.path = path  # None: nothing is recorded
+        self.units = units  # a step's tokens (or images)
+        self.unit = unit  # their name: tok, img
+        self.device = device
+        # a step's seconds at the GPU's peak (tf32, in fp32: half of it), 0 where the peak is unknown
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        peak = next((f for name, f in PEAK_FLOPS.items() if name in gpu), 0)
+        if dtype == torch.float32:
+            peak /= 2
+        self.ideal = flops / peak if peak else 0.0
 
-# --benchmark's first steps compile and autotune, so they are not timed; then it times
-# --bench_steps steps between two syncs, and --profile traces a few more
-BENCH_WARMUP = 5
-PROFILE_STEPS = 3
-
-class Benchmark:
-    """--benchmark: time steps after warm-up, then profile. The host syncs only where the timed
-    stretch starts and ends, so the figure is the device's pace with the host queueing ahead,
-    as in a real run, and not the pace of a loop that waits on every step."""
-
-    def __init__(self, steps, profile):
-        self.steps = steps
-        self.times = {}  # {step: train_time after it}
-        self.profiler = torch.profiler.profile() if profile else None
-        self.total = BENCH_WARMUP + steps + PROFILE_STEPS * profile
-
-    def due(self, step):
-        """Whether the host must sync after this step: the timed stretch starts or ends."""
-        return step in (BENCH_WARMUP, BENCH_WARMUP + self.steps)
-
-    def mark(self, step, train_time):
-        """After a synced step: note the time; start the profiler after the timed steps."""
-        self.times[step] = train_time
-        if step == BENCH_WARMUP and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()  # peak memory of the timed steps, not of compiling
-        if self.profiler and step == BENCH_WARMUP + self.steps:
-            self.profiler.start()
-
-    def timings(self, rate, signal, step):
-        """({unit_s, mfu, ms_per_step}, their text) over the timed steps; stops if a signal cut them short."""
-        if signal:
-            die(f"--benchmark stopped by {signal} at step {step}; nothing measured")
-        dt = (self.times[BENCH_WARMUP + self.steps] - self.times[BENCH_WARMUP]) / self.steps
-        rates, tput, mfu = speed(rate, dt)
-        return {**rates, "ms_per_step": dt * 1e3}, f"{tput} | {dt * 1e3:.1f} ms/step | {mfu}"
-
-    def print_profile(self, out_dir, device, master):
-        """--profile: trace.json of the profiled steps for ui.perfetto.dev, and the top ops."""
-        if not self.profiler:
+    def record(self, **kv):
+        """Append kv to metrics.jsonl, and to wandb."""
+        if not self.path:
             return
-        self.profiler.stop()
-        if not master:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(kv) + "\n")
+        wandb = sys.modules.get("wandb")
+        if wandb and wandb.run:
+            wandb.log(kv, step=kv.get("step"))
+
+    def step(self, step, max_steps, time_budget, train_time, dt, loss, lr, gnorm, **extra):
+        """Print and record a log step: its loss, LR and grad norm, dt (a step's seconds), extra."""
+        x = self.units / dt
+        mfu = self.ideal / dt or None
+        self.record(step=step, loss=loss, lr=lr, gnorm=gnorm, ms=dt * 1e3, **{f"{self.unit}_s": x}, mfu=mfu,
+                    train_time=train_time, **extra)
+        if x >= 1e6:
+            rate = f"{x / 1e6:.2f}M"
+        elif x >= 1e3:
+            rate = f"{x / 1e3:.1f}k"
+        else:
+            rate = f"{x:.0f}"
+        of = f"{train_time:.0f}/{time_budget:.0f}s" if time_budget else f"{max_steps:05d}"
+        extras = "".join(f" | {k} {v:.2f}" for k, v in extra.items())
+        mfu_text = f"mfu {100 * mfu:.1f}%" if mfu else "mfu -"
+        print(f"step {step:05d}/{of} | loss {loss:.4f} | lr {lr:.1e} | gnorm {gnorm:.2f} | {dt * 1e3:.0f} ms | "
+              f"{rate} {self.unit}/s | {mfu_text}{extras}")
+
+    def skips(self, rows, step, guard):
+        """At a sync, the rows [loss, grad norm, verdict] of the steps after step: prints and records
+        the bad ones, notes them as the guard's recent bad steps, and returns why the last one was
+        skipped (None if none was)."""
+        last = None
+        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
+            if verdict not in BAD:  # GOOD, or fp16's OVERFLOW
+                continue
+            guard.bad = [b for b in guard.bad if b > s - guard.window] + [s]
+            last = f"{BAD[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
+            self.record(step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
+            print(f"step {s:05d} | update skipped: {last} | {len(guard.bad)} bad in {guard.window} steps")
+        return last
+
+    def peak_memory_gb(self):
+        """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        if sys.platform == "win32":
+            return 0.0
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
+
+    def result(self, metric, result, description):
+        """A row in results.tsv beside out_dir (rank 0): one line a finished run (time, script,
+        commit, metric, its value, memory, wall time, --description), to compare experiments."""
+        if not self.path:
             return
-        os.makedirs(out_dir, exist_ok=True)
-        self.profiler.export_chrome_trace(os.path.join(out_dir, "trace.json"))
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(self.profiler.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-        print(f"profile of {PROFILE_STEPS} steps: {out_dir}/trace.json")
-
-def peak_memory_gb(device):
-    """Peak GPU memory, or the CPU's peak resident memory (0 on Windows, which lacks `resource`)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    if sys.platform == "win32":
-        return 0.0
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB on Linux
-
-def append_result(out_dir, metric, result, description):
-    """A row in results.tsv beside out_dir: one line a finished run (time, script, commit, metric,
-    its value, memory, wall time, --description), to compare experiments at a glance."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = ""
-    if shutil.which("git"):
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
-    row = [time.strftime("%Y%m%d-%H%M%S"),
-           os.path.basename(__file__),
-           commit or "unknown",
-           metric,
-           f"{result[metric]:.4f}",
-           f"{result['peak_mem_gb']:.2f}",
-           f"{result['wall_time']:.0f}",
-           description.replace("\t", " ")]
-    try:
-        tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
-        with open(tsv, "a") as f:
-            if f.tell() == 0:
-                f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
-            f.write("\t".join(row) + "\n")
-    except OSError as e:  # a side output: the run is done, its checkpoint saved
-        print(f"warning: results.tsv not written: {e}")
-
-def preempted_line(signal, step, out_dir):
-    """What a run stopped by a signal says: its checkpoint is saved and --resume continues it."""
-    return (f"stopped by {signal or 'a signal to another rank'} at step {step}: checkpoint saved in {out_dir}; "
-            f"run the same command with --resume to continue")
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = ""
+        if shutil.which("git"):
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip()
+        row = [time.strftime("%Y%m%d-%H%M%S"),
+               os.path.basename(__file__),
+               commit or "unknown",
+               metric,
+               f"{result[metric]:.4f}",
+               f"{result['peak_mem_gb']:.2f}",
+               f"{result['wall_time']:.0f}",
+               description.replace("\t", " ")]
+        try:
+            out_dir = os.path.dirname(self.path)
+            tsv = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "results.tsv")  # beside the runs
+            with open(tsv, "a") as f:
+                if f.tell() == 0:
+                    f.write("run_id\tscript\tcommit\tmetric\tvalue\tpeak_mem_gb\twall_s\tdescription\n")
+                f.write("\t".join(row) + "\n")
+        except OSError as e:  # a side output: the run is done, its checkpoint saved
+            print(f"warning: results.tsv not written: {e}")
 
 # ---- checkpoints
 # A checkpoint is a dict that train() builds: the weights and the optimizers' state, the step,
@@ -1767,10 +1761,10 @@ def preempted_line(signal, step, out_dir):
 # plain model, DDP and FSDP2: keyed by parameter name (not by the optimizer's numbering), full
 # on rank 0's CPU or sharded. So one checkpoint format serves every layout.
 
-def model_state(model, opts, ema=None, full=True):
-    """{model, optim, ema, ema_t}: full tensors on the CPU, or (full=False) each rank's shards."""
+def model_state(model, opts, ema=None, whole=True):
+    """{model, optim, ema, ema_t}: whole tensors on the CPU, or (whole=False) each rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = StateDictOptions(full_state_dict=whole, cpu_offload=whole)
     weights, optim = get_state_dict(model, opts, options=options)
     sd = {"model": weights, "optim": optim, "ema": None, "ema_t": 0}
     if ema:  # the EMA's weights are read through the model, so that they are sharded alike
@@ -1787,7 +1781,7 @@ def apply_checkpoint(ckpt, model, opts, scaler, guard, ema=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
     options = StateDictOptions(full_state_dict="shards" not in ckpt)
     if "shards" in ckpt:  # DCP reads each rank's part, and reshards if the number of ranks changed
-        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, full=False))}
+        ckpt = {**ckpt, **read_shards(ckpt["shards"], model_state(model, opts, ema, whole=False))}
     set_state_dict(model, opts, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"], options=options)
     if ema:
         ema.swap()
@@ -1805,10 +1799,11 @@ class CheckpointWriter:
     """Writes one checkpoint at a time. With --async_save the write runs beside training (a thread,
     or DCP's async_save for shards), and the next save, a rollback or the end waits for it."""
 
-    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, master):
+    def __init__(self, out_dir, keep_last, milestone_every, async_save, sharded, world_size, master):
         self.out_dir = out_dir
         self.keep = (keep_last, milestone_every)
         self.async_save = async_save
+        self.world_size = world_size
         self.master = master
         self.pending = None  # the write in flight
         # DCP gathers the shards' plan over a gloo group of its own, apart from training's NCCL
@@ -1820,22 +1815,22 @@ class CheckpointWriter:
         # checkpoint on disk would not be the newest one saved.
         from concurrent.futures import ThreadPoolExecutor
         self.wait()
-        shards = None
+        write_tensors = None
         if self.group:  # FSDP: the tensors go to DCP's shards, the rest to state.pt
-            shards = self.shards(ckpt)
+            write_tensors = self.dcp_writer(ckpt)
             rest = {k: v for k, v in ckpt.items() if k not in ("model", "optim", "ema")}
             ckpt = {**rest, "shards": {"param_groups": ckpt["optim"]["param_groups"]}}
-        if not (self.master or shards):
+        if not (self.master or write_tensors):
             return
         if self.async_save:
             ckpt = copy.deepcopy(ckpt)  # training goes on changing the tensors the thread writes
-        args = (self.out_dir, ckpt, *self.keep, shards, self.master)
+        args = (self.out_dir, ckpt, *self.keep, write_tensors, self.master)
         if self.async_save:
             self.pending = ThreadPoolExecutor(1).submit(write_checkpoint, *args)
         else:
             write_checkpoint(*args)
 
-    def shards(self, ckpt):
+    def dcp_writer(self, ckpt):
         """A function that writes ckpt's tensors as DCP shards and returns when they are on disk."""
         import torch.distributed.checkpoint as dcp
         path = os.path.join(self.out_dir, f"ckpt_{ckpt['step']:07d}")
@@ -1854,16 +1849,42 @@ class CheckpointWriter:
             self.pending.result()
             self.pending = None
 
-def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, shards=None, master=True):
+    # A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
+    # steps, but not the loader's place: the run goes on from the batch it had reached, so the
+    # batches that caused the trouble are not seen again (PaLM's fix).
+
+    def rollback_point(self, guard, reason, log, step):
+        """The newest intact checkpoint from before the guard's first bad step; stops in one line
+        if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
+        self.wait()
+        if self.world_size > 1:
+            dist.barrier()  # rank 0's last write lands before any rank looks
+        ckpt, path = load_checkpoint(self.out_dir, before=guard.bad[0], whole=False)
+        if ckpt is None:  # else it would skip to the end
+            die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before "
+                f"step {guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
+        guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
+        if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
+            die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
+                f"lower --lr or raise --warmup_steps")
+        print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
+        log.record(step=step, event="rollback", to_step=ckpt["step"])
+        if self.master:  # the steps after it are a timeline that nothing may resume
+            prune(self.out_dir, lambda s: s > ckpt["step"])
+        return ckpt
+
+MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
+
+def write_checkpoint(out_dir, ckpt, keep_last=0, milestone_every=0, write_tensors=None, master=True):
     """Write ckpt_STEP.pt (or the shards, then ckpt_STEP/state.pt) atomically, then prune the old
     ones: all but the newest keep_last, and the milestones (steps that are multiples of milestone_every)."""
-    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if shards else ".pt")
+    name = f"ckpt_{ckpt['step']:07d}" + ("/state.pt" if write_tensors else ".pt")
     path = os.path.join(out_dir, name)
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, "ckpt.tmp")
     try:
-        if shards:
-            shards()  # returns when every rank's shards are on disk
+        if write_tensors:
+            write_tensors()  # returns when every rank's shards are on disk
             if not master:
                 return
             sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
@@ -1906,10 +1927,11 @@ def list_checkpoints(out_dir):
 # curve after it means nothing. run_layout() (in the recipe) names the fields that must match,
 # and a resume that changes one stops with the list of differences.
 
-def resume_point(out_dir, resume, layout, master):
+def resume_point(out_dir, resume, layout, master, max_steps=0, time_budget=0.0):
     """(ckpt, path) of the newest intact checkpoint to resume from, or (None, None) for a fresh
     run. Stops if out_dir holds an earlier run and --resume is not given (torchrun's restarts
-    resume by themselves), or if the checkpoint's run had another layout."""
+    resume by themselves), if the checkpoint's run had another layout, or if it is complete
+    (its step is max_steps, or its train_time time_budget)."""
     found = list_checkpoints(out_dir)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if found and not (resume or restarted):
@@ -1924,45 +1946,19 @@ def resume_point(out_dir, resume, layout, master):
     with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
         saved = run_layout(ckpt["config"], ckpt["world_size"], ckpt["data_info"])
         diff = [f"{k}={v!r} (now {layout.get(k)!r})" for k, v in saved.items() if layout.get(k) not in (v, "auto")]
+        step = int(ckpt["step"])
+        done = float(ckpt["train_time"]) >= time_budget if time_budget else 0 < max_steps <= step
     if diff:
         die(f"--resume: {path} was made with a different config: {', '.join(diff)}; pass the same flags or "
             f"use a new --out_dir")
-    if master:  # the newer ones are unreadable: a later save must not count them among the newest
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt, path
-
-def print_resume_or_exit(path, step, done, out_dir):
-    """Print where a resume starts; stop in one line if the run is already done."""
     if done:
         die(f"--resume: the run in {out_dir} is complete at step {step}; raise its budget (--max_steps, "
             f"--time_budget, ...) to train on")
+    if master:  # the newer ones are unreadable: a later save must not count them among the newest
+        prune(out_dir, lambda s: s > ckpt["step"])
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
-
-MAX_ROLLBACKS = 3  # to one checkpoint: beyond that the flags need fixing, not another try
-
-# A rollback restores the weights, optimizers and guard of a checkpoint from before the bad
-# steps, but not the loader's place: the run goes on from the batch it had reached, so the
-# batches that caused the trouble are not seen again (PaLM's fix).
-
-def rollback_point(out_dir, guard, reason, world_size, master, metrics, step):
-    """The newest intact checkpoint from before the guard's first bad step; stops in one line
-    if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
-    if world_size > 1:
-        dist.barrier()  # rank 0's last write lands before any rank looks
-    ckpt, path = load_checkpoint(out_dir, before=guard.bad[0], whole=False)
-    if ckpt is None:  # else it would skip to the end
-        die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before step "
-            f"{guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
-    guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
-    if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
-        die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "
-            f"lower --lr or raise --warmup_steps")
-    print(f"step {step:05d} | rollback to {path} (step {ckpt['step']}): the batches read since are skipped")
-    record(metrics, step=step, event="rollback", to_step=ckpt["step"])
-    if master:  # the steps after it are a timeline that nothing may resume
-        prune(out_dir, lambda s: s > ckpt["step"])
-    return ckpt
+    return ckpt, path
 
 def check_intact(path):
     """A checkpoint's dict, loaded on the CPU, if it is intact: raises ValueError naming the fault,
@@ -2057,100 +2053,7 @@ def exit_if_unreadable(path, fix):
     except Exception as e:  # noqa: BLE001 - whatever a crafted file makes the reader raise
         die(f"{path}: {type(e).__name__}: {' '.join(str(e).split())[:200] or 'unreadable'}; {fix}")
 
-# ---- the guard, signals, default data
-
-def every(step, n):
-    """Whether step is a multiple of n (n = 0: never)."""
-    return n > 0 and step % n == 0
-
-class Guard:
-    """Skips a step whose loss or grad norm is non-finite or spikes, and asks for a rollback after
-    max_bad bad steps in window steps (PaLM, Chowdhery et al. 2022, section 5.1: restart from a
-    checkpoint before the spike and skip the batches around it).
-
-    It decides on the device: reading the loss on the host at every step would make the host wait
-    for the device at every step. A spike is measured against running statistics of the good
-    steps: their mean, then (after window steps) an exponential moving average, of the loss and the
-    grad norm, and their variance. The host reads the verdicts at the next sync (log_skips)."""
-
-    def __init__(self, loss_sigma=6.0, gnorm_sigma=0.0, window=100, max_bad=5, clip_mult=0.0, device="cpu"):
-        self.sigma = torch.tensor([loss_sigma, gnorm_sigma], device=device)  # 0: that test is off
-        self.window = window
-        self.max_bad = max_bad
-        self.clip_mult = clip_mult
-        self.rollbacks = {}  # {checkpoint step: rollbacks to it}, for this process only
-        self.load_state({"n": 0, "mean": [0.0, 0.0], "var": [0.0, 0.0], "bad": []})
-
-    def state(self):
-        """The statistics as plain data, for a checkpoint (a host read: called at saves only)."""
-        n, *mean_var = self.stats.tolist()
-        return {
-            "n": int(n),
-            "mean": mean_var[:2],  # the loss's and the grad norm's
-            "var": mean_var[2:],
-            "bad": list(self.bad)
-        }
-
-    def load_state(self, s):
-        self.bad = [int(b) for b in s["bad"]]  # the steps of the recent bad steps
-        # stats (5,): the good steps so far; the loss's and grad norm's means; their variances
-        mean = [float(m) for m in s["mean"][:2]]
-        var = [float(v) for v in s["var"][:2]]
-        self.stats = self.sigma.new_tensor([int(s["n"]), *mean, *var])
-
-    def clip(self, max_norm):
-        """The grad norm to clip at: max_norm (0: none), and with --clip_mult at most clip_mult
-        times the mean grad norm, once ten steps have made that mean."""
-        limit = max_norm if max_norm > 0 else float("inf")
-        if not self.clip_mult:
-            return limit
-        warm = self.stats[0] >= 10
-        mean_gnorm = self.stats[2]
-        return torch.where(warm, self.clip_mult * mean_gnorm, limit).clamp(max=limit)
-
-    def check(self, loss, gnorm, fp16=False):
-        """(row, skip) of a step, on the device: the row is [loss, grad norm, verdict] (0 good,
-        1 non-finite, 2 loss spike, 3 grad norm spike, 4 an fp16 overflow, the scaler's to skip);
-        skip is 1.0 where the optimizers must leave the weights alone. A good step's values go
-        into the running statistics."""
-        v = torch.stack([loss.float(), gnorm.float()])  # (2,): this step's loss and grad norm
-        n, mean, var = self.stats.split([1, 2, 2])
-        std = torch.maximum(var.sqrt(), 0.02 * mean.abs())  # a flat loss has a tiny std
-        # a spike: more than sigma stds above the mean, once ten good steps have made the mean
-        spike = (self.sigma > 0) & (n >= 10) & (v > mean + self.sigma * std)
-        verdict = torch.where(spike[1], 3, 0)
-        verdict = torch.where(spike[0], 2, verdict)  # a loss spike is named before a grad norm one
-        # a non-finite value: the scaler's overflow in fp16 if the loss is finite, else bad
-        overflow = torch.where(fp16 & v[0].isfinite(), 4, 1)
-        verdict = torch.where(v.isfinite().all(), verdict, overflow)
-        # the statistics of good steps: a running mean for the first window steps, then an EMA
-        a = (1 / (n + 1)).clamp(min=1 / self.window)
-        d = v - mean
-        new_mean = mean + a * d
-        new_var = (1 - a) * (var + a * d * d)  # the variance's exponentially weighted update (Finch 2009)
-        new = torch.cat([n + 1, new_mean, new_var])
-        self.stats = torch.where(verdict == 0, new, self.stats)
-        row = torch.stack([v[0], v[1], verdict.float()])
-        skip = (verdict > 0).float()
-        return row, skip
-
-    def log_skips(self, rows, step, metrics):
-        """At a sync, the rows of the steps after step: prints and records the skipped ones, and
-        returns why the last one was skipped (None if none was)."""
-        why = {1: "non-finite loss or grad norm", 2: "loss spike", 3: "grad norm spike"}
-        last = None
-        for s, (loss, gnorm, verdict) in enumerate(rows, step + 1):
-            if verdict not in why:  # 0 good, 4 the scaler's (it lowers its scale and goes on)
-                continue
-            self.bad = [b for b in self.bad if b > s - self.window] + [s]
-            last = f"{why[verdict]} (loss {loss:.4g}, grad norm {gnorm:.4g})"
-            record(metrics, step=s, event="skip", reason=last, loss=loss, gnorm=gnorm)
-            print(f"step {s:05d} | update skipped: {last} | {len(self.bad)} bad in {self.window} steps")
-        return last
-
-    def rollback_due(self):
-        """Whether enough bad steps in the window call for a rollback (max_bad = 0: never)."""
-        return self.max_bad > 0 and len(self.bad) >= self.max_bad
+# ---- signals, default data
 
 class StopSignal:
     """SIGTERM/SIGINT: finish the step, save, exit 0; a second signal acts at once.
@@ -2185,6 +2088,11 @@ class StopSignal:
         flag = torch.tensor([float(self.received is not None)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag.item() > 0
+
+    def preempted(self, step, out_dir):
+        """What a run stopped by the signal says: its checkpoint is saved and --resume continues it."""
+        return (f"stopped by {self.received or 'a signal to another rank'} at step {step}: checkpoint saved in "
+                f"{out_dir}; run the same command with --resume to continue")
 
     def __exit__(self, *exc):
         for sig, handler in self.old.items():

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import bench
 import chat_gpt
 import eval_gpt
 import finetune_gpt
@@ -200,6 +201,12 @@ def run_command(argv, execute, tiny=workshop_tiny):
             with inject(RUNS_ON.get(mod, mod), spec) if argv[1] == "tests/faults.py" else contextlib.nullcontext():
                 mod.main(cfg)
         return cfg
+    if script == "bench.py":  # the trainer's flags under its own parser, bench.py's --steps and --profile aside
+        trainer = TRAINERS[args[0]]
+        trainer.parse_args(trainer.Config, [a for a in args[1:] if not a.startswith(("--steps=", "--profile"))])
+        if execute:
+            bench.main([os.path.join(ROOT, args[0]), *args[1:], *extra])
+        return None
     if script == "scaling.py":
         # unless run, stop each subcommand before it does anything; sweep and lr_transfer check their train_gpt.py flags
         names = ("cmd_sweep", "cmd_lr_transfer", "cmd_fit", "cmd_plan", "cmd_coord_check", "cmd_compare",

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import predict_vit as pv
 import sample_diffusion as sd
@@ -61,7 +62,8 @@ def test_from_the_command_line_one_line_and_exit_1(tmp_path):
 def test_an_unwritable_results_tsv_warns_and_the_run_ends_well(tmp_path, capsys):
     """results.tsv is a side output: a run whose folder for it cannot be written keeps its result, and warns."""
     (tmp_path / "results.tsv").mkdir()  # a folder where the file goes: open() fails, as on a read-only folder
-    tg.append_result(str(tmp_path / "run"), "val_loss", {"val_loss": 1.0, "peak_mem_gb": 0.0, "wall_time": 1.0}, "")
+    log = tg.RunLog(str(tmp_path / "run" / "metrics.jsonl"), 1, "tok", 0, torch.device("cpu"), torch.float32)
+    log.result("val_loss", {"val_loss": 1.0, "peak_mem_gb": 0.0, "wall_time": 1.0}, "")
     assert "warning: results.tsv not written" in capsys.readouterr().out
 
 

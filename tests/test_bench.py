@@ -1,5 +1,7 @@
-"""bench.sh, the GPU session's one command, arrives working: its --dry-run runs every command of it on the CPU, shrunk
-(the tests only collected, kernels.py --bench to its one line that it needs a GPU), and prints a row for each."""
+"""bench.py times a trainer on random data through its own main() (below); bench.sh, the GPU session's one command,
+arrives working: its --dry-run runs every command of it on the CPU, shrunk (the tests only collected, kernels.py
+--bench to its one line that it needs a GPU), and prints a row for each."""
+import json
 import os
 import subprocess
 import sys
@@ -64,3 +66,63 @@ def test_race_dry_run_scores_both_sides(tmp_path):
     for r in rows:  # a run reached the target if and only if one of its saved models scored at or below it
         losses = [float(c.split(" | ")[2].split()[-1]) for c in curves if c.startswith(r[0][2:] + " | step ")]
         assert len(losses) == 2 and (r[4] != "not reached") == (min(losses) <= best), (r, p.stdout)
+
+
+# ----------------------------------------------------------------------------- bench.py: a trainer's speed
+
+SMALL = {"train_gpt.py": "--n_layer=2 --n_head=2 --n_embd=32 --seq_len=32 --batch_size=4 --vocab_size=257".split(),
+         "train_vit.py": "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=8 --batch_size=8".split(),
+         "train_diffusion.py": "--n_layer=1 --n_head=2 --n_embd=32 --patch_size=8 --batch_size=8 --sample_steps=2 "
+                               "--per_class=1".split()}
+CPU = ["--device=cpu", "--compile=false", "--dtype=float32"]
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_bench_needs_no_data_and_leaves_nothing(script, tmp_path, monkeypatch, capsys):
+    """bench.py runs a trainer's own main() on random data for 2 x --steps steps and times the second half: it needs
+    no data, writes nothing where it runs, and removes its temporary folder."""
+    import tempfile
+
+    import bench
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    r = bench.main([os.path.join(ROOT, script), "--steps=2", *CPU, *SMALL[script]])
+    unit = "tok_s" if script == "train_gpt.py" else "img_s"
+    assert r[unit] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None and r["params"] > 0 and r["steps"] == 4
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("benchmark | ")]
+    assert len(line) == 1 and " ms/step | mfu - | peak mem " in line[0] and "cpu float32" in line[0], line
+    assert os.listdir(tmp_path) == ["tmp"] and not [n for n in os.listdir(tmp_path / "tmp") if "bench" in n]
+
+
+def test_bench_stopped_by_a_signal_measures_nothing(tmp_path, monkeypatch):
+    import bench
+    import faults
+    import train_gpt as tg
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="stopped by a signal at step 2; nothing measured"), \
+            faults.inject(tg, "sigterm@2"):
+        bench.main([os.path.join(ROOT, "train_gpt.py"), "--steps=2", *CPU, *SMALL["train_gpt.py"]])
+
+
+def test_bench_profile(tmp_path, capsys):
+    """--profile: 3 more steps under torch.profiler, a Chrome trace in the trainer's --out_dir and the top ops
+    printed; the timed steps stay the same."""
+    import bench
+    out = tmp_path / "o"
+    r = bench.main([os.path.join(ROOT, "train_gpt.py"), "--steps=2", "--profile", f"--out_dir={out}", *CPU,
+                    *SMALL["train_gpt.py"]])
+    assert r["steps"] == 2 * 2 + 3 + 1 and r["ms_per_step"] > 0
+    with open(out / "trace.json") as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
+    assert "Self CPU time total" in capsys.readouterr().out and os.listdir(out) == ["trace.json"]
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_the_trainers_name_bench_for_their_old_flags(script):
+    """--benchmark, --bench_steps and --profile were the trainers' until issue 77: each names bench.py's command."""
+    import importlib
+    mod = importlib.import_module(script[:-3])
+    for flag in ("--benchmark", "--bench_steps=5", "--profile"):
+        with pytest.raises(SystemExit, match=f"{flag.split('=')[0]} moved: python bench.py {script}"):
+            mod.parse_args(mod.Config, [flag])

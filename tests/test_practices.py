@@ -226,10 +226,9 @@ def test_qat_rounds_the_forward_and_passes_gradients_straight_through():
     while its gradient is the float weight's (the straight-through estimator)."""
     import finetune_gpt as ft
     cfg = ft.Config(**{**TINY, "qat": 4})
-    start = ft.FineTune()
-    arch, vocab_size, init = start.arch(cfg, {"vocab_size": 257}, None, 0, 1)  # no --init_from: a fresh GPT
-    assert arch == {} and vocab_size == 257
-    raw = start.build(cfg, vocab_size, CPU, init)
+    same, init = ft.start_from(cfg, {"vocab_size": 257}, None, 0, 1)  # no --init_from: a fresh GPT
+    assert same == cfg and init == {"tokenizer": None}
+    raw = ft.build_student(cfg, 257, CPU, init)
     hidden = [m for b in raw.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     assert all(isinstance(m, ft.QATLinear) and m.bits == 4 for m in hidden)
     lin = ft.QATLinear(torch.nn.Linear(16, 8, bias=False), 4)
@@ -316,7 +315,7 @@ def test_weights_grads_and_optimizer_state_stay_fp32_under_autocast():
     momentum, AdamW's moments) stay fp32; only the matmuls run in bf16."""
     cfg = tg.Config(**TINY)
     model = tg.build_model(cfg, 257, CPU)
-    opts = tg.build_optimizers(cfg, model, CPU)
+    opts = tg.build_optimizers(cfg, model)
     idx = torch.randint(0, 257, (2, 17))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model.blocks[0].mlp.fc(torch.randn(2, 64)).dtype == torch.bfloat16
@@ -354,7 +353,7 @@ def test_optimizer_groups_follow_the_recipe():
     for optimizer in ("muon", "adamw"):
         cfg = tg.Config(**{**TINY, "optimizer": optimizer})
         model = tg.build_model(cfg, 4353, CPU)
-        opts = tg.build_optimizers(cfg, model, CPU)
+        opts = tg.build_optimizers(cfg, model)
         hidden = {id(p) for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
         if optimizer == "muon":
             assert isinstance(opts[0], tg.Muon) and {id(p) for p in opts[0].param_groups[0]["params"]} == hidden
@@ -376,14 +375,14 @@ def test_every_trainer_warms_up_linearly(script):
 
 @pytest.mark.parametrize("script", [tg, tv, td])
 def test_every_trainer_clips_at_its_grad_clip(script, tmp_path, monkeypatch):
-    """Every optimizer step of each trainer clips the global grad norm at --grad_clip, 1.0 by default (--benchmark's
-    steps: the loop of a run, on synthetic data)."""
+    """Every optimizer step of each trainer clips the global grad norm at --grad_clip, 1.0 by default (bench.py's
+    steps: the loop of a run, on random data)."""
+    import bench
     seen, clip = [], script.clip_grads
     monkeypatch.setattr(script, "clip_grads", lambda params, max_norm: seen.append(max_norm) or clip(params, max_norm))
-    common = dict(benchmark=True, bench_steps=1, device="cpu", compile="false", dtype="float32", n_layer=1, n_head=2,
-                  n_embd=32, batch_size=4, out_dir=str(tmp_path / "o"), data_dir=str(tmp_path / "none"))
-    extra = {tg: dict(seq_len=16, vocab_size=257), tv: dict(patch_size=8), td: dict(patch_size=8)}[script]
-    r = script.main(script.Config(**common, **extra))
+    common = "--steps=3 --device=cpu --compile=false --dtype=float32 --n_layer=1 --n_head=2 --n_embd=32".split()
+    extra = {tg: ["--seq_len=16", "--vocab_size=257"], tv: ["--patch_size=8"], td: ["--patch_size=8"]}[script]
+    r = bench.main([script.__file__, *common, "--batch_size=4", *extra])
     assert script.Config().grad_clip == 1.0 and seen == [1.0] * r["steps"] and r["steps"] == 6
 
 
@@ -434,8 +433,9 @@ def test_the_lr_follows_the_clock_and_every_log_line_has_it(corpus, tmp_path, mo
 
 
 def test_benchmark_leaves_out_the_warm_up_steps(tmp_path, monkeypatch):
-    """--benchmark times the steps after 5 warm-up steps (compilation, the allocator): a first step that takes 100 s
-    (the clock is faked: 100 s for the first forward, 1 s for each after) does not show in the 1 s per step."""
+    """bench.py times --steps steps after as many warm-up steps (compilation, the allocator): a first step that takes
+    100 s (the clock is faked: 100 s for the first forward, 1 s for each after) does not show in the 1 s per step."""
+    import bench
     clock, n = [0.0], [0]
     monkeypatch.setattr(tg, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], strftime=time.strftime))
 
@@ -443,8 +443,9 @@ def test_benchmark_leaves_out_the_warm_up_steps(tmp_path, monkeypatch):
         n[0] += 1
         clock[0] += 100.0 if n[0] == 1 else 1.0
     training_forwards(monkeypatch, tick)
-    r = tg.main(tg.Config(**{**TINY, "benchmark": True, "bench_steps": 3, "vocab_size": 257, "out_dir": str(tmp_path)}))
-    assert r["steps"] == 8 and r["ms_per_step"] == pytest.approx(1000.0)
+    flags = [f"--{k}={v}" for k, v in TINY.items() if k not in ("eval_every", "log_every")]
+    r = bench.main([tg.__file__, "--steps=3", "--vocab_size=257", f"--out_dir={tmp_path}", *flags])
+    assert r["steps"] == 6 and r["ms_per_step"] == pytest.approx(1000.0)
 
 
 def test_accumulation_equals_one_big_batch(corpus, tmp_path):
@@ -479,7 +480,7 @@ def test_token_shards_are_memory_mapped(tmp_path):
         s = tg.open_shard(str(tmp_path / name))
         assert isinstance(s, np.memmap) and s.dtype == np.uint16 and len(s) == 1000
     loader = tg.TokenLoader(tg.find_shards(str(tmp_path), "train"), 2, 16, 0, 1, CPU)
-    assert all(isinstance(s, np.memmap) for s in loader.shards)
+    assert all(isinstance(m, np.memmap) for m in loader.maps)
 
 
 def test_batches_cross_to_the_gpu_pinned_and_non_blocking(tmp_path, monkeypatch):
@@ -496,7 +497,7 @@ def test_batches_cross_to_the_gpu_pinned_and_non_blocking(tmp_path, monkeypatch)
         return to(t, *args, **kw)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or t)
     monkeypatch.setattr(torch.Tensor, "to", fake_to)
-    x, y, _ = loader.next()
+    x, y = loader.next()
     monkeypatch.undo()
     assert calls == ["pin", ("copy", True)] and x.shape == y.shape == (2, 16)
 

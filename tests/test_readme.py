@@ -38,10 +38,10 @@ KNOWN_FAILURES = {
 }
 # the modes of each trainer that read a run instead of starting one (predict_vit.py and sample_diffusion.py only
 # read one: their commands are not here, and never remove an out_dir)
-NOT_TRAINING = {"train_gpt": ("resume", "benchmark"),
-                "finetune_gpt": ("resume", "export", "merge_lora", "benchmark"),
+NOT_TRAINING = {"train_gpt": ("resume",),
+                "finetune_gpt": ("resume", "export", "merge_lora"),
                 "chat_gpt": ("prepare", "chat"), "rl_gpt": ("resume", "score_only"),
-                "train_vit": ("resume", "benchmark"), "train_diffusion": ("resume", "benchmark")}
+                "train_vit": ("resume",), "train_diffusion": ("resume",)}
 
 
 def why_parse_only(argv):

@@ -52,7 +52,7 @@ def first_batch_loss(w, data, T):
     """The reference GPT-2's loss on the first training batch of one row that train_gpt.py reads from data."""
     loader = tg.TokenLoader(tg.find_shards(str(data), "train"), 1, T, 0, 1, torch.device("cpu"),
                             seed=tg.Config().seed)  # the trainer's default seed: its order of rows
-    x, y, _ = loader.next()
+    x, y = loader.next()
     with torch.no_grad():
         return F.cross_entropy(gpt2_reference(w, x, REAL).flatten(0, 1), y.flatten()).item()
 

@@ -122,7 +122,7 @@ def test_mup_at_base_width_is_the_standard_model():
     for mup in (False, True):
         cfg = tg.Config(**kw, mup=mup, base_width=64, optimizer="adamw")
         model = tg.build_model(cfg, 320, torch.device("cpu"))
-        opt, = tg.build_optimizers(cfg, model, torch.device("cpu"))
+        opt, = tg.build_optimizers(cfg, model)
         for _ in range(3):
             loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
@@ -139,7 +139,7 @@ def test_mup_scales_init_lr_and_attention_with_width(optimizer):
     assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.01) < 5e-4  # init_std / sqrt(m), m = 4
     assert abs(model.wte.weight.std().item() - 0.02) < 1e-3  # the embedding keeps its init
     assert model.blocks[0].attn.scale == pytest.approx(math.sqrt(32) / 128)  # 1 / sqrt(d m) = sqrt(d_base) / d
-    opts = tg.build_optimizers(cfg, model, torch.device("cpu"))
+    opts = tg.build_optimizers(cfg, model)
     hidden = {id(p) for p in model.blocks.parameters() if p.ndim == 2}
     for opt in opts:
         for g in opt.param_groups:

@@ -33,7 +33,7 @@ def entry(script, argv):
     mod = importlib.import_module(script[:-3])
     if script == "prepare_data.py":
         sys.exit(mod.main(argv))
-    elif script == "scaling.py":
+    elif script in ("scaling.py", "bench.py"):
         mod.main(argv)
     else:  # the trainers parse flags with their own shim, the companions with their trainer's (tg, tv or td)
         shim = mod if script.startswith("train_") else next(vars(mod)[n] for n in ("tg", "tv", "td") if n in vars(mod))
@@ -237,7 +237,7 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-beta1-above-1": ("train_gpt.py", lambda t, f: gpt(f, t, "--beta1=1.5")),
     "gpt-weight_decay-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--weight_decay=-0.1")),
     "gpt-init_std-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--init_std=-1")),
-    "gpt-bench_steps-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--benchmark", "--bench_steps=0")),
+    "bench-steps-0": ("bench.py", lambda t, f: [os.path.join(ROOT, "train_gpt.py"), "--steps=0", *GPT]),
     "gpt-rope_base-0": ("train_gpt.py", lambda t, f: gpt(f, t, "--rope_base=0")),
     "gpt-norm_eps-negative": ("train_gpt.py", lambda t, f: gpt(f, t, "--norm_eps=-1e-6")),
     "sample-max_new_tokens-negative": ("sample_gpt.py", lambda t, f: [f"--ckpt={f.gpt}", "--max_new_tokens=-1",

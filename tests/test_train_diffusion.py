@@ -293,12 +293,6 @@ def test_guards_skip_a_nan_and_sigterm_saves(shapes, tmp_path, capsys):
     assert res["preempted"] and res["steps"] == 5 and td.list_checkpoints(str(tmp_path / "term"))[-1][0] == 5
 
 
-def test_benchmark_needs_no_data_and_writes_nothing(tmp_path):
-    res = td.main(td.Config(**{**TINY, "benchmark": True, "bench_steps": 2, "out_dir": str(tmp_path / "b"),
-                               "data_dir": str(tmp_path / "none")}))
-    assert res["img_s"] > 0 and res["params"] > 0 and not (tmp_path / "b").exists()
-
-
 @pytest.mark.parametrize("args,message", [
     (["--objective=score"], "is not one of flow|ddpm"),
     (["--sampler=ddim"], "does not fit --objective=flow"),
