@@ -133,6 +133,8 @@ def main(argv):
                  sample_tokens=0, tokens="", epochs=0.0)
     run = dict(data_dir=data_dir, out_dir=os.path.join(work, "out"), max_steps=2 * steps + (PROFILED + 1) * profile,
                log_every=steps, eval_every=0, save_every=0, time_budget=0.0, resume=False, wandb="", description="")
+    if getattr(cfg, "n_embd", None) == 0:  # the ViT's auto width: 64 under 10,000 train images, as these are, else
+        run["n_embd"] = 128  # 128, which real data of that size gets
     cfg = dataclasses.replace(cfg, **{k: v for k, v in small.items() if k in fields}, **run)
     profiler = torch.profiler.profile() if profile else None
     try:
