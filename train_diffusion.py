@@ -1291,7 +1291,7 @@ def train(cfg, stop):
         sys.stdout = open(os.devnull, "w")
     wall0 = time.perf_counter()
     master = rank == 0  # only rank 0 writes files
-    # a first run: the demo's data
+    # a first run: the demo's data, made offline
     prepare_default_data(cfg, rank, world_size, "shapes", "the upright shapes dataset", "--rotate=off")
     # data: both splits as uint8, held on the device or read from their files (--loader)
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device)
@@ -1370,6 +1370,8 @@ def train(cfg, stop):
             log.record(**rec)
             history.append({k: v for k, v in rec.items() if not k.endswith("_t")})  # scores, not the per-t losses
         if saves:
+            # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
+            # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
             writer.save({**model_state(raw, opts, ema, whole=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time,
                          "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),

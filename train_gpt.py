@@ -1395,6 +1395,8 @@ def train(cfg, stop, build=None, resume_fields=()):
             log.record(step=step, **rec, **stats)
             history.append({"step": step, **rec})
         if saves:
+            # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
+            # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
             writer.save({**model_state(raw, opts, whole=not sharded), "scaler": scaler.state_dict(),
                          "step": step, "guard": guard.state(), "train_time": train_time, "history": history,
                          "data": at, "config": dataclasses.asdict(cfg), "world_size": world_size,

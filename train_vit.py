@@ -1163,9 +1163,9 @@ def evaluate(model, x_all, y_all, K, B, rank, world_size, ctx, n, tta_flip):
     confusion = total[3:].view(K, K).long().cpu().numpy()  # (K, K): rows true, columns predicted
     return {"val_acc": acc, "val_top5": top5, "val_loss": loss}, confusion
 
-def evaluate_both(log, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
-    """Evaluate the weights and their EMA, print the eval line and record it in metrics.jsonl; returns (the
-    record, the confusion matrix of the better weights, "" or "ema_": which weights were better)."""
+def evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final):
+    """Evaluate the weights and their EMA and print the eval line; returns (the record, the confusion matrix of the
+    better weights, "" or "ema_": which weights were better)."""
     # Periodic evals read the first eval_images of the val split, to keep them cheap; the final one reads it all.
     n = len(val_y) if final else min(cfg.eval_images, len(val_y))
     args = (val_x, val_y, K, cfg.batch_size, rank, world_size, ctx, n, cfg.tta_flip)
@@ -1195,7 +1195,6 @@ def evaluate_both(log, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, 
     if cfg.tta_flip:
         line += " (flip TTA)"
     print(line)
-    log.record(**rec)
     return rec, conf, best
 
 def plot_results(out_dir, history, confusion, classes):
@@ -1268,7 +1267,8 @@ def train(cfg, stop):
         sys.stdout = open(os.devnull, "w")
     wall0 = time.perf_counter()
     master = rank == 0  # only rank 0 writes files
-    prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")  # a first run: the demo's data
+    # a first run: the demo's data, made offline
+    prepare_default_data(cfg, rank, world_size, "shapes", "the shapes dataset")
     # data: both splits as uint8, held on the device or read from their files (--loader)
     meta, loader, val_x, val_y = image_data(cfg, rank, world_size, device)
     H, W = meta["image_size"]
@@ -1342,16 +1342,16 @@ def train(cfg, stop):
         evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals:
-            rec, conf, best = evaluate_both(log, cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final)
+            rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final)
+            log.record(**rec)
             history.append({k: v for k, v in rec.items() if k != "per_class_acc"})
         if saves:
             # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
             # needs to go on as if never stopped: the guard's statistics, the loader's place, the train time.
-            writer.save({
-                **model_state(raw, opts, ema, whole=not sharded),
-                "scaler": scaler.state_dict(), "step": step, "guard": guard.state(), "train_time": train_time,
-                "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
-                "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
+            writer.save({**model_state(raw, opts, ema, whole=not sharded), "scaler": scaler.state_dict(),
+                         "step": step, "guard": guard.state(), "train_time": train_time,
+                         "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
+                         "world_size": world_size, "data": loader.state(), "data_meta": data_meta})
         if last_step:
             break
         if evals or saves:
