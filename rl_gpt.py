@@ -404,10 +404,17 @@ def start(cfg, rank, world_size):
     return cfg, tok, init, info, ckpt
 
 def save(out_dir, ckpt, keep_last):
-    """Write the checkpoint (train_gpt.py's atomic write) and the history so far as metrics.jsonl, a line a record."""
+    """Write the checkpoint (train_gpt.py's atomic write) and the history so far as metrics.jsonl, a line a record,
+    atomically too: written whole beside it, then renamed, so a crash mid-write leaves the last log as it was."""
     tg.write_checkpoint(out_dir, ckpt, keep_last)
-    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(h) + "\n" for h in ckpt["history"])
+    path = os.path.join(out_dir, "metrics.jsonl")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in ckpt["history"])
+        os.replace(path + ".tmp", path)
+    finally:  # a write that failed leaves no half of a log beside the whole one
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 def train(cfg, stop):
     """Set up, resume or score the model before RL, then the loop: sample, score, backward, clip, step, log, eval,

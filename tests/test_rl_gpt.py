@@ -266,3 +266,17 @@ def test_the_kl_penalty_is_zero_at_the_reference_and_pulls_back_elsewhere():
         rl.backward(model, batches, PLAIN, NO_SCALER, 1, kl=0.5, ref=ref.requires_grad_(False))
         close = all(torch.allclose(p.grad, alone[n], atol=1e-7) for n, p in model.named_parameters())
         assert close == same
+
+
+def test_a_crash_while_the_log_is_written_leaves_the_last_one(tmp_path, monkeypatch):
+    """Issue 80: each save rewrites metrics.jsonl from the history; written beside it and renamed, a write that
+    fails halfway (here: a record json cannot encode) leaves the previous log whole, and no half-written file."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    monkeypatch.setattr(tg, "write_checkpoint", lambda *a, **kw: None)
+    with pytest.raises(TypeError):
+        rl.save(str(out), {"history": [{"step": 1}, {"step": 2, "reward": object()}]}, 2)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(os.listdir(out)) == ["metrics.jsonl"]
+    rl.save(str(out), {"history": [{"step": 1}, {"step": 2, "reward": 0.5}]}, 2)
+    assert history(out) == [{"step": 1}, {"step": 2, "reward": 0.5}]
