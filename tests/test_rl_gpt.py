@@ -273,10 +273,11 @@ def test_a_crash_while_the_log_is_written_leaves_the_last_one(tmp_path, monkeypa
     fails halfway (here: a record json cannot encode) leaves the previous log whole, and no half-written file."""
     out = tmp_path / "o"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward": 0.25}\n')
     monkeypatch.setattr(tg, "write_checkpoint", lambda *a, **kw: None)
     with pytest.raises(TypeError):
-        rl.save(str(out), {"history": [{"step": 1}, {"step": 2, "reward": object()}]}, 2)
-    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(os.listdir(out)) == ["metrics.jsonl"]
+        rl.save(str(out), {"history": [{"step": 1, "reward": object()}, {"step": 2}]}, 2)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "reward": 0.25}\n'
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
     rl.save(str(out), {"history": [{"step": 1}, {"step": 2, "reward": 0.5}]}, 2)
     assert history(out) == [{"step": 1}, {"step": 2, "reward": 0.5}]
