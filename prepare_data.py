@@ -312,7 +312,7 @@ def make_tokenizer(spec, train_docs, out_dir):
 
     def encode(docs):
         # encode_ordinary: a literal "<|endoftext|>" inside a document is text, not a document boundary
-        batches = enc.encode_ordinary_batch(docs, num_threads=os.cpu_count())
+        batches = enc.encode_ordinary_batch(docs, num_threads=usable_cpus())
         return [np.array(t, np.uint16) for t in batches]
     return encode, info
 
@@ -1026,6 +1026,12 @@ def quiet_worker():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+def usable_cpus():
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
 @contextlib.contextmanager
 def worker_pool(workers):
     """A pool of `workers` processes that decode or draw images, or None (work in this process) for workers <= 1."""
@@ -1242,8 +1248,8 @@ def main(argv=None):
                    help="train uses seed, val seed + 1")
     p.add_argument("--rotate", choices=("on", "off"), default="on",
                    help="random angles, or upright (diffusion's data)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="processes that draw images (default: the CPU count); 0 or 1: in this one")
+    p.add_argument("--workers", type=int, default=usable_cpus(),
+                   help="processes that draw images (default: the CPUs this process may run on); 0 or 1: in this one")
 
     downloaded_images = [
         ("cifar10", source_cifar, "CIFAR-10 (downloads 170 MB)"),
@@ -1272,8 +1278,8 @@ def main(argv=None):
                    help="the shorter side resized to this, the centre cropped")
     p.add_argument("--flip_ok", action="store_true",
                    help="a mirror image is still of its class: the trainers may flip")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="processes that decode images (default: the CPU count); 0 or 1: in this one")
+    p.add_argument("--workers", type=int, default=usable_cpus(),
+                   help="processes that decode images (default: the CPUs this process may run on); 0 or 1: in this one")
 
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -427,3 +427,19 @@ def test_imagefolder_bad_inputs_are_one_line_errors(tmp_path):
     assert "--val_fraction" in run(tmp_path / "imgs", "--val_fraction=1.5")
     assert not out.exists() or not (out / "meta.json").exists()
     assert not list(tmp_path.glob(".data.tmp-*"))  # no staging dir left behind
+
+
+def test_workers_default_to_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    """Issue 80: --workers defaults to the CPUs of the process's affinity (taskset, a container's cpuset), not the
+    machine's count: pinned to one CPU, shapes draws its images in this one process."""
+    seen = []
+    pool = pd.worker_pool
+
+    def counted(workers):
+        seen.append(workers)
+        return pool(workers)
+    monkeypatch.setattr(pd, "worker_pool", counted)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert pd.usable_cpus() == 1
+    pd.main(["shapes", "--train_size=20", "--val_size=10", "--image_size=16", f"--data_dir={tmp_path / 'd'}"])
+    assert seen == [1]
