@@ -593,7 +593,10 @@ class HostImages:
         for k in rows.argsort().tolist():  # in the file's order: the disk reads forward
             self.file.seek(self.offset + int(rows[k]) * self.row)
             if self.file.readinto(flat[k]) != self.row:
-                raise EOFError(f"{self.path} ends before image {int(rows[k])}; re-run prepare_data.py")
+                # the file shrank under the run (rewritten, or a disk that failed): one line, in the reading
+                # thread too, whose error the next batch raises in the loop
+                die(f"{self.path} ends before image {int(rows[k])}: it changed while this run read it; re-run "
+                    f"prepare_data.py, and keep the data dir as it is while a run reads it")
         return out
 
 def hold(images, device, on_device):

@@ -50,6 +50,23 @@ def test_both_paths_give_the_same_batches_and_resume_alike(shapes):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
+@pytest.mark.parametrize("mod", [tv, td])
+def test_a_split_that_shrinks_under_the_host_path_stops_in_one_line(shapes, tmp_path, mod):
+    """Issue 80: the train split cut short while the host path reads it (rewritten, a failing disk): the next batch
+    stops the run in one line that names the file, from the reading thread too, not with an EOFError traceback."""
+    import shutil
+    d = tmp_path / "d"
+    shutil.copytree(shapes, d)
+    _, arrays = mod.load_image_data(str(d))
+    ld = mod.ImageLoader(*arrays["train"], 8, 0, 1, CPU, 5, False)
+    ld.next()
+    with open(d / "train_images.npy", "r+b") as f:
+        f.truncate(os.path.getsize(d / "train_images.npy") // 2)
+    with pytest.raises(SystemExit, match="train_images.npy ends before image .*changed while this run read it"):
+        for _ in range(30):  # an epoch: some batch reaches past the cut
+            ld.next()
+
+
 def test_the_host_path_holds_no_copy_of_the_split(shapes):
     """The host path's images are a HostImages over the file, which reads only the rows asked for."""
     ld = loaders(shapes, False, world_size=1)[0]
