@@ -1209,7 +1209,8 @@ def main(argv=None):
         p = command(name, help, run=prepare_text, source=source)
         if name == "text":
             p.add_argument("paths", nargs="+", metavar="PATH")
-        p.add_argument("--data_dir", default=f"data/{name}")
+        p.add_argument("--data_dir", default=f"data/{name}",
+                       help="where the shards and meta.json go (default: %(default)s)")
         p.add_argument("--tokenizer", type=tokenizer_spec, default="byte",
                        help="byte | gpt2 | bpe:N (N tokens in all)")
         # one play is one document: its last 10% is the val split; the other sources hold out 1% of their files
@@ -1226,18 +1227,22 @@ def main(argv=None):
     p = command("fineweb", "GPT-2 tokenized FineWeb-10B (downloads 200 MB a shard)", run=prepare_fineweb)
     p.add_argument("--shards", type=int, required=True,
                    help="train shards of 100M tokens, 1..103")
-    p.add_argument("--data_dir", default="data/fineweb10B")
+    p.add_argument("--data_dir", default="data/fineweb10B",
+                   help="where the shards go (default: %(default)s)")
 
     p = command("gpt2", "GPT-2's weights, for finetune_gpt.py --init_from (downloads 0.5-6 GB)", run=prepare_gpt2)
-    p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2")
+    p.add_argument("--model", choices=("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"), default="gpt2",
+                   help="which GPT-2: 124M, 350M, 774M or 1.5B parameters (default: %(default)s)")
     p.add_argument("--data_dir", default="",
                    help="where the weights go (default: models/MODEL)")
 
     p = command("hellaswag", "HellaSwag's val set, for eval_gpt.py (downloads 11 MB)", run=prepare_hellaswag)
-    p.add_argument("--data_dir", default="data/hellaswag")
+    p.add_argument("--data_dir", default="data/hellaswag",
+                   help="where the val items go (default: %(default)s)")
 
     p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
-    p.add_argument("--data_dir", default="data/shapes")
+    p.add_argument("--data_dir", default="data/shapes",
+                   help="where the images and meta.json go (default: %(default)s)")
     p.add_argument("--image_size", type=int, default=32,
                    help="height and width in pixels")
     p.add_argument("--train_size", type=int, default=50000,
@@ -1269,7 +1274,8 @@ def main(argv=None):
     p = command("imagefolder", "your own images, a subfolder per class: PATH/CLASS/*.png", run=prepare_images)
     p.add_argument("path", metavar="PATH",
                    help="a folder of class subfolders of images (png, jpg, jpeg, bmp, webp)")
-    p.add_argument("--data_dir", default="data/imagefolder")
+    p.add_argument("--data_dir", default="data/imagefolder",
+                   help="where the arrays and meta.json go (default: %(default)s)")
     p.add_argument("--val", metavar="PATH",
                    help="a val folder laid out as PATH (default: --val_fraction)")
     p.add_argument("--val_fraction", type=float, default=0.1,

@@ -446,3 +446,16 @@ def test_a_file_copied_under_another_path_is_kept_once(capsys):
     train, val = pd.split_files(named, 30)
     assert sorted(train + val) == ["other text\n", "the same text\n"] and "the same text\n" in val
     assert "dropped 1 file(s)" in capsys.readouterr().out
+
+
+def test_every_flag_of_every_subcommand_has_help(capsys):
+    """Issue 80: `prepare_data.py SUBCOMMAND -h` gives each flag a line of help, --data_dir and GPT-2's --model too."""
+    import re
+    for command in ("text", "stdlib", "shakespeare", "fineweb", "gpt2", "hellaswag", "shapes", "cifar10", "cifar100",
+                    "mnist", "fashion_mnist", "imagefolder"):
+        with pytest.raises(SystemExit):
+            pd.main([command, "-h"])
+        text = capsys.readouterr().out.split("options:")[1]
+        blocks = re.split(r"\n(?=  --)", text.strip())[1:]  # each flag's: its name (and metavar), then its help
+        bare = [b.split()[0] for b in blocks if len(b.split()) <= 2]
+        assert blocks and not bare, (command, bare)
