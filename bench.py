@@ -154,6 +154,9 @@ def main(argv):
     mfu = f"mfu {100 * rec['mfu']:.1f}%" if rec["mfu"] else "mfu -"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
     what = f"{trainer.__name__}.py {cfg.preset or 'default'} | {result['params'] / 1e6:.1f}M params"
+    if gpt:  # the vocabulary sets the head's size, which at a small width is most of the step
+        given = trainer.parse_args(trainer.Config, flags).vocab_size
+        what += f" | vocab {cfg.vocab_size or 50257}" + ("" if given else " (GPT-2's; --vocab_size= sets it)")
     print(f"benchmark | {what} | {device} {dtype} compile {cfg.compile} | {rate} {unit}/s | {rec['ms']:.1f} ms/step"
           f" | {mfu} | peak mem {result['peak_mem_gb']:.2f} GB")
     if profiler and rank == 0:

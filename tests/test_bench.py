@@ -92,7 +92,17 @@ def test_bench_needs_no_data_and_leaves_nothing(script, tmp_path, monkeypatch, c
     assert r[unit] > 0 and r["ms_per_step"] > 0 and r["mfu"] is None and r["params"] > 0 and r["steps"] == 4
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("benchmark | ")]
     assert len(line) == 1 and " ms/step | mfu - | peak mem " in line[0] and "cpu float32" in line[0], line
+    assert ("| vocab 257 |" in line[0]) == (script == "train_gpt.py")  # the vocabulary a GPT is timed at
     assert os.listdir(tmp_path) == ["tmp"] and not [n for n in os.listdir(tmp_path / "tmp") if "bench" in n]
+
+
+def test_bench_says_which_vocabulary_it_times(tmp_path, monkeypatch, capsys):
+    """Issue 80: with no --vocab_size, bench.py times GPT-2's 50,257 tokens, and its line says so."""
+    import bench
+    monkeypatch.chdir(tmp_path)
+    flags = [f for f in SMALL["train_gpt.py"] if not f.startswith("--vocab_size")]
+    bench.main([os.path.join(ROOT, "train_gpt.py"), "--steps=1", *CPU, *flags, "--seq_len=16", "--batch_size=2"])
+    assert "| vocab 50257 (GPT-2's; --vocab_size= sets it) |" in capsys.readouterr().out
 
 
 def test_bench_stopped_by_a_signal_measures_nothing(tmp_path, monkeypatch):
