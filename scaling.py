@@ -93,6 +93,13 @@ def die(msg):
     """Stop with a one-line error and a non-zero exit."""
     raise SystemExit(f"scaling.py: error: {msg}")
 
+def make_dir(path):
+    """os.makedirs, or one line naming the folder that cannot be made (a file in its way, no permission)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        die(f"cannot make the folder {path} ({e.strerror}); pass a folder you can write")
+
 def warn(msg):
     """A warning on stderr: the command goes on."""
     print(f"WARNING: {msg}", file=sys.stderr)
@@ -147,7 +154,7 @@ def run_one(cfg, log_path):
     # a run stopped half-way goes on from its checkpoint with the same data in the same order, so its point on the
     # curve is the one an uninterrupted run would have given
     cfg.resume = bool(tg.list_checkpoints(cfg.out_dir))
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    make_dir(cfg.out_dir)
     with open(log_path, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return tg.main(cfg)
 
@@ -311,7 +318,7 @@ def cmd_sweep(args, extra):
         plan = isoflop_plan(budgets, args.sizes, cfg, vocab, args.ratio, args.min_steps)
     total = sum(6 * extra["params"] * over["max_steps"] * step_tokens(cfg) for _, over, extra in plan)
     print(f"sweep: {len(plan)} runs, {total:.3g} FLOPs (6ND) in all, into {args.out_dir}")
-    os.makedirs(args.out_dir, exist_ok=True)
+    make_dir(args.out_dir)
     failed, stopped = run_rows(plan, cfg, args.out_dir, os.path.join(args.out_dir, "sweep.tsv"))
     if stopped:
         return
@@ -659,7 +666,7 @@ def cmd_fit(args):
         warnings=warnings,
         tsv=tsv,
     )
-    os.makedirs(args.out_dir, exist_ok=True)
+    make_dir(args.out_dir)
     with open(os.path.join(args.out_dir, "fit.json"), "w") as f:
         json.dump(res, f, indent=2)
     print(f"fit of {len(N)} runs from {len(finals[1])} starts and {args.bootstrap} bootstrap refits in "
@@ -966,7 +973,7 @@ def plot_coord_check(out_dir, widths, out, slopes, lr, optimizer):
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"Coordinate check ({optimizer}, lr {lr:g}): logits slope vs width at the last step "
                  f"SP {slopes['SP']['logits']:+.2f}, muP {slopes['muP']['logits']:+.2f} (flat is 0)")
-    os.makedirs(out_dir, exist_ok=True)
+    make_dir(out_dir)
     fig.savefig(os.path.join(out_dir, "coord_check.png"), dpi=110)
 
 def cmd_coord_check(args):
@@ -974,6 +981,7 @@ def cmd_coord_check(args):
     if args.steps < 1 or args.seeds < 1:
         die(f"need --steps >= 1 and --seeds >= 1, got {args.steps} and {args.seeds}")
     widths = [int(w) for w in parse_floats(args.widths, "--widths", "64,128")]
+    make_dir(args.out_dir)  # now, not after the runs
     _, slopes = coord_check(
         widths,
         args.steps,
@@ -1011,7 +1019,7 @@ def cmd_lr_transfer(args, extra):
         )
         params = matmul_params(dataclasses.replace(cfg, **over), vocab)
         runs.append((f"{'mup' if mup else 'sp'}_d{w}_lr{lr:.0e}", over, {"budget": "", "params": params}))
-    os.makedirs(args.out_dir, exist_ok=True)
+    make_dir(args.out_dir)
     tsv = os.path.join(args.out_dir, "lr_transfer.tsv")
     failed, stopped = run_rows(runs, cfg, args.out_dir, tsv)
     if stopped:

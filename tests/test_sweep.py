@@ -348,6 +348,8 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "scaling-compare-out-in-a-file": ("scaling.py", lambda t, f: [
         "compare", str(put(t / "r" / "metrics.jsonl", '{"step": 1, "loss": 2.0}\n').parent),
         f"--out={put(t / 'f', 'x') / 'c.png'}"]),
+    "scaling-coord_check-out_dir-in-a-file": ("scaling.py", lambda t, f: [
+        "coord_check", f"--out_dir={put(t / 'f', 'x') / 'cc'}", "--widths=16,32", "--steps=1", "--seeds=1"]),
     "scaling-compare-out-format-unknown": ("scaling.py", lambda t, f: [
         "compare", str(put(t / "r" / "metrics.jsonl", '{"step": 1, "loss": 2.0}\n').parent),
         f"--out={t / 'c.plot'}"]),
