@@ -128,6 +128,7 @@ GPT2_ARCH = dict(
     qk_norm=False,
     logit_softcap=0.0,
     mup=False,
+    value_embeds=False,
 )
 # A block's layers: Hugging Face's GPT-2 names them (left) as OpenAI's TensorFlow code did; train_gpt.py (right) as
 # nanoGPT does. c_attn makes q, k and v in one matmul, as our qkv does, in the same order.
@@ -713,7 +714,8 @@ HF_ARCH = {
     ("rmsnorm", False): "Llama",
 }
 # what none of them computes: (flag, the value they need)
-HF_NEEDS = {"pos_emb": "rope", "mlp": "swiglu", "logit_softcap": 0.0, "window": 0, "bias": False}
+HF_NEEDS = {"pos_emb": "rope", "mlp": "swiglu", "logit_softcap": 0.0, "window": 0, "bias": False,
+            "value_embeds": False}
 
 def rope_hf(c, sd, vocab, path):
     """(config, weights) of the suite's own architecture as StableLM, Qwen3 or Llama (HF_ARCH), muP's multipliers

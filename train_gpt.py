@@ -80,6 +80,7 @@ class Config:
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # before each attention and MLP (pre-norm), and the head
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
+    value_embeds: bool = False  # a second token table on alternate layers, mixed into the values (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
     window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
@@ -185,7 +186,7 @@ MOVED = {
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
-ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
@@ -267,6 +268,10 @@ class KVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, Hkv, end, D) each
 
+def has_value_embed(cfg, layer):
+    """--value_embeds: every other layer, counted back from the last, has a value embedding."""
+    return cfg.value_embeds and layer % 2 == (cfg.n_layer - 1) % 2
+
 class Attention(nn.Module):
     """Causal self-attention, (B, T, n_embd) -> (B, T, n_embd): every position mixes in the values of the positions
     before it, weighted by how well its query matches their keys, in n_head heads at once."""
@@ -297,12 +302,22 @@ class Attention(nn.Module):
         # toward one-hot weights, whose gradients vanish; normalised, they cannot grow unchecked
         self.q_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
         self.k_norm = Norm(hd, cfg) if cfg.qk_norm else nn.Identity()
+        # --value_embeds: a gate per key/value head, read off the first 12 channels of the input (GPT.hidden)
+        self.ve_gate = None
+        if has_value_embed(cfg, layer):
+            self.ve_gate = nn.Linear(12, self.n_kv, bias=False)
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, ve=None):
         B, T, _ = x.shape  # x (B, T, n_embd)
         qkv = self.qkv(x).view(B, T, -1, self.hd)  # (B, T, n_head + 2 n_kv, hd)
         qkv = qkv.transpose(1, 2)  # (B, n_head + 2 n_kv, T, hd)
         q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=1)  # (B, n_head | n_kv | n_kv, T, hd)
+        if ve is not None:
+            # the value embedding (B, T, n_kv * hd) joins the values, each head's share scaled by a gate in (0, 3)
+            # that the input sets: 3 sigmoid(0) = 1.5 at init, as nanochat's
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :12]))  # (B, T, n_kv)
+            ve = ve.view(B, T, self.n_kv, self.hd) * gate.unsqueeze(-1)
+            v = v + ve.transpose(1, 2)  # (B, n_kv, T, hd)
         q = self.q_norm(q)
         k = self.k_norm(k)
         if cos is not None:  # RoPE, unless learned positions
@@ -362,15 +377,15 @@ class Block(nn.Module):
     # the norm and the MLP, whose hidden activations (4 n_embd wide, or 2 x 8/3 gated) are the largest a block
     # keeps. Sampling and evals (no grad) keep nothing anyway.
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, ve=None):
         if self.checkpointing == "blocks" and torch.is_grad_enabled():
-            return recompute(self.sublayers, x, cos, sin, cache, use_reentrant=False)
-        return self.sublayers(x, cos, sin, cache)
+            return recompute(self.sublayers, x, cos, sin, cache, ve, use_reentrant=False)
+        return self.sublayers(x, cos, sin, cache, ve)
 
-    def sublayers(self, x, cos, sin, cache=None):
+    def sublayers(self, x, cos, sin, cache=None, ve=None):
         # pre-norm (GPT-2; Xiong et al. 2020): each sublayer reads a normalised copy and adds its output to the
         # residual stream x, which nothing normalises, so gradients reach early layers undamped
-        x = x + self.attn(self.norm1(x), cos, sin, cache)
+        x = x + self.attn(self.norm1(x), cos, sin, cache, ve)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
             return x + recompute(lambda x: self.mlp(self.norm2(x)), x, use_reentrant=False)
         return x + self.mlp(self.norm2(x))
@@ -390,6 +405,13 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(rows, d)
         self.wpe = nn.Embedding(cfg.seq_len, d) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        # Value embeddings (nanochat, after ResFormer's value residual, Zhou et al. 2024): on every other layer, a
+        # table of its own gives each token a vector that the attention adds to its values. A value is what a
+        # position passes on to the positions that attend to it, so the token itself reaches every later layer
+        # directly, not only through the residual stream. Lookups, so they cost parameters, not FLOPs
+        kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)  # the values' width
+        layers = [str(i) for i in range(cfg.n_layer) if has_value_embed(cfg, i)]
+        self.value_embeds = nn.ModuleDict({i: nn.Embedding(rows, kv) for i in layers})
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
         # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
@@ -472,8 +494,11 @@ class GPT(nn.Module):
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
-        for block in self.blocks:
-            x = block(x, cos, sin, cache)
+        for i, block in enumerate(self.blocks):
+            ve = None
+            if str(i) in self.value_embeds:
+                ve = self.value_embeds[str(i)](idx)  # (B, T, kv)
+            x = block(x, cos, sin, cache, ve)
         # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
         # further at m times the width
         x = self.norm(x) / width_mult(self.cfg)
@@ -493,6 +518,7 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         if self.wpe is not None:
             n -= self.wpe.weight.numel()
+        n -= sum(p.numel() for p in self.value_embeds.parameters())
         c = self.cfg
         attention = 12 * c.n_layer * c.n_embd * c.seq_len
         return 6 * n + attention
@@ -869,7 +895,9 @@ def build_optimizers(cfg, raw, dtype=torch.float32):
     own = embed_lr > 0 and not cfg.tie_embeddings and "wte.weight" in named
     embed = []
     if own:
-        embed = [dict(params=[named.pop("wte.weight")], lr=embed_lr, weight_decay=0.0)]
+        # the value embeddings (--value_embeds) are token tables too, with the same rare rows
+        tables = [n for n in named if n == "wte.weight" or n.startswith("value_embeds.")]
+        embed = [dict(params=[named.pop(n) for n in tables], lr=embed_lr, weight_decay=0.0)]
     # weight decay pulls the hidden matrices only: decayed, a norm's gain or an embedding's rare row would shrink
     # toward 0 between the steps that train it
     hidden = []
