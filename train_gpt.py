@@ -81,6 +81,7 @@ class Config:
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
     value_embeds: bool = False  # a second token table on alternate layers, mixed into the values (nanochat)
+    unet: bool = False  # U-net skips: each late layer adds its mirror early layer's output (modded-nanogpt)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
     window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
@@ -186,7 +187,7 @@ MOVED = {
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
-ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
@@ -412,6 +413,12 @@ class GPT(nn.Module):
         kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)  # the values' width
         layers = [str(i) for i in range(cfg.n_layer) if has_value_embed(cfg, i)]
         self.value_embeds = nn.ModuleDict({i: nn.Embedding(rows, kv) for i in layers})
+        # U-net skips (modded-nanogpt, after Ronneberger et al. 2015): the last n_layer / 2 layers each add the
+        # output of their mirror among the first n_layer / 2, scaled by a learned weight (1 at init), so that
+        # what the early layers saw reaches the late ones by a short path
+        self.skip_weights = None
+        if cfg.unet:
+            self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
         # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
@@ -494,11 +501,17 @@ class GPT(nn.Module):
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
+        n = len(self.blocks)
+        skips = []  # --unet: the first half's outputs, the last one on top
         for i, block in enumerate(self.blocks):
             ve = None
             if str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)  # (B, T, kv)
+            if self.skip_weights is not None and i >= n - n // 2:  # layer i's mirror is layer n - 1 - i
+                x = x + self.skip_weights[n - 1 - i] * skips.pop()
             x = block(x, cos, sin, cache, ve)
+            if self.skip_weights is not None and i < n // 2:
+                skips.append(x)
         # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
         # further at m times the width
         x = self.norm(x) / width_mult(self.cfg)
