@@ -82,6 +82,7 @@ class Config:
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
     value_embeds: bool = False  # a second token table on alternate layers, mixed into the values (nanochat)
     unet: bool = False  # U-net skips: each late layer adds its mirror early layer's output (modded-nanogpt)
+    backout: bool = False  # the head's input less a learned share of the middle layer's output (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
     window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
@@ -187,7 +188,7 @@ MOVED = {
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
-ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet backout
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
@@ -419,6 +420,11 @@ class GPT(nn.Module):
         self.skip_weights = None
         if cfg.unet:
             self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2))
+        # Backout (nanochat): the head reads the last layer's output less lambda times the middle layer's (lambda
+        # 0.2 at init, then learned), taking out the low-level features that the next token needs less
+        self.backout = None
+        if cfg.backout:
+            self.backout = nn.Parameter(torch.ones(1))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
         # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
@@ -432,7 +438,9 @@ class GPT(nn.Module):
         """Set every parameter and buffer (built on meta)."""
         c = self.cfg
         for name, p in self.named_parameters():
-            if p.ndim < 2:  # biases 0, norm gains 1
+            if name == "backout":
+                nn.init.constant_(p, 0.2)
+            elif p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
                 # the layers that write to the residual stream, and an untied head, start at zero (as in
@@ -512,6 +520,10 @@ class GPT(nn.Module):
             x = block(x, cos, sin, cache, ve)
             if self.skip_weights is not None and i < n // 2:
                 skips.append(x)
+            if i == n // 2:
+                middle = x  # --backout's
+        if self.backout is not None:
+            x = x - self.backout * middle
         # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
         # further at m times the width
         x = self.norm(x) / width_mult(self.cfg)
