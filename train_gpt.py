@@ -83,6 +83,7 @@ class Config:
     value_embeds: bool = False  # a second token table on alternate layers, mixed into the values (nanochat)
     unet: bool = False  # U-net skips: each late layer adds its mirror early layer's output (modded-nanogpt)
     backout: bool = False  # the head's input less a learned share of the middle layer's output (nanochat)
+    smear: bool = False  # each token's embedding plus a gated share of the previous token's (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
     window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
@@ -188,7 +189,7 @@ MOVED = {
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
-ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet backout
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet backout smear
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 
@@ -257,6 +258,7 @@ class KVCache:
         self.k = [None] * n_layer
         self.v = [None] * n_layer
         self.pos = 0  # positions filled; the next token's position
+        self.prev = None  # --smear: the last position's embedding (B, 1, n_embd)
         self.max_len = max_len
 
     def update(self, layer, k, v):
@@ -307,7 +309,7 @@ class Attention(nn.Module):
         # --value_embeds: a gate per key/value head, read off the first 12 channels of the input (GPT.hidden)
         self.ve_gate = None
         if has_value_embed(cfg, layer):
-            self.ve_gate = nn.Linear(12, self.n_kv, bias=False)
+            self.ve_gate = nn.Linear(min(12, d), self.n_kv, bias=False)
 
     def forward(self, x, cos, sin, cache=None, ve=None):
         B, T, _ = x.shape  # x (B, T, n_embd)
@@ -317,7 +319,7 @@ class Attention(nn.Module):
         if ve is not None:
             # the value embedding (B, T, n_kv * hd) joins the values, each head's share scaled by a gate in (0, 3)
             # that the input sets: 3 sigmoid(0) = 1.5 at init, as nanochat's
-            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :12]))  # (B, T, n_kv)
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # (B, T, n_kv)
             ve = ve.view(B, T, self.n_kv, self.hd) * gate.unsqueeze(-1)
             v = v + ve.transpose(1, 2)  # (B, n_kv, T, hd)
         q = self.q_norm(q)
@@ -425,6 +427,12 @@ class GPT(nn.Module):
         self.backout = None
         if cfg.backout:
             self.backout = nn.Parameter(torch.ones(1))
+        # Smear (nanochat): each position's embedding gets the previous position's, times a gate that its first
+        # 24 channels set and a learned lambda (0 at init): a bigram's context before the first layer
+        self.smear_gate = None
+        if cfg.smear:
+            self.smear_gate = nn.Linear(min(24, d), 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
         # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
@@ -440,6 +448,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name == "backout":
                 nn.init.constant_(p, 0.2)
+            elif name == "smear_lambda":
+                nn.init.zeros_(p)
             elif p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
@@ -506,6 +516,8 @@ class GPT(nn.Module):
         cos = self.cos[pos:pos + T]  # (T, hd)
         sin = self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
+        if self.smear_gate is not None:
+            x = self.smear(x, cache)
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
@@ -530,6 +542,18 @@ class GPT(nn.Module):
         if self.head is None:  # tied: the input embedding is the head
             return x, self.wte.weight
         return x, self.head.weight
+
+    def smear(self, x, cache=None):
+        """--smear: x (B, T, d) with each position plus a gated share of the one before it."""
+        # the position before the first is the cache's last when sampling, else none (zeros): rows start anywhere
+        first = torch.zeros_like(x[:, :1])
+        if cache is not None and cache.prev is not None:
+            first = cache.prev
+        if cache is not None:
+            cache.prev = x[:, -1:]
+        previous = torch.cat((first, x[:, :-1]), dim=1)  # (B, T, d)
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))  # (B, T, 1)
+        return x + gate * previous
 
     def flops_per_token(self):
         """Training FLOPs a token: 6 a weight, + attention (PaLM)."""
