@@ -520,7 +520,7 @@ def load_init(cfg, rank, world_size):
     if os.path.abspath(os.path.dirname(path)) == os.path.abspath(cfg.out_dir):
         tg.die(f"--init_from starts a new run from {path}; pass a new --out_dir (or --resume)")
     with tg.exit_if_unreadable(path, "pass a checkpoint written by train_gpt.py"):
-        c = ckpt["config"]  # its architecture, this run's --seq_len: RoPE takes any
+        c = {**tg.OLDER_CHECKPOINTS, **ckpt["config"]}  # its architecture, this run's --seq_len: RoPE takes any
         arch = {k: c[k] for k in tg.ARCH_FIELDS if k in c and k != "seq_len"}
         cfg = dataclasses.replace(cfg, **arch)
         # the weights as a plain GPT: a QAT, LoRA or int8 checkpoint starts a new run like any other
@@ -564,7 +564,8 @@ def load_model(where, device, flag="--ckpt", fix=""):
         tg.die(f"{flag}={where}: no complete checkpoint there; train first (python train_gpt.py)")
     with tg.exit_if_unreadable(path, "pass a checkpoint of train_gpt.py"):
         # the fields of its config that train_gpt.py has today; flags it has dropped since are left out
-        fields = {k: v for k, v in ckpt["config"].items() if k in tg.Config.__dataclass_fields__}
+        saved = {**tg.OLDER_CHECKPOINTS, **ckpt["config"]}
+        fields = {k: v for k, v in saved.items() if k in tg.Config.__dataclass_fields__}
         model = tg.build_model(tg.Config(**fields), ckpt["data_info"]["vocab_size"], device)
         model.load_state_dict(plain_weights(ckpt))
         tg.load_tokenizer(ckpt["tokenizer"])
@@ -648,7 +649,7 @@ def export_hf(cfg, ckpt, path, sd):
     # The folder holds config.json (the architecture class and its sizes, which transformers builds the model
     # from), model.safetensors (the weights under that class's names: tensors only, no pickle to run) and, where
     # our tokenizer has a byte-level BPE form, tokenizer.json and tokenizer_config.json for its fast tokenizer.
-    c = {**dataclasses.asdict(tg.Config()), **ckpt["config"]}  # defaults for fields older checkpoints lack
+    c = {**dataclasses.asdict(tg.Config()), **tg.OLDER_CHECKPOINTS, **ckpt["config"]}  # fields older ones lack
     vocab = ckpt["data_info"]["vocab_size"]
     gpt2_shaped = (all(c[k] == v for k, v in GPT2_ARCH.items())
                    and c["window"] == 0

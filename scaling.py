@@ -224,6 +224,9 @@ def base_config(args, extra_flags):
         sample_tokens=0,
         log_every=50,
         device=device,
+        # N counts the weights of a matmul, and value embeddings are lookup tables that N leaves out: the laws and
+        # plans here (WORKSHOP.md's experiment 6) are of models without them; --value_embeds=true adds them
+        value_embeds=False,
     )
     given = {a.split("=")[0].lstrip("-") for a in extra_flags if a.startswith("--")}  # a flag given wins over ours
     return dataclasses.replace(cfg, **{k: v for k, v in ours.items() if k not in given})

@@ -80,7 +80,7 @@ class Config:
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # before each attention and MLP (pre-norm), and the head
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
-    value_embeds: bool = False  # a second token table on alternate layers, mixed into the values (nanochat)
+    value_embeds: bool = True  # token tables on alternate layers, added to the values (nanochat): the ladder's winner
     unet: bool = False  # U-net skips: each late layer adds its mirror early layer's output (modded-nanogpt)
     backout: bool = False  # the head's input less a learned share of the middle layer's output (nanochat)
     smear: bool = False  # each token's embedding plus a gated share of the previous token's (nanochat)
@@ -164,10 +164,11 @@ GPT2 = dict(
     eval_tokens=1 << 20,
     save_every=2000,
     norm="rmsnorm",
+    value_embeds=False,  # the ladder's winner on the CPU (BENCHMARKS.md); GPU: untested here
 )
 PRESETS = {
-    "cpu_demo": {},  # the defaults: 0.78M parameters, 240 s on a 2-core CPU
-    "cpu_128": dict(n_embd=128, n_head=4, lr=4e-3),  # the defaults until 2026-11-27 (WORKSHOP.md)
+    "cpu_demo": {},  # the defaults: 1.34M parameters (0.57M of them value embeddings), 240 s on a 2-core CPU
+    "cpu_128": dict(n_embd=128, n_head=4, lr=4e-3, value_embeds=False),  # the defaults until 2026-11-27
     "gpt2_124m": dict(GPT2, n_layer=12, n_head=12, n_embd=768, out_dir="out/gpt2_124m"),
     "gpt2_350m": dict(GPT2, n_layer=24, n_head=16, n_embd=1024, batch_size=16, optimizer="adamw", lr=3e-4,
                       out_dir="out/gpt2_350m"),
@@ -192,6 +193,9 @@ MOVED = {
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet backout smear
     logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
+# What a checkpoint older than a field was trained with: value embeddings became the default on 2026-12-02, and a
+# checkpoint saved before has no value_embeds and none of their tables
+OLDER_CHECKPOINTS = {"value_embeds": False}
 
 # -----------------------------------------------------------------------------
 # Model
@@ -1369,6 +1373,7 @@ def done_line(step, tokens_per_step, train_time, rec, metric, meta, out_dir):
 
 def run_layout(c, world_size, data_info):
     """What a resume shares, from a run's config dict c: shape, vocab, rows a step (not ranks: exact)."""
+    c = {**OLDER_CHECKPOINTS, **c}
     B, T = c["batch_size"], c["seq_len"]
     accum = c["total_batch"] // (B * T * world_size) if c.get("total_batch") else c["grad_accum"]
     rows = B * accum * world_size

@@ -28,10 +28,10 @@ def encode(s):
     return list(s.encode())
 
 
-def tiny_model(vocab_size=261, seed=0):
+def tiny_model(vocab_size=261, seed=0, **kw):
     """A tiny GPT whose zero-initialised head and projections are random, so every position's loss has a gradient."""
-    model = tg.build_model(tg.Config(**{k: v for k, v in TINY.items() if k in tg.Config.__dataclass_fields__},
-                                     seed=seed), vocab_size, torch.device("cpu"))
+    fields = {k: v for k, v in TINY.items() if k in tg.Config.__dataclass_fields__}
+    model = tg.build_model(tg.Config(**fields, seed=seed, **kw), vocab_size, torch.device("cpu"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("proj.weight") or n == "head.weight":

@@ -284,7 +284,9 @@ def test_int8_round_trip_is_within_half_a_step():
 
 
 def test_export_int8_keeps_the_loss_and_samples(corpus, tmp_path):
-    tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2, optimizer="adamw"))
+    # without value embeddings: their tables stay in float, as the embedding does, and here they would be half the
+    # weights that int8 halves
+    tg.main(tiny(corpus, tmp_path / "a", max_steps=40, lr=1e-2, optimizer="adamw", value_embeds=False))
     r = ft.main(ft.Config(export="int8", ckpt=str(tmp_path / "a"), out_dir=str(tmp_path / "q"), data_dir=str(corpus),
                           device="cpu"))
     assert r["float_val_loss"] < 3.0 and abs(r["int8_val_loss"] - r["float_val_loss"]) < 0.01  # measured: 1e-4
@@ -378,7 +380,8 @@ def test_export_hf_round_trips_with_equal_logits(corpus, gpt2_corpus, tmp_path):
     with torch.no_grad():
         assert back.cfg.seq_len == 32 and (back(idx) - trained.eval()(idx)).abs().max() < 1e-5
         assert (back(idx) - ft.from_pretrained(str(tmp_path / "gpt2"))(idx)).abs().max() > 1e-3  # it learned
-    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1))  # the suite's own shape goes out as another class
+    # the suite's own shape (without the value embeddings, which no transformers class has) goes out as another class
+    tg.main(tiny(corpus, tmp_path / "rope", max_steps=1, value_embeds=False))
     r = ft.main(ft.Config(export="hf", ckpt=str(tmp_path / "rope"), out_dir=str(tmp_path / "hf2")))
     assert r["architecture"] == "StableLmForCausalLM"
 
@@ -424,7 +427,7 @@ def bpe_corpus(tmp_path_factory):
 def random_run(corpus, out, **kw):
     """A one-step run whose weights are then all random, norm gains around 1 (its init leaves the output projections
     and head at zero): an export matches it only if every tensor is mapped to its place."""
-    tg.main(tiny(corpus, out, max_steps=1, dtype="float32", **kw))
+    tg.main(tiny(corpus, out, max_steps=1, dtype="float32", **{"value_embeds": False, **kw}))
     path = tg.list_checkpoints(str(out))[-1][1]
     ckpt, g = torch.load(path, weights_only=True), torch.Generator().manual_seed(7)
     ckpt["model"] = {k: torch.randn(v.shape, generator=g) * 0.3 + (k.endswith("norm.weight") or "norm1" in k or
@@ -433,7 +436,8 @@ def random_run(corpus, out, **kw):
     return out
 
 
-# the suite's shapes, each with the transformers class that must compute it: the CPU default (LayerNorm, QK-norm,
+# the suite's shapes, each with the transformers class that must compute it (value embeddings, the CPU default's,
+# have none: random_run turns them off): the CPU default (LayerNorm, QK-norm,
 # SwiGLU, RoPE, untied), GQA, tied embeddings, muP, no QK-norm, and the GPT-2 presets' RMSNorm at GPT-2's vocabulary
 SHAPES = [({}, "StableLmForCausalLM"), ({"n_kv_head": 2}, "StableLmForCausalLM"),
           ({"tie_embeddings": True, "qk_norm": False}, "StableLmForCausalLM"),
@@ -470,7 +474,7 @@ def test_export_hf_tokenizer_encodes_as_prepare_data_did(bpe_corpus, corpus, tmp
     import tiktoken
     import tiktoken.load
     for data, name in ((bpe_corpus, "bpe"), (corpus, "byte")):
-        tg.main(tiny(data, tmp_path / name, max_steps=1))
+        tg.main(tiny(data, tmp_path / name, max_steps=1, value_embeds=False))
         ft.main(ft.Config(export="hf", ckpt=str(tmp_path / name), out_dir=str(tmp_path / f"hf_{name}")))
         tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / f"hf_{name}"))
         ids = prepare_data.read_shard(next((data).glob("val_*.bin"))).tolist()
@@ -496,7 +500,7 @@ def test_export_hf_tokenizer_encodes_as_prepare_data_did(bpe_corpus, corpus, tmp
 
 @pytest.mark.parametrize("kw, flag", [({"logit_softcap": 30.0}, "--logit_softcap=30.0"), ({"window": 8}, "--window=8"),
                                       ({"mlp": "relu2"}, "--mlp=relu2"), ({"pos_emb": "learned"}, "--pos_emb=learned"),
-                                      ({"bias": True}, "--bias=True")])
+                                      ({"bias": True}, "--bias=True"), ({}, "--value_embeds=True")])
 def test_export_hf_refuses_what_no_transformers_model_computes(corpus, tmp_path, kw, flag):
     """A flag with no equivalent in the classes we export to stops the export in one line that names it, and
     nothing is written."""

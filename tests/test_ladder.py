@@ -76,7 +76,7 @@ def test_value_embeddings_are_on_alternate_layers_from_the_last_and_train_as_emb
     assert sorted(model.value_embeds) == ["0", "2", "4"]
     assert [b.attn.ve_gate is not None for b in model.blocks] == [True, False, True, False, True]
     # a lookup is no matmul: the FLOPs count the gates, not the tables
-    plain = model_of(1100, n_layer=5)
+    plain = model_of(1100, n_layer=5, value_embeds=False)
     gates = sum(b.attn.ve_gate.weight.numel() for b in model.blocks if b.attn.ve_gate is not None)
     assert model.flops_per_token() - plain.flops_per_token() == 6 * gates
     # the tables take the embedding's own LR and no weight decay, as the token embedding does

@@ -186,7 +186,8 @@ def test_embed_lr_gives_the_embedding_its_own_group(optimizer):
         model = tg.build_model(cfg, vocab, torch.device("cpu"))
         groups = tg.build_optimizers(cfg, model)[-1].param_groups
         assert len(groups) == (2 if optimizer == "adamw" else 1) + own
-        assert (groups[-1]["params"] == [model.wte.weight] and groups[-1]["lr"] == pytest.approx(lr)) == own
+        tables = [model.wte.weight, *(t.weight for t in model.value_embeds.values())]  # value embeddings: tables too
+        assert (groups[-1]["params"] == tables and groups[-1]["lr"] == pytest.approx(lr)) == own
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
