@@ -190,8 +190,8 @@ MOVED = {
 # it starts from. A resume must match them, and ADAPT_FIELDS too: those leave the weights' shapes alone but change
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
-ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds unet backout smear
-    logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
+ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
+    unet backout smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 # What a checkpoint older than a field was trained with: value embeddings became the default on 2026-12-02, and a
 # checkpoint saved before has no value_embeds and none of their tables
