@@ -81,7 +81,6 @@ class Config:
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
     value_embeds: bool = True  # token tables on alternate layers, added to the values (nanochat): the ladder's winner
-    unet: bool = False  # U-net skips: each late layer adds its mirror early layer's output (modded-nanogpt)
     backout: bool = False  # the head's input less a learned share of the middle layer's output (nanochat)
     smear: bool = False  # each token's embedding plus a gated share of the previous token's (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
@@ -191,7 +190,7 @@ MOVED = {
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
-    unet backout smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
+    backout smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 # What a checkpoint older than a field was trained with: value embeddings became the default on 2026-12-02, and a
 # checkpoint saved before has no value_embeds and none of their tables
@@ -420,12 +419,6 @@ class GPT(nn.Module):
         kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)  # the values' width
         layers = [str(i) for i in range(cfg.n_layer) if has_value_embed(cfg, i)]
         self.value_embeds = nn.ModuleDict({i: nn.Embedding(rows, kv) for i in layers})
-        # U-net skips (modded-nanogpt, after Ronneberger et al. 2015): the last n_layer / 2 layers each add the
-        # output of their mirror among the first n_layer / 2, scaled by a learned weight (1 at init), so that
-        # what the early layers saw reaches the late ones by a short path
-        self.skip_weights = None
-        if cfg.unet:
-            self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2))
         # Backout (nanochat): the head reads the last layer's output less lambda times the middle layer's (lambda
         # 0.2 at init, then learned), taking out the low-level features that the next token needs less
         self.backout = None
@@ -526,16 +519,11 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
         n = len(self.blocks)
-        skips = []  # --unet: the first half's outputs, the last one on top
         for i, block in enumerate(self.blocks):
             ve = None
             if str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)  # (B, T, kv)
-            if self.skip_weights is not None and i >= n - n // 2:  # layer i's mirror is layer n - 1 - i
-                x = x + self.skip_weights[n - 1 - i] * skips.pop()
             x = block(x, cos, sin, cache, ve)
-            if self.skip_weights is not None and i < n // 2:
-                skips.append(x)
             if i == n // 2:
                 middle = x  # --backout's
         if self.backout is not None:

@@ -44,7 +44,7 @@ def same_weights(src, dst):
     return sorted(set(mine) - set(theirs))
 
 
-TRICKS = {"value_embeds": dict(value_embeds=True), "unet": dict(unet=True, n_layer=4),
+TRICKS = {"value_embeds": dict(value_embeds=True),
           "backout": dict(backout=True, n_layer=3), "smear": dict(smear=True)}
 
 
@@ -62,8 +62,6 @@ def test_a_trick_with_its_new_weights_at_zero_is_the_plain_model_and_otherwise_i
         if trick == "value_embeds":
             for table in with_trick.value_embeds.values():
                 table.weight.zero_()
-        elif trick == "unet":
-            with_trick.skip_weights.zero_()
         elif trick == "backout":
             with_trick.backout.zero_()
         else:
@@ -90,17 +88,6 @@ def test_value_embeddings_are_on_alternate_layers_from_the_last_and_train_as_emb
     for table in model.value_embeds.values():  # only the rows of the tokens in x get gradient
         seen = table.weight.grad.abs().sum(1) > 0
         assert seen.any() and torch.equal(seen.nonzero().flatten(), x.unique())
-
-
-def test_unet_adds_each_early_layers_output_to_its_mirror_late_layers_input():
-    model = model_of(unet=True, n_layer=5)
-    inputs, outputs = {}, {}
-    record(model, inputs, outputs)
-    model(torch.randint(0, VOCAB, (2, 20)))
-    w = model.skip_weights
-    torch.testing.assert_close(inputs[3], outputs[2] + w[1] * outputs[1])  # layer 3 mirrors 1, 4 mirrors 0
-    torch.testing.assert_close(inputs[4], outputs[3] + w[0] * outputs[0])
-    torch.testing.assert_close(inputs[2], outputs[1])  # the middle layer of 5 has no mirror
 
 
 def test_backout_takes_a_share_of_the_middle_layers_output_from_the_heads_input():
