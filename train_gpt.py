@@ -1,9 +1,9 @@
 """
 train_gpt.py: a modern GPT, trained from scratch, in one file.
 
-A decoder-only transformer (RoPE, pre-norm, QK-norm, SwiGLU; GQA,
-sliding windows and muP as options) on prepare_data.py's shards:
-Muon + AdamW, warmup + cosine or WSD, bf16/fp16, torch.compile,
+A decoder-only transformer (RoPE, pre-norm, QK-norm, SwiGLU, value
+embeddings; GQA, sliding windows and muP as options) on prepare_data.py's
+shards: Muon + AdamW, warmup + cosine or WSD, bf16/fp16, torch.compile,
 DDP or FSDP2, exact resume, a KV-cache sampler.
 
   python train_gpt.py          # CPU demo on the stdlib corpus, ~4 min
