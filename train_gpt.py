@@ -81,7 +81,6 @@ class Config:
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
     value_embeds: bool = True  # token tables on alternate layers, added to the values (nanochat): the ladder's winner
-    backout: bool = False  # the head's input less a learned share of the middle layer's output (nanochat)
     smear: bool = False  # each token's embedding plus a gated share of the previous token's (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
@@ -190,7 +189,7 @@ MOVED = {
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
-    backout smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
+    smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 # What a checkpoint older than a field was trained with: value embeddings became the default on 2026-12-02, and a
 # checkpoint saved before has no value_embeds and none of their tables
@@ -419,11 +418,6 @@ class GPT(nn.Module):
         kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)  # the values' width
         layers = [str(i) for i in range(cfg.n_layer) if has_value_embed(cfg, i)]
         self.value_embeds = nn.ModuleDict({i: nn.Embedding(rows, kv) for i in layers})
-        # Backout (nanochat): the head reads the last layer's output less lambda times the middle layer's (lambda
-        # 0.2 at init, then learned), taking out the low-level features that the next token needs less
-        self.backout = None
-        if cfg.backout:
-            self.backout = nn.Parameter(torch.ones(1))
         # Smear (nanochat): each position's embedding gets the previous position's, times a gate that its first
         # 24 channels set and a learned lambda (0 at init): a bigram's context before the first layer
         self.smear_gate = None
@@ -443,9 +437,7 @@ class GPT(nn.Module):
         """Set every parameter and buffer (built on meta)."""
         c = self.cfg
         for name, p in self.named_parameters():
-            if name == "backout":
-                nn.init.constant_(p, 0.2)
-            elif name == "smear_lambda":
+            if name == "smear_lambda":
                 nn.init.zeros_(p)
             elif p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
@@ -518,16 +510,11 @@ class GPT(nn.Module):
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
-        n = len(self.blocks)
         for i, block in enumerate(self.blocks):
             ve = None
             if str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)  # (B, T, kv)
             x = block(x, cos, sin, cache, ve)
-            if i == n // 2:
-                middle = x  # --backout's
-        if self.backout is not None:
-            x = x - self.backout * middle
         # muP's 1/m on the output: the head's update lines up with its input x, so the logits would move m times
         # further at m times the width
         x = self.norm(x) / width_mult(self.cfg)

@@ -22,17 +22,6 @@ def model_of(vocab=VOCAB, **kw):
     return model
 
 
-def record(model, inputs, outputs):
-    """Keep each block's input and output, by layer, in the two dicts, at the next forward."""
-    def hook(i):
-        def keep(module, args, out):
-            inputs[i] = args[0]
-            outputs[i] = out
-        return keep
-    for i, block in enumerate(model.blocks):
-        block.register_forward_hook(hook(i))
-
-
 def same_weights(src, dst):
     """Copy src's weights into dst where their names agree; return the names dst has beyond src."""
     theirs = src.state_dict()
@@ -44,8 +33,7 @@ def same_weights(src, dst):
     return sorted(set(mine) - set(theirs))
 
 
-TRICKS = {"value_embeds": dict(value_embeds=True),
-          "backout": dict(backout=True, n_layer=3), "smear": dict(smear=True)}
+TRICKS = {"value_embeds": dict(value_embeds=True), "smear": dict(smear=True)}
 
 
 @pytest.mark.parametrize("trick", TRICKS)
@@ -62,8 +50,6 @@ def test_a_trick_with_its_new_weights_at_zero_is_the_plain_model_and_otherwise_i
         if trick == "value_embeds":
             for table in with_trick.value_embeds.values():
                 table.weight.zero_()
-        elif trick == "backout":
-            with_trick.backout.zero_()
         else:
             with_trick.smear_lambda.zero_()
     torch.testing.assert_close(with_trick(x), plain(x))
@@ -88,17 +74,6 @@ def test_value_embeddings_are_on_alternate_layers_from_the_last_and_train_as_emb
     for table in model.value_embeds.values():  # only the rows of the tokens in x get gradient
         seen = table.weight.grad.abs().sum(1) > 0
         assert seen.any() and torch.equal(seen.nonzero().flatten(), x.unique())
-
-
-def test_backout_takes_a_share_of_the_middle_layers_output_from_the_heads_input():
-    model = model_of(backout=True, n_layer=4)
-    assert tg.build_model(model.cfg, VOCAB, torch.device("cpu")).backout.item() == pytest.approx(0.2)  # at init
-    outputs = {}
-    record(model, {}, outputs)
-    heads_input = []
-    model.norm.register_forward_pre_hook(lambda module, args: heads_input.append(args[0]) and None)
-    model(torch.randint(0, VOCAB, (2, 20)))
-    torch.testing.assert_close(heads_input[0], outputs[3] - model.backout * outputs[2])
 
 
 def test_smear_mixes_the_previous_tokens_embedding_into_each_position():
