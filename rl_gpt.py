@@ -481,6 +481,7 @@ def train(cfg, stop):
         batches = []
         rewards = []
         lengths = []
+        alike = []  # per group: did its answers all score alike (every A = 0)?
         for m in range(accum):
             first = (m * world_size + rank) * B
             mine = [i for i in picked[first:first + B] for _ in range(G)]  # each prompt G times, side by side
@@ -490,18 +491,27 @@ def train(cfg, stop):
                                  cfg.temperature, cfg.top_k)
             r = rewards_of(answers, [items[i][1] for i in mine], decode, cfg.answer_regex)
             adv = advantages(r, G, cfg.std_norm)
+            alike += (adv.view(-1, G) == 0).all(1).tolist()
             batches.append(rows_of(prompts, answers, adv, device))
             rewards += r
             lengths += [len(a) for a in answers]
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        loss = backward(model, batches, ctx, scaler, world_size, cfg.kl, ref)
-        for opt in opts:
-            scaler.unscale_(opt)  # fp16's loss scale off the grads, before they are clipped
-        gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
-        for opt in opts:
-            scaler.step(opt)
-        scaler.update()
+        # A group whose answers all scored alike has A = 0 and adds nothing to the gradient. When every group of
+        # the step (on every rank) is so, the gradient is exactly 0, yet AdamW would still move the weights along
+        # its momentum and decay them: a step with nothing to learn from would change the model. So it is skipped,
+        # unless --kl pulls the weights back toward the reference, which needs no reward to differ
+        no_signal = tg.all_mean(torch.tensor(float(np.mean(alike))), world_size).item()  # the share of such groups
+        loss = torch.zeros(())
+        gnorm = torch.zeros(())
+        if no_signal < 1 or cfg.kl:
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            loss = backward(model, batches, ctx, scaler, world_size, cfg.kl, ref)
+            for opt in opts:
+                scaler.unscale_(opt)  # fp16's loss scale off the grads, before they are clipped
+            gnorm = nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or float("inf"))
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
         step += 1
         now = time.perf_counter()
         local = torch.tensor([
@@ -523,6 +533,7 @@ def train(cfg, stop):
             loss=loss,
             reward=mean_reward,  # of this step's sampled answers
             answer_len=answer_len,  # their mean length, in tokens
+            no_signal=no_signal,  # the share of groups whose answers all scored alike; 1: the step was skipped
             lr=cfg.lr * mult,
             gnorm=gnorm,
             train_time=train_time,

@@ -124,6 +124,12 @@ def main(cfg):
     settings = dict(sampler=cfg.sampler, sample_steps=cfg.sample_steps, cfg_scale=cfg.cfg_scale,
                     sample_seed=cfg.sample_seed)
     run = dataclasses.replace(trained, **settings)
+    # this command's sampler settings are its own flags, not the run's: say so where they differ from what the
+    # run's evals sampled with, so that a grid is not read as the run's own
+    differ = [k for k in ("sampler", "sample_steps", "cfg_scale") if getattr(trained, k) != settings[k]]
+    if differ:
+        theirs = " ".join(f"--{k}={getattr(trained, k)}" for k in differ)
+        print(f"# the run's evals sampled with {theirs}; this command's differ (pass those to sample as they did)")
     rows = K or cfg.per_class  # a row per class; unconditional: a square grid
     n = rows * cfg.per_class
     if cfg.eval_classifier:  # a score needs more samples than a grid shows

@@ -283,3 +283,19 @@ def test_a_crash_while_the_log_is_written_leaves_the_last_one(tmp_path, monkeypa
     assert sorted(os.listdir(out)) == ["metrics.jsonl"]
     rl.save(str(out), {"history": [{"step": 1}, {"step": 2, "reward": 0.5}]}, 2)
     assert history(out) == [{"step": 1}, {"step": 2, "reward": 0.5}]
+
+
+def test_a_step_whose_groups_all_scored_alike_leaves_the_weights_alone(sft, tmp_path):
+    """No answer of the SFT model is "zzz", so every answer scores 0: every advantage is 0, and so is the gradient.
+    Such steps are skipped (AdamW's momentum and decay would still move the weights), and the log says why."""
+    prompts = tmp_path / "never.jsonl"
+    lines = (sft / "prompts.jsonl").read_text().splitlines()
+    prompts.write_text("".join(json.dumps({**json.loads(x), "answer": "zzz"}) + "\n" for x in lines))
+    flags = rl_flags(sft, tmp_path / "rl") + [f"--prompts={prompts}", "--max_steps=3"]
+    run_rl(flags)
+    h = history(tmp_path / "rl")
+    assert [x["no_signal"] for x in h if "reward" in x] == [1.0, 1.0, 1.0]
+    before, _ = tg.load_checkpoint(str(sft / "sft"))
+    after, _ = tg.load_checkpoint(str(tmp_path / "rl"))
+    assert after["step"] == 3
+    assert all(torch.equal(before["model"][k], v) for k, v in after["model"].items())

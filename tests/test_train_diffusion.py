@@ -214,7 +214,7 @@ def test_overfit_one_batch():
 
 
 @pytest.mark.slow
-def test_learns_shapes_samples_and_scores(shapes, tmp_path):
+def test_learns_shapes_samples_and_scores(shapes, tmp_path, capsys):
     """Loss falls; the files are written; sample_diffusion.py writes a grid from the checkpoint; a train_vit.py
     classifier on the same data scores the samples (accuracy and Frechet distance), in the run and in
     sample_diffusion.py."""
@@ -236,6 +236,8 @@ def test_learns_shapes_samples_and_scores(shapes, tmp_path):
     assert (tmp_path / "results.tsv").read_text().count("train_diffusion.py") == 1
     out = sd.main(sd.Config(ckpt=cfg.out_dir, device="cpu", sampler="heun", sample_steps=4, per_class=3,
                             cfg_scale=2, eval_classifier=clf.out_dir, samples=30))
+    # the run's evals sampled with auto, 6 steps, 2.5 (TINY): the command says its own settings differ
+    assert "the run's evals sampled with --sampler=auto --sample_steps=6 --cfg_scale=2.5;" in capsys.readouterr().out
     from PIL import Image
     assert Image.open(out["grid"]).size[1] == 10 * (16 * 2 + 2) + 2  # 10 rows of classes
     assert os.path.basename(out["grid"]) == "sample_heun4_cfg2_seed0.png" and 0 <= out["clf_acc"] <= 1
