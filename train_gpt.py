@@ -81,7 +81,6 @@ class Config:
     qk_norm: bool = True  # normalise each head's queries and keys, which steadies the attention logits
     tie_embeddings: bool = False  # the head reuses the input embedding's weights, as GPT-2 does
     value_embeds: bool = True  # token tables on alternate layers, added to the values (nanochat): the ladder's winner
-    smear: bool = False  # each token's embedding plus a gated share of the previous token's (nanochat)
     logit_softcap: float = 0.0  # cap * tanh(logits / cap) bounds the logits (Gemma 2 uses 30); 0 = off
     rope_base: float = 10000.0  # RoPE's theta: the longest rotation's period grows with it
     window: int = 0  # sliding-window attention: a query sees this many positions back; 0 = all positions
@@ -189,7 +188,7 @@ MOVED = {
 # what a step computes (the attention's reach, the rows a step reads, the precision), so a resume that changed one
 # would not replay the run it continues.
 ARCH_FIELDS = tuple("""n_layer n_head n_kv_head n_embd seq_len mlp norm qk_norm tie_embeddings value_embeds
-    smear logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
+    logit_softcap rope_base pos_emb bias norm_eps mup base_width""".split())
 ADAPT_FIELDS = ("window", "window_pattern", "seq_len_warmup", "seq_len_start", "dtype")
 # What a checkpoint older than a field was trained with: value embeddings became the default on 2026-12-02, and a
 # checkpoint saved before has no value_embeds and none of their tables
@@ -260,7 +259,6 @@ class KVCache:
         self.k = [None] * n_layer
         self.v = [None] * n_layer
         self.pos = 0  # positions filled; the next token's position
-        self.prev = None  # --smear: the last position's embedding (B, 1, n_embd)
         self.max_len = max_len
 
     def update(self, layer, k, v):
@@ -321,7 +319,8 @@ class Attention(nn.Module):
         if ve is not None:
             # the value embedding (B, T, n_kv * hd) joins the values, each head's share scaled by a gate in (0, 3)
             # that the input sets: 3 sigmoid(0) = 1.5 at init, as nanochat's
-            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # (B, T, n_kv)
+            first = x[..., :self.ve_gate.in_features]  # the input's first 12 channels
+            gate = 3 * torch.sigmoid(self.ve_gate(first))  # (B, T, n_kv)
             ve = ve.view(B, T, self.n_kv, self.hd) * gate.unsqueeze(-1)
             v = v + ve.transpose(1, 2)  # (B, n_kv, T, hd)
         q = self.q_norm(q)
@@ -418,12 +417,6 @@ class GPT(nn.Module):
         kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)  # the values' width
         layers = [str(i) for i in range(cfg.n_layer) if has_value_embed(cfg, i)]
         self.value_embeds = nn.ModuleDict({i: nn.Embedding(rows, kv) for i in layers})
-        # Smear (nanochat): each position's embedding gets the previous position's, times a gate that its first
-        # 24 channels set and a learned lambda (0 at init): a bigram's context before the first layer
-        self.smear_gate = None
-        if cfg.smear:
-            self.smear_gate = nn.Linear(min(24, d), 1, bias=False)
-            self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.norm = Norm(d, cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, rows, bias=False)
         # RoPE's tables are buffers, so they move with .to(device), but not persistent: the config rebuilds them,
@@ -437,9 +430,7 @@ class GPT(nn.Module):
         """Set every parameter and buffer (built on meta)."""
         c = self.cfg
         for name, p in self.named_parameters():
-            if name == "smear_lambda":
-                nn.init.zeros_(p)
-            elif p.ndim < 2:  # biases 0, norm gains 1
+            if p.ndim < 2:  # biases 0, norm gains 1
                 nn.init.constant_(p, 0.0 if name.endswith("bias") else 1.0)
             elif name.endswith("proj.weight") or name == "head.weight":
                 # the layers that write to the residual stream, and an untied head, start at zero (as in
@@ -505,8 +496,6 @@ class GPT(nn.Module):
         cos = self.cos[pos:pos + T]  # (T, hd)
         sin = self.sin[pos:pos + T]
         x = self.wte(idx)  # (B, T, d)
-        if self.smear_gate is not None:
-            x = self.smear(x, cache)
         if self.wpe is not None:  # GPT-2's positions, not RoPE
             x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
             cos = sin = None
@@ -521,18 +510,6 @@ class GPT(nn.Module):
         if self.head is None:  # tied: the input embedding is the head
             return x, self.wte.weight
         return x, self.head.weight
-
-    def smear(self, x, cache=None):
-        """--smear: x (B, T, d) with each position plus a gated share of the one before it."""
-        # the position before the first is the cache's last when sampling, else none (zeros): rows start anywhere
-        first = torch.zeros_like(x[:, :1])
-        if cache is not None and cache.prev is not None:
-            first = cache.prev
-        if cache is not None:
-            cache.prev = x[:, -1:]
-        previous = torch.cat((first, x[:, :-1]), dim=1)  # (B, T, d)
-        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))  # (B, T, 1)
-        return x + gate * previous
 
     def flops_per_token(self):
         """Training FLOPs a token: 6 a weight, + attention (PaLM)."""

@@ -33,7 +33,7 @@ def same_weights(src, dst):
     return sorted(set(mine) - set(theirs))
 
 
-TRICKS = {"value_embeds": dict(value_embeds=True), "smear": dict(smear=True)}
+TRICKS = {"value_embeds": dict(value_embeds=True)}
 
 
 @pytest.mark.parametrize("trick", TRICKS)
@@ -47,11 +47,8 @@ def test_a_trick_with_its_new_weights_at_zero_is_the_plain_model_and_otherwise_i
     x = torch.randint(0, VOCAB, (2, 20))
     assert not torch.allclose(with_trick(x), plain(x), atol=1e-3)
     with torch.no_grad():
-        if trick == "value_embeds":
-            for table in with_trick.value_embeds.values():
-                table.weight.zero_()
-        else:
-            with_trick.smear_lambda.zero_()
+        for table in with_trick.value_embeds.values():
+            table.weight.zero_()
     torch.testing.assert_close(with_trick(x), plain(x))
 
 
@@ -74,16 +71,6 @@ def test_value_embeddings_are_on_alternate_layers_from_the_last_and_train_as_emb
     for table in model.value_embeds.values():  # only the rows of the tokens in x get gradient
         seen = table.weight.grad.abs().sum(1) > 0
         assert seen.any() and torch.equal(seen.nonzero().flatten(), x.unique())
-
-
-def test_smear_mixes_the_previous_tokens_embedding_into_each_position():
-    model = model_of(smear=True)
-    assert tg.build_model(model.cfg, VOCAB, torch.device("cpu")).smear_lambda.item() == 0.0  # off at init
-    x = torch.randint(0, VOCAB, (2, 20))
-    e = model.wte(x)
-    gate = model.smear_lambda * torch.sigmoid(e[..., :24] @ model.smear_gate.weight.T)  # (2, 20, 1)
-    want = torch.cat((e[:, :1], e[:, 1:] + gate[:, 1:] * e[:, :-1]), dim=1)
-    torch.testing.assert_close(model.smear(e), want)
 
 
 @pytest.mark.parametrize("trick", TRICKS)
