@@ -126,9 +126,12 @@ def main(cfg):
     run = dataclasses.replace(trained, **settings)
     # this command's sampler settings are its own flags, not the run's: say so where they differ from what the
     # run's evals sampled with, so that a grid is not read as the run's own
-    differ = [k for k in ("sampler", "sample_steps", "cfg_scale") if getattr(trained, k) != settings[k]]
+    differ = []
+    for k in ("sampler", "sample_steps", "cfg_scale"):
+        if getattr(trained, k) != settings[k]:
+            differ.append(f"--{k}={getattr(trained, k)}")
     if differ:
-        theirs = " ".join(f"--{k}={getattr(trained, k)}" for k in differ)
+        theirs = " ".join(differ)
         print(f"# the run's evals sampled with {theirs}; this command's differ (pass those to sample as they did)")
     rows = K or cfg.per_class  # a row per class; unconditional: a square grid
     n = rows * cfg.per_class

@@ -902,7 +902,8 @@ def build_optimizers(cfg, raw, dtype=torch.float32):
     if own:
         # the value embeddings (--value_embeds) are token tables too, with the same rare rows
         tables = [n for n in named if n == "wte.weight" or n.startswith("value_embeds.")]
-        embed = [dict(params=[named.pop(n) for n in tables], lr=embed_lr, weight_decay=0.0)]
+        params = [named.pop(n) for n in tables]
+        embed = [dict(params=params, lr=embed_lr, weight_decay=0.0)]
     # weight decay pulls the hidden matrices only: decayed, a norm's gain or an embedding's rare row would shrink
     # toward 0 between the steps that train it
     hidden = []
