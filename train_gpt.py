@@ -161,7 +161,7 @@ GPT2 = dict(
     eval_tokens=1 << 20,
     save_every=2000,
     norm="rmsnorm",
-    value_embeds=False,  # the ladder's winner on the CPU (BENCHMARKS.md); GPU: untested here
+    value_embeds=False,  # off: they won the ladder on the CPU (BENCHMARKS.md), but are untested on a GPU here
 )
 PRESETS = {
     "cpu_demo": {},  # the defaults: 1.34M parameters (0.57M of them value embeddings), 240 s on a 2-core CPU
