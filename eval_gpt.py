@@ -68,13 +68,15 @@ def read_choices(path, encode, eot=None):
             try:
                 d = json.loads(line)
                 ctx, ends, label = d["ctx"], d["endings"], int(d["label"])
-                ok = isinstance(ctx, str) and 0 <= label < len(ends)
+                ok = isinstance(ctx, str) and isinstance(ends, list) and len(ends) > 0
                 ok = ok and all(isinstance(e, str) for e in ends)
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
                 tg.die(f"{path}:{i}: not a multiple-choice item; each line needs "
                        '{"ctx": text, "endings": [text, ...], "label": index}')
+            if not 0 <= label < len(ends):  # an item of the right shape whose answer is not among its endings
+                tg.die(f"{path}:{i}: label {label} is not an index of its {len(ends)} endings (0..{len(ends) - 1})")
             # an ending's first token needs a token before it to be predicted from. An empty
             # context starts at the end-of-text token, as lm-evaluation-harness does
             context = encode(ctx)

@@ -74,10 +74,13 @@ def test_read_choices_takes_a_folder_and_refuses_bad_lines(tmp_path):
     write_items(tmp_path / "hellaswag_val.jsonl", hellaswag_items(3))
     assert len(eval_gpt.read_choices(str(tmp_path), encode)) == 3
     bad = tmp_path / "bad.jsonl"
-    for line in ('{"ctx": "a", "endings": ["b"], "label": 1}', '{"ctx": "a"}', "not json"):
+    for line in ('{"ctx": "a", "endings": [], "label": 0}', '{"ctx": "a"}', "not json"):
         bad.write_text(json.dumps(hellaswag_items(1)[0]) + "\n" + line + "\n")
         with pytest.raises(SystemExit, match=r"bad.jsonl:2: not a multiple-choice item; each line needs"):
             eval_gpt.read_choices(str(bad), encode)
+    bad.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 2}\n')  # issue 80: the shape is right, the label not
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: label 2 is not an index of its 2 endings \(0..1\)$"):
+        eval_gpt.read_choices(str(bad), encode)
     with pytest.raises(SystemExit, match="2 .jsonl files there; name one"):
         eval_gpt.read_choices(str(tmp_path), encode)
 

@@ -230,6 +230,7 @@ def chat_data_here(t, f):
 
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
+LABEL_4_OF_4 = '{"ctx": "a b", "endings": ["c", "d", "e", "f"], "label": 4}\n'  # HellaSwag's labels are 0..3
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
     # train_gpt.py
     "gpt-out_dir-is-a-file": ("train_gpt.py", lambda t, f: gpt(f, t, f"--out_dir={put(t / 'o', 'x')}")),
@@ -392,6 +393,9 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
     "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
     "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
+    # issue 80: an item whose label is past its endings said "not a multiple-choice item", as if its shape were wrong
+    "eval-items-label-past-its-endings": ("eval_gpt.py", lambda t, f: [
+        f"--ckpt={f.gpt}", f"--items={put(t / 'mc.jsonl', LABEL_4_OF_4)}", "--device=cpu"]),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-device-mps-missing": "--device=mps but MPS is not available",
@@ -416,6 +420,7 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
     "chat-nothing-trained-data-ready": "error: --out_dir=out/chat: no checkpoint there (no such file or folder); "
                                        "train a chat model first: python chat_gpt.py --init_from=out/gpt "
                                        "--data_dir=data/arith_chat --out_dir=out/chat",
+    "eval-items-label-past-its-endings": "mc.jsonl:1: label 4 is not an index of its 4 endings (0..3)",
     "chat-ckpt-not-a-chat-model": "is no chat model (its tokenizer has no template); train a chat model first: python "
                                   "chat_gpt.py --init_from=out/gpt --data_dir=",
 }
