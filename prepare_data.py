@@ -8,6 +8,7 @@ Text, for train_gpt.py:
     python prepare_data.py shakespeare                     # downloads tinyshakespeare (1.1 MB)
     python prepare_data.py fineweb --shards=10             # downloads GPT-2 tokenized FineWeb-10B, 100M tokens a shard
     python prepare_data.py hellaswag                       # downloads HellaSwag's 10,042 val items, for eval_gpt.py
+    python prepare_data.py core                            # downloads the DCLM eval bundle (CORE), for eval_gpt.py
 
 A text data dir holds llm.c shards (train_000000.bin, ..., val_000000.bin, ...; each document as [EOT] + tokens)
 and meta.json, written last: a dir without meta.json is not prepared. --tokenizer: byte (EOT 256), gpt2 (tiktoken,
@@ -37,6 +38,7 @@ command killed at any point leaves the old data (or none), never a folder that l
 import argparse
 import base64
 import contextlib
+import csv
 import difflib
 import gzip
 import hashlib
@@ -57,6 +59,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+import zipfile
 import zlib
 from collections import Counter, defaultdict, deque
 from pathlib import Path
@@ -70,6 +73,8 @@ import tiktoken
 
 # every address this script downloads from, as module constants, so that a mirror (or a test) can point elsewhere
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+# the DCLM eval bundle (CORE's 22 tasks, Li et al. 2024) where nanochat fetches it
+CORE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 FINEWEB_URL = "https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/"  # + fineweb_{val,train}_%06d.bin
 GPT2_URL = "https://huggingface.co/openai-community/"  # + MODEL/resolve/main/FILE
@@ -132,6 +137,8 @@ def publish(stage, data_dir, meta, old=()):
     (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     (data_dir / "meta.json").unlink(missing_ok=True)
     for path in old:
+        if path.is_dir():  # a folder of the published layout, such as the CORE bundle's eval_data/
+            shutil.rmtree(path)
         path.unlink(missing_ok=True)
     for f in sorted(stage.iterdir(), key=lambda f: f.name == "meta.json"):  # meta.json last
         os.replace(f, data_dir / f.name)
@@ -593,6 +600,73 @@ def prepare_hellaswag(args):
     download(HELLASWAG_URL, path, instead=own)
     items = sum(1 for line in path.open() if line.strip())
     print(f"{items:,} items in {path}: python eval_gpt.py --items={path}")
+
+def prepare_core(args):
+    """The DCLM eval bundle (Li et al. 2024) for eval_gpt.py --task=core, in its published layout: core.yaml,
+    eval_meta_data.csv and eval_data/, each file checked against the archive's CRC-32 before it is moved in."""
+    # The bundle is one zip whose folder eval_bundle/ holds core.yaml (each task's file, kind, few-shot count and
+    # delimiter), eval_meta_data.csv (each task's random baseline, in percent) and eval_data/CATEGORY/TASK.jsonl.
+    # The zip downloads to data_dir as every download does (resuming, whole or not at all), and its SHA-256 is
+    # printed and kept in meta.json; --sha256 makes the command refuse any other bytes. Then every file that
+    # core.yaml names must be in it, and each member is read through the zip's own CRC-32, which names a damaged
+    # one; only then do the files leave the staging folder.
+    import yaml  # PyYAML: core.yaml is the bundle's own file
+    data_dir = Path(args.data_dir)
+    archive = data_dir / "eval_bundle.zip"
+    own = f"an eval_bundle.zip you have, put at {archive}"
+    download(CORE_URL, archive, instead=own)
+    digest = hashlib.sha256()
+    with archive.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    if args.sha256 and sha256 != args.sha256.lower():
+        fail(f"{archive}: its SHA-256 is {sha256}, not --sha256={args.sha256}; delete it and run again")
+    anew = "delete it and run the same command again to download it anew"
+    try:
+        bundle = zipfile.ZipFile(archive)
+    except (zipfile.BadZipFile, OSError) as e:
+        fail(f"{archive}: not a whole zip archive ({e}); {anew}")
+    with bundle, staging(data_dir) as stage:
+        names = set(bundle.namelist())
+        for need in ("core.yaml", "eval_meta_data.csv"):
+            if f"eval_bundle/{need}" not in names:
+                fail(f"{archive}: no eval_bundle/{need} in it, so it is no DCLM eval bundle; {anew}")
+        tasks = {}  # label: the member that holds its items
+        try:
+            for task in yaml.safe_load(bundle.read("eval_bundle/core.yaml"))["icl_tasks"]:
+                tasks[task["label"]] = f"eval_bundle/eval_data/{task['dataset_uri']}"
+            rows = csv.DictReader(io.StringIO(bundle.read("eval_bundle/eval_meta_data.csv").decode()))
+            baselines = {row["Eval Task"]: row["Random baseline"] for row in rows}
+        except (yaml.YAMLError, zipfile.BadZipFile, UnicodeDecodeError, KeyError, TypeError) as e:
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            fail(f"{archive}: its core.yaml or eval_meta_data.csv is not the bundle's ({why}); {anew}")
+        for label, member in tasks.items():
+            if member not in names:
+                fail(f"{archive}: no {member} in it, which core.yaml names for task {label}; {anew}")
+            if label not in baselines:
+                fail(f"{archive}: eval_meta_data.csv has no random baseline for task {label}; {anew}")
+        for member in sorted(names):
+            out = stage / member.removeprefix("eval_bundle/")
+            # a member's name stays inside the bundle: no absolute path, no "..", nothing outside eval_bundle/
+            if member.endswith("/") or not member.startswith("eval_bundle/") or ".." in Path(member).parts:
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:  # the read checks the member's CRC-32 at its end
+                with bundle.open(member) as src, out.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as e:
+                fail(f"{archive}: {member} is damaged ({e}); {anew}")
+        items = {}
+        for label, member in tasks.items():
+            with (stage / member.removeprefix("eval_bundle/")).open("rb") as f:
+                items[label] = sum(1 for line in f if line.strip())
+        meta = dict(format="trainsuite-core-1", source=CORE_URL, sha256=sha256, items=items)
+        old = [data_dir / "core.yaml", data_dir / "eval_meta_data.csv", data_dir / "eval_data"]
+        publish(stage, data_dir, meta, old)
+    archive.unlink()  # its files are in place, and its SHA-256 is in meta.json
+    print(f"{len(tasks)} tasks, {sum(items.values()):,} items in {data_dir} (eval_bundle.zip's SHA-256 {sha256}): "
+          f"python eval_gpt.py --task=core --items={data_dir}")
 
 # -----------------------------------------------------------------------------
 # Images: a source returns ({"train": (images, labels), "val": (images, labels)}, class names)
@@ -1239,6 +1313,12 @@ def main(argv=None):
     p = command("hellaswag", "HellaSwag's val set, for eval_gpt.py (downloads 11 MB)", run=prepare_hellaswag)
     p.add_argument("--data_dir", default="data/hellaswag",
                    help="where the val items go (default: %(default)s)")
+
+    p = command("core", "the DCLM eval bundle: CORE's 22 tasks, for eval_gpt.py --task=core", run=prepare_core)
+    p.add_argument("--data_dir", default="data/core",
+                   help="where core.yaml, eval_meta_data.csv and eval_data/ go (default: %(default)s)")
+    p.add_argument("--sha256", default="",
+                   help="refuse a bundle whose SHA-256 differs (default: any; the command prints it)")
 
     p = command("shapes", "procedural images of 10 shapes (no network)", run=prepare_images, source=source_shapes)
     p.add_argument("--data_dir", default="data/shapes",
