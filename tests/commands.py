@@ -215,7 +215,8 @@ def run_command(argv, execute, tiny=workshop_tiny):
                 scaling, names, lambda a, extra=(): train_gpt.parse_args(train_gpt.Config, list(extra))):
             scaling.main(args + extra)
     elif script == "prepare_data.py":
-        names = ("prepare_text", "prepare_images", "prepare_fineweb", "prepare_gpt2", "prepare_hellaswag")
+        names = ("prepare_text", "prepare_images", "prepare_fineweb", "prepare_gpt2", "prepare_hellaswag",
+                 "prepare_core")
         with contextlib.nullcontext() if execute else stubbed(prepare_data, names, lambda a: None):
             prepare_data.main(args + extra)
     elif script == "kernels.py":  # its only flag is --bench (a GPU's timings); without it, it prints its docstring

@@ -16,6 +16,7 @@ import finetune_gpt
 import prepare_data
 from commands import FENCES, ROOT, commands, run_command, split_env, workshop_tiny, write_scratch_data
 from conftest import hellaswag_items, python_like_docs, write_corpus
+from test_core_eval import write_bundle
 from test_finetune import GPT2, gpt2_folder
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
@@ -26,7 +27,7 @@ SHOWN = [(f"{doc}:{n}", argv) for doc in DOCS for _, n, argv in commands(os.path
 
 # what cannot run here decides parse-only: a download, a GPU, several processes, an install, the suite itself
 DOWNLOADS = ("fineweb", "shakespeare", "cifar10", "cifar100", "mnist", "fashion_mnist", "gpt2",
-             "hellaswag")  # prepare_data.py's
+             "hellaswag", "core")  # prepare_data.py's
 GPU_PRESETS = ("gpt2_124m", "gpt2_350m", "cifar10")  # sizes written for a GPU (train_gpt, train_vit, train_diffusion)
 # commands that fail when run, for a bug in a script that is being fixed elsewhere: {command: (what its error says,
 # why)}. Each must still fail with that error, so an entry goes once the bug is fixed and hides nothing else
@@ -143,6 +144,7 @@ def scratch(tmp_path_factory):
     (d / "data" / "hellaswag").mkdir()  # what prepare_data.py hellaswag writes: HellaSwag's val JSONL
     (d / "data" / "hellaswag" / "hellaswag_val.jsonl").write_text("".join(json.dumps(it) + "\n" for it in
                                                                           hellaswag_items(8)))
+    write_bundle(d / "data").rename(d / "data" / "core")  # what prepare_data.py core writes: a small DCLM bundle
     from PIL import Image
     for split, n in (("train", 12), ("val", 3)):  # ImageNet's layout: a folder a class of .JPEG files, in train and val
         images, _ = prepare_data.make_shapes(2 * n, 20, 6)
