@@ -2,13 +2,18 @@
 sample_diffusion.py: a grid of samples from a checkpoint of train_diffusion.py, scored if you ask.
 
 It draws the samples with the run's own model (the EMA weights where the run kept an EMA) and the
-sampler settings you give: the sampler, its steps, the guidance scale, the seed of the noise. With
---eval_classifier, a train_vit.py classifier of the same data scores them as the run's evals do:
-how often it recognises the class a sample was asked for, and the Frechet distance of its features.
+sampler settings you give: the sampler, its steps, the guidance scale and interval, the seed of the
+noise. With --guide, a worse model of the same task guides instead of the unconditional one
+(autoguidance); with --ema_std, the weights are an EMA of that width rebuilt after training from the
+run's --phema_every snapshots (post-hoc EMA). With --eval_classifier, a train_vit.py classifier of
+the same data scores them as the run's evals do: how often it recognises the class a sample was
+asked for, and the Frechet distance of its features.
 
   python train_diffusion.py                                  # a run to sample from, in out/diffusion
   python sample_diffusion.py --ckpt=out/diffusion --cfg_scale=3 --sampler=heun
   python sample_diffusion.py --ckpt=out/diffusion --samples=500 --eval_classifier=out/vit
+  python sample_diffusion.py --ckpt=out/diffusion --guide=out/diffusion/ckpt_0001000.pt --cfg_scale=2
+  python sample_diffusion.py --ckpt=out/diffusion --ema_std=0.05     # a run trained with --phema_every
   python sample_diffusion.py -h                              # every flag, with its default
 
 The grid goes beside the checkpoint, named by its settings (sample_heun32_cfg3_seed0.png), unless
@@ -16,6 +21,7 @@ The grid goes beside the checkpoint, named by its settings (sample_heun32_cfg3_s
 and the flag parser, so a sample here is drawn by the very code that draws a run's eval samples.
 """
 import dataclasses
+import glob
 import os
 import sys
 import time
@@ -37,7 +43,10 @@ class Config:
     # sampling: the flags of train_diffusion.py's evals, with the same defaults
     sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler (flow), ddim (ddpm)
     sample_steps: int = 16  # sampler steps (heun: 2 calls a step)
-    cfg_scale: float = 2.5  # guidance: 1 = conditional, 0 = unconditional
+    cfg_scale: float = 2.5  # guidance: 1 = conditional, 0 = unconditional (or, with --guide, the guide)
+    guidance_interval: str = "0,1"  # LO,HI: guide only at LO < t <= HI (1 = noise)
+    guide: str = ""  # a worse checkpoint of the same task to guide by (autoguidance); empty: unconditional
+    ema_std: float = 0.0  # rebuild an EMA of this relative width from the run's snapshots; 0: the run's EMA
     sample_seed: int = 0  # the noise's seed: one seed, one grid
     per_class: int = 8  # columns of the grid (rows: classes)
     # scoring
@@ -63,7 +72,12 @@ def check_config(cfg):
         for k in keys.split():
             if getattr(cfg, k) < low:
                 td.die(f"--{k} must be at least {low}, got {getattr(cfg, k)}")
-    for k in ("eval_classifier", "fid_weights"):
+    if cfg.eval_classifier and cfg.samples < 1:  # the grid's few samples would be scored as if they were a set
+        td.die(f"--samples={cfg.samples} leaves nothing to score; pass --samples=N (500 or more to compare)")
+    td.parse_interval(cfg.guidance_interval)
+    if not 0 <= cfg.ema_std <= 0.28:  # a power function's profile is at most 0.289 wide (gamma = 0)
+        td.die(f"--ema_std={cfg.ema_std:g}: need 0 < std <= 0.28 (EDM2's are 0.05 and 0.10), or 0 for the run's EMA")
+    for k in ("eval_classifier", "fid_weights", "guide"):
         if getattr(cfg, k) and not os.path.exists(getattr(cfg, k)):
             td.die(f"--{k}={getattr(cfg, k)}: no such file or directory")
     # found now, not after minutes of sampling: a grid that has nowhere to go
@@ -100,6 +114,49 @@ def real_images(data_dir, device):
     return torch.from_numpy(np.array(images)).to(device)
 
 # -----------------------------------------------------------------------------
+# Post-hoc EMA (Karras et al. 2024, EDM2, section 3 and appendix C)
+# A power-function EMA at update t weighs the weights of step tau by the profile
+#   p(tau) = (gamma + 1) tau^gamma / t^(gamma + 1) on [0, t], and 0 after,
+# which integrates to 1 (train_diffusion.PowerEMA; a step's weights hold on (tau - 1, tau]). A run's
+# snapshots are such averages at many (t, gamma). A mix sum_i x_i snapshot_i is itself an average
+# of the weights, with profile sum_i x_i p_i; the x that bring it closest to the profile wanted, in
+# the L2 norm over tau, solve the normal equations A x = b: A_ij = <p_i, p_j>, b_i = <p_i, p_target>.
+
+def profile_inner(ta, ga, tb, gb):
+    """<p_a, p_b>, the integral over tau of two profiles' product (a at (ta, ga), b at (tb, gb))."""
+    if ta > tb:  # symmetric: let a end first
+        ta, ga, tb, gb = tb, gb, ta, ga
+    # the integral of (ga + 1)(gb + 1) tau^(ga + gb) / (ta^(ga + 1) tb^(gb + 1)) over [0, ta]
+    return (ga + 1) * (gb + 1) / ((ga + gb + 1) * tb) * (ta / tb) ** gb
+
+def phema_coefficients(profiles, t, std):
+    """Least-squares weights x of the snapshots' profiles [(t_i, gamma_i)] that rebuild the EMA of
+    relative width std at step t."""
+    g = td.std_to_gamma(std)
+    A = np.array([[profile_inner(ta, ga, tb, gb) for tb, gb in profiles] for ta, ga in profiles])
+    b = np.array([profile_inner(ta, ga, t, g) for ta, ga in profiles])
+    # A is a Gram matrix of nearly parallel profiles, so ill-conditioned: solved in float64 by lstsq
+    return np.linalg.lstsq(A, b, rcond=None)[0]
+
+def posthoc_ema(folder, step, std, model):
+    """{name: tensor} of model's parameters, an EMA of width std at step rebuilt from the snapshots in
+    folder (phema_STEP.pt, written by train_diffusion.py --phema_every) up to step."""
+    snaps = []
+    for path in sorted(glob.glob(os.path.join(folder, "phema_*.pt"))):
+        with td.exit_if_unreadable(path, "delete it, or pass --ema_std=0 for the run's EMA"):
+            snap = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as it is used
+            if snap["step"] <= step:  # later ones belong to a run that went on past this checkpoint
+                snaps += [(int(p["t"]), td.std_to_gamma(p["std"]), p["weights"]) for p in snap["profiles"]]
+    if not snaps:
+        td.die(f"--ema_std: no snapshots up to step {step} in {folder}; train with --phema_every=N")
+    x = phema_coefficients([(t, g) for t, g, _ in snaps], step, std)
+    names = [name for name, _ in model.named_parameters()]
+    mixed = {}
+    for k in names:  # a parameter at a time, so memory holds one mix
+        mixed[k] = sum(float(w) * weights[k].double() for w, (_, _, weights) in zip(x, snaps)).float()
+    return mixed
+
+# -----------------------------------------------------------------------------
 # Sampling
 
 def main(cfg):
@@ -112,6 +169,20 @@ def main(cfg):
     # autocast for the model's matmuls only: the sampler's steps stay fp32 (draw_samples)
     _, ctx, _ = td.setup_precision(device, cfg.dtype)
     model, trained, meta, K = load_model(path, ckpt, cfg.ckpt, device)
+    weights = "EMA" if ckpt["ema"] else "raw"
+    if cfg.ema_std:  # the weights of another EMA length, rebuilt from the run's snapshots
+        folder = os.path.join(os.path.dirname(path), "phema")
+        model.load_state_dict(posthoc_ema(folder, ckpt["step"], cfg.ema_std, model), strict=False)
+        weights = f"post-hoc EMA {cfg.ema_std:g}"
+    guide = None
+    if cfg.guide:  # autoguidance: a worse model of the same task, the same images and classes
+        guide_ckpt, guide_path = td.load_checkpoint(cfg.guide)
+        guide, theirs, guide_meta, guide_K = load_model(guide_path, guide_ckpt, cfg.guide, device)
+        same = guide_meta == meta and guide_K == K
+        same = same and (theirs.objective, theirs.predict) == (trained.objective, trained.predict)
+        if not same:
+            td.die(f"--guide={cfg.guide}: its model learned another task (data, classes or objective) than "
+                   f"{path}'s; pass a checkpoint of the same run, or of one with the same flags but its size")
     # a sampler integrates the objective the run learned: Euler or Heun a flow, DDIM a DDPM
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (trained.objective == "ddpm"):
         td.die(f"--sampler={cfg.sampler} does not fit --objective={trained.objective} (the checkpoint's): "
@@ -122,12 +193,12 @@ def main(cfg):
     # td.sample and td.draw_samples read the sampler's settings from a train_diffusion.py Config:
     # the run's, with this command's settings in place of its own
     settings = dict(sampler=cfg.sampler, sample_steps=cfg.sample_steps, cfg_scale=cfg.cfg_scale,
-                    sample_seed=cfg.sample_seed)
+                    guidance_interval=cfg.guidance_interval, sample_seed=cfg.sample_seed)
     run = dataclasses.replace(trained, **settings)
     # this command's sampler settings are its own flags, not the run's: say so where they differ from what the
     # run's evals sampled with, so that a grid is not read as the run's own
     differ = []
-    for k in ("sampler", "sample_steps", "cfg_scale"):
+    for k in ("sampler", "sample_steps", "cfg_scale", "guidance_interval"):
         if getattr(trained, k) != settings[k]:
             differ.append(f"--{k}={getattr(trained, k)}")
     if differ:
@@ -137,12 +208,19 @@ def main(cfg):
     n = rows * cfg.per_class
     if cfg.eval_classifier:  # a score needs more samples than a grid shows
         n = max(n, cfg.samples)
-    weights = "EMA" if ckpt["ema"] else "raw"
-    print(f"# {path} (step {ckpt['step']}, {weights} weights) | {n} samples | "
-          f"{sampler} {cfg.sample_steps} steps | cfg scale {cfg.cfg_scale:g} | seed {cfg.sample_seed}")
+    guidance = f"guided by {guide_path} (step {guide_ckpt['step']})" if guide else "cfg"
+    print(f"# {path} (step {ckpt['step']}, {weights} weights) | {n} samples | {sampler} {cfg.sample_steps} "
+          f"steps | {guidance} scale {cfg.cfg_scale:g} at t in ({cfg.guidance_interval}] | seed {cfg.sample_seed}")
 
-    # where the grid goes, checked before the sampling that fills it (issue 61)
-    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}.png"
+    # where the grid goes, checked before the sampling that fills it (issue 61); named by what differs
+    name = f"sample_{sampler}{cfg.sample_steps}_cfg{cfg.cfg_scale:g}_seed{cfg.sample_seed}"
+    if cfg.guidance_interval != "0,1":
+        name += f"_interval{cfg.guidance_interval.replace(',', '-')}"
+    if guide:
+        name += f"_guide{guide_ckpt['step']}"
+    if cfg.ema_std:
+        name += f"_ema{cfg.ema_std:g}"
+    name += ".png"
     out = cfg.out or os.path.join(os.path.dirname(path), name)
     folder = os.path.dirname(os.path.abspath(out))
     if not os.access(folder, os.W_OK):
@@ -152,7 +230,7 @@ def main(cfg):
     shape = (*meta["image_size"], meta["channels"])  # (H, W, C)
     alpha_bar = td.cosine_alpha_bar()  # DDPM's noise levels; a flow ignores them
     # one process: rank 0 of 1 draws them all
-    samples = td.draw_samples(model, n, shape, K, run, alpha_bar, BATCH, 0, 1, ctx)  # (n, H, W, C) uint8
+    samples = td.draw_samples(model, n, shape, K, run, alpha_bar, BATCH, 0, 1, ctx, guide)  # (n, H, W, C) uint8
     labels = meta["classes"] if K else None
     td.write_grid(out, samples[:rows * cfg.per_class].cpu().numpy(), rows, labels)
     res = {"grid": out, "sample_s": time.perf_counter() - t0}
@@ -160,7 +238,7 @@ def main(cfg):
     if cfg.eval_classifier:  # the run's evals score alike (td.evaluate_both): the numbers compare
         real = real_images(trained.data_dir, device)
         judge = td.Judge(cfg.eval_classifier, meta, cfg.fid_weights, device, real)
-        res |= judge.score(samples, K)
+        res |= judge.score(samples[:cfg.samples], K)
     scores = "".join(f" | {k} {v:.4f}" for k, v in res.items() if k not in ("grid", "sample_s"))
     print(f"wrote {out} in {res['sample_s']:.1f} s{scores}")
     return res

@@ -84,6 +84,7 @@ class Config:
     sampler: Literal["auto", "euler", "heun", "ddim"] = "auto"  # auto: euler for flow, ddim for ddpm
     sample_steps: int = 16  # steps from noise to image (heun: 2 model calls a step)
     cfg_scale: float = 2.5  # classifier-free guidance: 1 = plain conditional, 0 = unconditional
+    guidance_interval: str = "0,1"  # LO,HI: guide only at LO < t <= HI (1 = noise), plain conditional elsewhere
     sample_seed: int = 0  # seeds the samples' noise, the same at every eval so the grids compare
     per_class: int = 8  # columns of the sample grid, one row per class
     # budget: max_steps, else epochs, else time_budget
@@ -102,6 +103,7 @@ class Config:
     warmup_steps: int = 100  # steps of linear warmup up to the peak LR
     final_lr_frac: float = 0.0  # cosine: the LR at the end of the decay, as a fraction of the peak
     ema: float = 0.999  # decay of a moving average of the weights, which samples come from; 0 = off
+    phema_every: int = 0  # steps between snapshots of two power-function EMAs, for sample_diffusion --ema_std
     # eval, logging, checkpoints
     eval_every: int = 1000  # steps between evals; 0 = only at the end
     eval_images: int = 250  # val images in the held-out denoising loss; 0 = all
@@ -449,14 +451,26 @@ def corrupt(x0, noise, t, cfg, alpha_bar):
     snr = ab / (1 - ab)
     return x_t, noise, snr.clamp(max=cfg.min_snr) / snr
 
-def guided(model, x, t, y, scale, null):
-    """The model's output at x (B, ...), t, with guidance (Ho & Salimans 2022) if labelled."""
+def guided(model, x, t, y, scale, null, interval=(0.0, 1.0), guide=None):
+    """The model's output at x (B, ...), t, guided where t is in the interval (LO, HI] and there is something
+    to guide by: the unconditional model (label null), or with guide, a weaker model of the same task."""
     # Classifier-free guidance: a model trained with some labels dropped gives both the conditional output and the
     # unconditional one (label null). Going past the conditional, away from the unconditional, by scale sharpens
     # each sample toward its class at some cost in variety; scale 1 is the plain conditional model.
     tt = torch.full((x.size(0),), float(t), device=x.device)  # (B,)
-    if y is None:
-        return model(x, tt, None).float()
+    # A guidance interval (Kynkaanniemi et al. 2024): at high noise guidance pulls every sample of a class toward
+    # the same few layouts, and near the data it only sharpens what is decided; guiding in the middle alone keeps
+    # the variety. Outside it a step is the plain conditional model, at one forward instead of two.
+    lo, hi = interval
+    if scale == 1 or not lo < t <= hi or (y is None and guide is None):
+        return model(x, tt, y).float()
+    if guide is not None:
+        # Autoguidance (Karras et al. 2024): guide by a worse model of the same task (an early checkpoint of the
+        # same run, say). Its errors are of the kind the good model makes more mildly, so stepping away from them
+        # sharpens without the unconditional model's pull toward fewer modes.
+        good = model(x, tt, y).float()
+        bad = guide(x, tt, y).float()
+        return bad + scale * (good - bad)
     # both outputs from one forward of twice the batch: each image once with its label, once with the null label
     dropped = torch.full_like(y, null)  # (B,): every label "no label"
     yy = torch.cat((y, dropped))  # (2B,)
@@ -464,22 +478,35 @@ def guided(model, x, t, y, scale, null):
     cond, uncond = out.chunk(2)
     return uncond + scale * (cond - uncond)
 
+def parse_interval(text):
+    """(LO, HI) of a --guidance_interval=LO,HI, or a one-line stop that names the fix."""
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        lo = hi = -1.0
+    if not 0 <= lo < hi <= 1:
+        die(f"--guidance_interval={text}: need LO,HI with 0 <= LO < HI <= 1 (t: 1 is noise, 0 the data), "
+            "such as 0,1 (every step)")
+    return lo, hi
+
 @torch.no_grad()
-def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
-    """Images (B, H, W, C), fp32, integrated from noise (t = 1) to t = 0 by model(x, t, y)."""
+def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0, guide=None):
+    """Images (B, H, W, C), fp32, integrated from noise (t = 1) to t = 0 by model(x, t, y), guided as
+    guided() says."""
     x = noise.float()
+    how = (scale, null, parse_interval(cfg.guidance_interval), guide)  # guided()'s settings
     if cfg.objective == "flow":
         # The ODE dx/dt = v from t = 1 to 0, in equal steps (b < a: toward the data). Euler takes the slope at the
         # step's start; Heun (Karras et al. 2022) makes that an Euler trial and then steps along the mean of the
         # slopes at both ends: second order, at two model calls a step.
         ts = torch.linspace(1, 0, cfg.sample_steps + 1).tolist()
         for a, b in zip(ts[:-1], ts[1:]):
-            v = guided(model, x, a, y, scale, null)
+            v = guided(model, x, a, y, *how)
             # the last step stays Euler, as in Karras et al.: its trial point is t = 0, where x-prediction's
             # velocity divides by t
             if cfg.sampler == "heun" and b > 0:
                 x_trial = x + (b - a) * v
-                v = 0.5 * (v + guided(model, x_trial, b, y, scale, null))
+                v = 0.5 * (v + guided(model, x_trial, b, y, *how))
             x = x + (b - a) * v
         return x
     # ddpm: deterministic DDIM (Song et al. 2021) on an even subsequence of the T steps. Each step estimates the
@@ -491,7 +518,7 @@ def sample(model, noise, y, cfg, alpha_bar, scale=1.0, null=0):
     steps = torch.linspace(T_DDPM, 0, cfg.sample_steps + 1)  # T down to 0 in equal strides
     steps = steps.round().long().tolist()
     for i, j in zip(steps[:-1], steps[1:]):
-        eps = guided(model, x, i / T_DDPM, y, scale, null)
+        eps = guided(model, x, i / T_DDPM, y, *how)
         x0 = (x - sigma[i] * eps) / signal[i]  # the clean image that this noise implies
         x0 = x0.clamp(-1, 1)  # kept in the data's range
         eps = (x - signal[i] * x0) / sigma[i]  # the noise that fits the clamped x0
@@ -767,6 +794,61 @@ class EMA:
             self.model.reshard()
 # === end shared ===
 
+# The post-hoc EMA (Karras et al. 2024, EDM2, section 3). How long an average of the weights samples best is found
+# by measuring samples, after training; a running EMA fixes it before the run. A power-function EMA weighs the
+# weights of step tau by tau^gamma up to the step t it has reached: its profile stretches with the run, so its
+# width relative to t (sigma_rel, the std of the profile over t) is the same at every step. Two of them,
+# snapshotted every --phema_every steps, hold enough to rebuild any other width of the same kind by least squares
+# (sample_diffusion.py --ema_std); EDM2 keeps these two.
+PHEMA_STDS = (0.05, 0.10)
+
+def std_to_gamma(std):
+    """The exponent gamma of the power-function profile whose relative width is std (EDM2, eq. 3)."""
+    # a profile tau^gamma on [0, t] has sigma_rel^2 = (gamma + 1) / ((gamma + 2)^2 (gamma + 3)): gamma is the
+    # largest real root of the cubic (gamma + 2)^2 (gamma + 3) sigma_rel^2 - (gamma + 1) = 0
+    s = 1 / std ** 2
+    roots = np.roots([1, 7, 16 - s, 12 - s])
+    return float(roots.real[abs(roots.imag) < 1e-9].max())
+
+class PowerEMA(EMA):
+    """An EMA whose decay at update t is (1 - 1/t)^(gamma + 1): the weights after update tau count
+    (tau^(gamma+1) - (tau-1)^(gamma+1)) / t^(gamma+1), the profile tau^gamma over each step."""
+
+    def __init__(self, params, std, model=None):
+        super().__init__(params, 0.0, model)
+        self.std = std
+        self.gamma = std_to_gamma(std)
+
+    @torch.no_grad()
+    def update(self):
+        self.t += 1
+        decay = (1 - 1 / self.t) ** (self.gamma + 1)  # 0 at the first update: the average starts as the weights
+        live = [p.detach() for p in self.params]
+        torch._foreach_lerp_(self.shadow, live, 1 - decay)
+
+def phema_state(phemas, raw):
+    """The power-function EMAs as plain data: {std, t, weights {name: tensor on the CPU}} each."""
+    names = [name for name, _ in raw.named_parameters()]
+    return [{"std": e.std, "t": e.t, "weights": {k: s.detach().cpu().clone() for k, s in zip(names, e.shadow)}}
+            for e in phemas]
+
+def load_phema(phemas, state, raw):
+    """Set the power-function EMAs from phema_state()'s list."""
+    names = [name for name, _ in raw.named_parameters()]
+    for e, s in zip(phemas, state, strict=True):
+        for shadow, k in zip(e.shadow, names):
+            shadow.copy_(s["weights"][k])
+        e.t = int(s["t"])
+
+def write_snapshot(out_dir, step, state):
+    """out_dir/phema/phema_STEP.pt: the power-function EMAs at this step, written whole, then renamed."""
+    folder = os.path.join(out_dir, "phema")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"phema_{step:07d}.pt")
+    with open(f"{path}.tmp", "wb") as f:
+        torch.save({"step": step, "profiles": state}, f)
+    os.replace(f"{path}.tmp", path)
+
 def build_optimizers(cfg, raw):
     """[AdamW], with weight decay on the blocks' matrices only (not adaLN's)."""
     # AdamW alone: Muon on the blocks' matrices was no better per second on the CPU demo (BENCHMARKS.md). Decay,
@@ -993,8 +1075,8 @@ def denoising_loss(model, x_all, y_all, K, cfg, alpha_bar, rank, world_size, ctx
     return sum(per_t) / len(per_t), per_t
 
 @torch.no_grad()
-def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
-    """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none)."""
+def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx, guide=None):
+    """n uint8 samples (n, H, W, C) on every rank, sample i of class i % K (K = 0: none); guide: see guided()."""
     # noise from cfg.sample_seed alone, the same at every eval, so the grids of a run compare; each rank draws an
     # equal share (as many forwards), and all gather the whole set
     share = math.ceil(n / world_size)
@@ -1002,13 +1084,15 @@ def draw_samples(model, n, shape, K, cfg, alpha_bar, B, rank, world_size, ctx):
     noise = torch.randn(share * world_size, *shape, generator=g)  # on the CPU: the same numbers on any device
     device = next(model.parameters()).device
     model.eval()
+    if guide is not None:
+        guide.eval()
     out = []
     for i in range(rank * share, (rank + 1) * share, B):
         j = min(i + B, (rank + 1) * share)
         # sample i is of class i % K: every class gets as many, and the grid's rows are the classes
         y = torch.arange(i, j, device=device) % K if K else None
         with ctx:  # the model's matmuls autocast; the sampler's steps stay fp32
-            x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, null=K)
+            x = sample(model, noise[i:j].to(device), y, cfg, alpha_bar, cfg.cfg_scale, K, guide)
         x = ((x + 1) * 127.5).round().clamp(0, 255)  # back from [-1, 1] to pixels
         out.append(x.to(torch.uint8))  # as a PNG stores them
     model.train()
@@ -1328,6 +1412,13 @@ def train(cfg, stop):
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw)
     ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
+    # the post-hoc EMA's two profiles, snapshotted every phema_every steps (PowerEMA)
+    phemas = [PowerEMA(raw.parameters(), std, raw) for std in PHEMA_STDS] if cfg.phema_every else []
+    if phemas and world_size > 1 and cfg.parallel == "fsdp":
+        die("--phema_every snapshots whole weights, which --parallel=fsdp shards; use --parallel=ddp or 0")
+    if ckpt and ("phema" in ckpt) != bool(phemas):  # begun later, a profile would miss the run's start
+        die(f"--resume: the run in {cfg.out_dir} was made with{'out' if phemas else ''} --phema_every; pass the "
+            f"same, or use a new --out_dir")
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
 
@@ -1337,6 +1428,8 @@ def train(cfg, stop):
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
+            if phemas:
+                load_phema(phemas, ckpt["phema"], raw)
     # the log: a line a log step, every value in metrics.jsonl; what a step is worth gives its speed and MFU
     log = start_log(cfg, master, images_per_step, "img", raw.flops_per_image() * images_per_step, device, dtype)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
@@ -1367,6 +1460,10 @@ def train(cfg, stop):
         final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
         evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
         saves = last_step or (every(step, cfg.save_every) and step > first)
+        snapshot = phemas and step > first and (every(step, cfg.phema_every) or last_step)
+        if snapshot and master:
+            side_path("writing the post-hoc EMA's snapshot", write_snapshot, cfg.out_dir, step,
+                      phema_state(phemas, raw))
         if evals:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                                 ctx, rank, world_size, step, final)
@@ -1379,10 +1476,10 @@ def train(cfg, stop):
                          "step": step, "guard": guard.state(), "train_time": train_time,
                          "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
                          "world_size": world_size, "data": loader.state(), "num_classes": K,
-                         "data_meta": data_meta})
+                         "data_meta": data_meta, **({"phema": phema_state(phemas, raw)} if phemas else {})})
         if last_step:
             break
-        if evals or saves:
+        if evals or saves or snapshot:
             t0 = time.perf_counter()  # start the clock again
 
         # One optimizer step. Noise, t, label dropout and flips are drawn for the global batch
@@ -1424,6 +1521,8 @@ def train(cfg, stop):
         # weights, and so the EMA, as they were.
         if ema:
             ema.update()
+        for e in phemas:
+            e.update()
         scaler.update()
         step += 1
         trace.append(torch.stack([loss, gnorm, verdict]))
@@ -1435,7 +1534,7 @@ def train(cfg, stop):
             near_end = not step_time or train_time + len(trace) * step_time >= time_budget
         else:
             near_end = step >= max_steps
-        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every)]
+        due = [every(step, n) for n in (cfg.log_every, cfg.eval_every, cfg.save_every, cfg.phema_every)]
         if not (near_end or stopped or any(due)):
             continue
         rows, seconds = agree(trace, t0, world_size)  # the host waits for the device here
@@ -1447,6 +1546,8 @@ def train(cfg, stop):
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
             ckpt = writer.rollback_point(guard, reason, log, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+            if phemas:
+                load_phema(phemas, ckpt["phema"], raw)
             first = step  # the batches read since are skipped, not read again
             t0 = time.perf_counter()
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
@@ -1484,7 +1585,7 @@ def check_config(cfg):
     at_least_1 = ("patch_size n_layer n_head n_embd batch_size grad_accum guard_window sample_steps per_class "
                   "log_every")
     at_least_0 = ("min_snr cfg_scale epochs image_size eval_images eval_samples final_samples init_std "
-                  "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget")
+                  "weight_decay loss_spike gnorm_spike clip_mult rollback_after max_steps time_budget phema_every")
     for low, keys in ((1, at_least_1), (0, at_least_0), (-1, "num_classes")):
         for k in keys.split():
             if getattr(cfg, k) < low:
@@ -1503,6 +1604,7 @@ def check_config(cfg):
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "
             "euler|heun sample flow, ddim samples ddpm")
+    parse_interval(cfg.guidance_interval)
     if not (cfg.max_steps or cfg.epochs or cfg.time_budget > 0):
         die("no training budget: set --max_steps, --epochs or --time_budget")
     for k in ("eval_classifier", "fid_weights"):
