@@ -837,13 +837,75 @@ def _attn_torch(q, k, v, causal, scale, window=None):
                                           enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
+# FlexAttention (torch.nn.attention.flex_attention, PyTorch 2.5+) takes the mask as a function of (batch, head,
+# query, key) and, from it, a block mask: which (128 x 128) tiles of the scores are empty, full or partial. Its
+# kernel, which torch.compile writes, skips the empty tiles, so a window W costs about T * W, not T^2. Only the
+# compiled kernel skips anything: called eagerly, flex_attention computes every score and masks them, like the
+# dense mask above. Its backward runs on CUDA only ("FlexAttention does not support backward on CPU", torch 2.13).
+_masked = "sdpa"
+_flex = {}  # "eager" and "compiled": flex_attention itself and compiled; (T, window, device): its block mask
+
+
+def use_attention(name):
+    """Pick how a windowed attention runs: "sdpa" (a dense boolean mask over SDPA, every tile computed; the
+    reference) or "flex" (FlexAttention, which skips the tiles outside the window; compiled on CUDA, eager on a CPU,
+    where it has no backward). Full causal attention and decode steps take attention()'s other paths either way."""
+    global _masked
+    if name not in ("sdpa", "flex"):
+        raise ValueError(f"kernels.use_attention: must be 'sdpa' or 'flex', got {name!r}")
+    _masked = name
+    if name == "flex":  # imported here: importing kernels stays cheap, and needs no FlexAttention
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex["eager"] = flex_attention  # off CUDA: every score computed, then masked; forward only
+        # the kernel that skips tiles, for CUDA: wrapped here, not inside a forward that torch.compile traces, and
+        # compiled on its first call, once per shape
+        _flex["compiled"] = torch.compile(flex_attention, dynamic=False)
+
+
+def _band(window):
+    """FlexAttention's mask_mod: query i sees key j if and only if j <= i, and i - j < window if there is one."""
+    def keep(b, h, i, j):
+        seen = j <= i
+        if window:
+            seen = seen & (i - j < window)
+        return seen
+    return keep
+
+
+def _block_mask(T, window, device):
+    """The block mask of causal attention in a window over T positions, made once per (T, window, device).
+    Under torch.compile the first call is traced with the model; the recompile after it reads the cache."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    key = (T, window, device)
+    if key not in _flex:
+        _flex[key] = create_block_mask(_band(window), None, None, T, T, device=device)
+    return _flex[key]
+
+
+def _attn_flex(q, k, v, scale, window=None):
+    """Causal attention, in a window if one is given, by FlexAttention: q (B, Hq, T, D), k and v (B, Hkv, T, D).
+    On a CPU it runs forward only; kernels.use_attention("flex") must have run first."""
+    kind = q.device.type
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if kind != "cuda" and grad:
+        raise NotImplementedError(f"kernels.attention: FlexAttention has no backward on {kind} (CUDA only); use "
+                                  "kernels.use_attention('sdpa') there (--attention=sdpa)")
+    mask = _block_mask(q.shape[2], window, q.device)
+    gqa = q.shape[1] != k.shape[1]
+    fn = _flex["compiled"] if kind == "cuda" else _flex["eager"]
+    return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 def attention(q, k, v, causal=True, scale=None, window=None):
     """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D). With a
     window W (causal only), query i sees key j if and only if i - W < j <= i."""
     if window is not None and (window < 1 or not causal):
         raise ValueError(f"kernels.attention: a window must be >= 1 and causal, got window={window}, causal={causal}")
-    # decode steps and windows: PyTorch's path (a Triton kernel that skips the tiles outside a window waits for a GPU
-    # to time it; PyTorch masks them, so a window costs as much as full attention there)
+    # a window under use_attention("flex"), queries and keys of one length (a training step): FlexAttention
+    if window and _masked == "flex" and q.shape[2] == k.shape[2]:
+        return _attn_flex(q, k, v, scale, window)
+    # decode steps and other windows: PyTorch's path. SDPA masks the tiles outside a window, so there a window
+    # costs as much as full attention
     if window or not _use_triton(q, k, v, auto=False) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:
         return _attn_torch(q, k, v, causal, scale, window)
     return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
