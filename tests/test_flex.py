@@ -172,3 +172,16 @@ def test_a_compiled_gpt_with_flex_windows_trains_as_with_sdpa():
     assert abs(runs[0][0] - runs[1][0]).item() < 1e-2, (runs[0][0], runs[1][0])  # the losses
     for a, b in zip(runs[0][1:], runs[1][1:]):
         assert (a - b).norm() <= 0.05 * a.norm(), ((a - b).norm(), a.norm())  # bf16's rounding, not a wrong mask
+
+
+@unfused
+def test_the_window_bench_runs_its_code(capsys):
+    """python kernels.py --bench_window, the GPU run's attention timing: on a CPU it runs every path of its table at
+    small sizes (FlexAttention forward only), prints a row a length, and leaves the reference in force."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this is the timing itself: bench.sh runs it")
+    kernels.bench_window()
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert [r.split(" | ")[:2] for r in rows] == [["| 256", "64"], ["| 512", "128"]], rows
+    assert all(r.count(" / ") == 3 and "/ no backward on a CPU | - |" in r for r in rows), rows
+    assert kernels._masked == "sdpa"
