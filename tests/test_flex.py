@@ -1,7 +1,8 @@
 """FlexAttention for --window (issue 82): kernels.use_attention("flex") against the masked SDPA it replaces, which
 stays the reference. On a CPU: the forward (eager FlexAttention, which masks every score as the reference does), the
-block mask that decides which tiles the compiled kernel skips, and the one-line errors where it cannot run. On CUDA:
-the compiled kernel's forward and gradients in bf16, alone and inside a compiled GPT."""
+block mask that decides which tiles the compiled kernel skips, a compiled GPT's trace of it, the one-line errors
+where it cannot run, and the GPU timing's code. On CUDA: the compiled kernel's forward and gradients in bf16, alone
+and inside a compiled GPT."""
 import pytest
 import torch
 
@@ -114,6 +115,33 @@ def test_flex_backward_off_cuda_stops_in_one_line(flex):
             tg.check_config(tg.Config(attention="flex", window=8, device=device))
         msg = str(e.value.code)
         assert "--attention=flex needs a CUDA GPU" in msg and "--attention=sdpa" in msg and "\n" not in msg, msg
+
+
+@unfused
+def test_a_compiled_gpt_traces_its_flex_windows_in_one_graph(flex, monkeypatch):
+    """torch.compile traces the model's FlexAttention calls as on CUDA, forward only (aot_eager: no backward here):
+    through the compiled flex_attention that use_attention made, with the block mask cached by the first call, in
+    graphs without a break, and the loss of the masked SDPA."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setitem(kernels._flex, "eager", kernels._flex["compiled"])  # CUDA's path, on the CPU
+    cfg = tg.Config(n_layer=3, n_head=2, n_embd=32, seq_len=256, window=40, window_pattern=3, value_embeds=False)
+    raw = tg.build_model(cfg, 300, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every weight random: the zero-init head would give every model the same loss
+        for p in raw.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randint(0, 300, (2, 201), generator=g)
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(raw, backend="aot_eager")
+    with torch.no_grad():
+        losses = [model(x[:, :-1], x[:, 1:]) for _ in range(2)]
+        kernels.use_attention("sdpa")
+        ref = raw(x[:, :-1], x[:, 1:])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert (200, 40, torch.device("cpu")) in kernels._flex
+    for loss in losses:
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
 
 
 def err(a, b):
