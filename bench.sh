@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# bench.sh: a GPU session's measurements in one command (issue 48). In order: the GPU tests, kernels.py --bench,
-# bench.py on each trainer's GPU preset (the default kernels; KERNELS="auto torch triton" adds the others),
-# nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), a CUDA-graphs trial (torch.compile's
-# reduce-overhead mode) of the ViT and DiT presets, and the ViT's imagenet preset with its images read from their
-# file against held on the GPU. It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
+# bench.sh: a GPU session's measurements in one command (issue 48). In order: 1 the GPU tests, 2 kernels.py --bench,
+# 3 bench.py on each trainer's GPU preset (the default kernels; KERNELS="auto torch triton" adds the others),
+# 4 nanoGPT's train.py at the 124M shape (given NANOGPT=a copy), 5 a CUDA-graphs trial (torch.compile's
+# reduce-overhead mode) of the ViT and DiT presets, 6 the ViT's imagenet preset with its images read from their
+# file against held on the GPU, and 7 sliding-window attention, the masked SDPA against FlexAttention (issue 82,
+# kernels.py --bench_window). It ends with Markdown rows for BENCHMARKS.md; logs in $LOGS.
 #
 #   bash bench.sh                        # one GPU, within BUDGET seconds (570): each stage has a share, and a
 #                                        # command that would overrun it is stopped, and its row says so. On a
@@ -12,6 +13,11 @@
 #   NANOGPT=../nanoGPT bash bench.sh     # with nanoGPT's row: the same shape, compile on, bf16, random tokens
 #   TESTS=tests/ bash bench.sh           # the whole suite first (225 s with -n 14 on an H100, 2026-11-25)
 #   bash bench.sh --dry-run              # on a CPU: every command runs, shrunk (tests/test_bench.py)
+#   ONLY="1 3 4 7" TRAINERS=gpt bash bench.sh   # some stages, some trainers: the budget is shared among them alone
+#   PROFILE=1 bash bench.sh              # the GPT's run adds bench.py --profile: its top kernels, printed at the end
+# Issue 82's one call, the GPT against nanoGPT and the window's attention (its four stages' shares of 520 s: 130
+# each, and what one leaves the next), with nanoGPT copied into an ignored folder of the checkout the call carries:
+#   PYTHON=python3 NANOGPT=.nanogpt ONLY="1 3 4 7" TRAINERS=gpt PROFILE=1 BUDGET=520 LOGS=/tmp/bench bash bench.sh
 # A fair time-to-loss race against nanoGPT (compile excluded, nanoGPT's best of three LRs, one evaluator on the
 # whole val split) is race.sh beside it, with its own data and budget.
 set -uo pipefail
@@ -19,8 +25,17 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python} DRY=0 ROWS=() FAILED=0 STAGE_END=0
 [ "${1:-}" = --dry-run ] && DRY=1
 LOGS=$(mkdir -p "${LOGS:-/tmp/bench}" && cd "${LOGS:-/tmp/bench}" && pwd)
-TESTS=${TESTS:-tests/test_kernels.py tests/test_kernels_ptx.py tests/test_compile.py}  # run otherwise on a GPU
-KERNELS=${KERNELS:-auto} BUDGET=${BUDGET:-570}
+rm -f "$LOGS"/*.log  # an earlier run's, which a stage left out this time would otherwise show as this run's
+TESTS=${TESTS:-tests/test_kernels.py tests/test_kernels_ptx.py tests/test_compile.py tests/test_flex.py}  # GPU's
+KERNELS=${KERNELS:-auto} BUDGET=${BUDGET:-570} ONLY=${ONLY:-1 2 3 4 5 6 7} TRAINERS=${TRAINERS:-gpt vit diffusion}
+PROFILE=${PROFILE:-0}
+# each stage's share of the budget, against the others that run: bench.py takes 80 a trainer
+SHARE=(0 80 80 $((80 * $(wc -w <<< "$TRAINERS"))) 80 90 100 80)  # 7: four FlexAttention compiles
+TOTAL=0
+for n in $ONLY; do
+  case $n in [1-7]) TOTAL=$((TOTAL + SHARE[n])) ;; *) echo "bench.sh: error: ONLY names stages 1 to 7, not '$n'" >&2
+    exit 2 ;; esac
+done
 GPT_STEPS=${GPT_STEPS:-5} IMG_STEPS=${IMG_STEPS:-20}  # timed steps, after as many warm-up ones (bench.py)
 GPT=() IMG=() NANO=() NTOKENS=$((1 << 22))  # what --dry-run appends to shrink each command
 if [ $DRY = 1 ]; then
@@ -32,9 +47,11 @@ if [ $DRY = 1 ]; then
         --block_size=32 --gradient_accumulation_steps=1)
 fi
 
-stage() {  # SHARE TITLE: a stage may run until SHARE/670 of BUDGET more is spent, and what earlier ones left
-  STAGE_END=$((STAGE_END + $1 * BUDGET / 670))
-  echo "### $2 (until ${STAGE_END} s; now ${SECONDS} s)"
+stage() {  # N TITLE: false if ONLY leaves stage N out; else it may run until its share of BUDGET more is spent,
+  # and what earlier ones left
+  [[ " $ONLY " == *" $1 "* ]] || return 1
+  STAGE_END=$((STAGE_END + SHARE[$1] * BUDGET / TOTAL))
+  echo "### $1. $2 (until ${STAGE_END} s; now ${SECONDS} s)"
 }
 
 run() {  # NAME CMD...: CMD within its stage's time, its output in $LOGS/NAME.log; 0 if it ran and exited 0
@@ -68,7 +85,7 @@ bench() {  # NAME LABEL CMD...: a bench.py run, and its row: rate, ms/step, MFU 
   fi
 }
 
-stage 80 "1. tests: $TESTS"
+if stage 1 "tests: $TESTS"; then
 XDIST=()
 $PY -c "import xdist" 2> /dev/null && XDIST=(-n $(($(nproc) < 14 ? $(nproc) : 14)))  # 63 s with 14 on an H200
 if [ $DRY = 1 ]; then
@@ -77,21 +94,26 @@ else
   run pytest $PY -m pytest -q "${XDIST[@]}" $TESTS
   row "python -m pytest -q ${XDIST[*]} $TESTS" "$(tail -n 1 "$LOGS/pytest.log")"
 fi
+fi
 
-stage 80 "2. kernels.py --bench"
+if stage 2 "kernels.py --bench"; then
 run kernels $PY kernels.py --bench  # on a CPU: one line, that it needs a GPU, and exit status 1
 grep -q "needs a CUDA GPU\|^linear_ce" "$LOGS/kernels.log" || row "python kernels.py --bench" "failed: see kernels.log"
+fi
 
-stage 240 "3. bench.py on each trainer's GPU preset, with --kernels= each of: $KERNELS"
+if stage 3 "bench.py on the GPU preset of each of: $TRAINERS, with --kernels= each of: $KERNELS"; then
 for k in $KERNELS; do
-  for t in gpt vit diffusion; do
+  for t in $TRAINERS; do
     [ $t = gpt ] && p=gpt2_124m n=$GPT_STEPS shrink=("${GPT[@]}") || p=cifar10 n=$IMG_STEPS shrink=("${IMG[@]}")
     flags="--preset=$p --steps=$n --kernels=$k"
-    bench "${t}_$k" "python bench.py train_$t.py $flags" $PY bench.py train_$t.py $flags "${shrink[@]}"
+    # 3 steps more, traced: the trace goes to the trainer's --out_dir, here in $LOGS
+    [ $t = gpt ] && [ $k = auto ] && [ $PROFILE = 1 ] && flags="$flags --profile --out_dir=$LOGS/profile"
+    bench "${t}_$k" "python bench.py train_$t.py ${flags//$LOGS/\$LOGS}" $PY bench.py train_$t.py $flags "${shrink[@]}"
   done
 done
+fi
 
-stage 80 "4. nanoGPT's train.py at GPT-2 124M's shape (B 32 x T 1024 x 16 micro-steps), on random tokens"
+if stage 4 "nanoGPT's train.py at GPT-2 124M's shape (B 32 x T 1024 x 16 micro-steps), on random tokens"; then
 if [ -n "${NANOGPT:-}" ]; then
   mkdir -p "$LOGS/nanogpt_data"
   $PY -c "import numpy as np; [np.random.default_rng(0).integers(0, 50257, $NTOKENS, dtype=np.uint16).tofile(
@@ -115,8 +137,9 @@ print(f'{tokens / ms:.1f}k tok/s, {ms:.1f} ms/iter, mfu ' + (f'{mfu * 312e12 / p
 else
   echo "skipped: NANOGPT=path/to/nanoGPT is not set"
 fi
+fi
 
-stage 90 "5. CUDA graphs: the ViT and DiT presets under torch.compile(mode=\"reduce-overhead\")"
+if stage 5 "CUDA graphs: the ViT and DiT presets under torch.compile(mode=\"reduce-overhead\")"; then
 GRAPHS="import functools, runpy, sys, torch
 torch.compile = functools.partial(torch.compile, mode='reduce-overhead')  # CUDA graphs around each compiled graph
 sys.argv = sys.argv[1:]
@@ -126,8 +149,9 @@ for t in vit diffusion; do
   bench "${t}_graphs" "python bench.py train_$t.py $flags, mode reduce-overhead" $PY -c "$GRAPHS" bench.py train_$t.py \
     $flags "${IMG[@]}"
 done
+fi
 
-stage 100 "6. images read from their file: the imagenet preset at batch 256, --loader=host against --loader=device"
+if stage 6 "images read from their file: the imagenet preset at batch 256, --loader=host against --loader=device"; then
 # 20,000 random images of 224x224 (3 GB: the device path holds them too), the same batches on both paths: where the
 # host path's step is no slower, no step waited for data (issue 63). The first log interval holds the compile.
 SIZE=224 N=20000 SMALL=()
@@ -145,6 +169,12 @@ for l in device host; do
   [ -n "$last" ] && row "python train_vit.py $flags" "$(echo "$last" | awk -F' [|] ' '{print $6", "$5}')" ||
     row "python train_vit.py $flags" "failed: $(tail -n 1 "$LOGS/loader_$l.log")"
 done
+fi
+
+if stage 7 "sliding-window attention, a window of T/4 at T 1,024 and 4,096: the masked SDPA against FlexAttention"; then
+# on a CPU (the dry run) the same code at T 256 and 512, FlexAttention forward only: no figures
+run window $PY kernels.py --bench_window || row "python kernels.py --bench_window" "failed: see window.log"
+fi
 
 $PY -c "import datetime, platform, torch
 try:
@@ -155,7 +185,15 @@ gpu = f'On one {torch.cuda.get_device_name()}' if torch.cuda.is_available() else
 print(f'\n## {gpu}, {datetime.date.today()} (bench.sh, $SECONDS s)\n')
 print(f'Python {platform.python_version()}, torch {torch.__version__}, triton {tv}; logs in $LOGS\n')"
 printf '%s\n' "| command | result |" "|---|---|" "${ROWS[@]}"
-if grep -q '|' "$LOGS/kernels.log"; then
+if grep -qs '|' "$LOGS/kernels.log"; then
   printf '\n`python kernels.py --bench`:\n\n```text\n%s\n```\n' "$(grep '^#\||' "$LOGS/kernels.log")"
+fi
+if grep -qs '^|' "$LOGS/window.log"; then  # a Markdown table already
+  printf '\n`python kernels.py --bench_window`, %s\n\n%s\n' "$(grep -m 1 '^# ' "$LOGS/window.log" | cut -c 3-)" \
+    "$(grep '^|' "$LOGS/window.log")"
+fi
+if grep -qs '^profile of ' "$LOGS/gpt_auto.log"; then  # bench.py --profile's table of the top ops
+  printf '\n`python bench.py train_gpt.py --profile`, the top ops:\n\n```text\n%s\n```\n' \
+    "$(sed -n '/^-\{20,\}/,/^Self CUDA time total\|^Self CPU time total/p' "$LOGS/gpt_auto.log" | head -n 40)"
 fi
 exit $FAILED

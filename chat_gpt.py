@@ -475,6 +475,7 @@ def train(cfg):
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     raw = build(cfg, init, tok["chat"], device)
     tg.kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
+    tg.kernels.use_attention(cfg.attention)  # flex: a window skips the tiles it masks
     model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
     opts = tg.build_optimizers(cfg, raw, dtype)
     B = cfg.batch_size

@@ -13,6 +13,7 @@ runs, "torch" PyTorch's always; backend(device) names the choice in force. Each 
 only checks the others. The Triton paths are torch.library custom ops, so torch.compile(fullgraph=True) traces them.
 
   python kernels.py --bench        # GPU: TFLOP/s, GB/s, ms and peak memory of our Triton kernels against PyTorch
+  python kernels.py --bench_window # GPU: ms of a window of T/4, the masked SDPA against FlexAttention
   python -m pytest tests/test_kernels.py -q   # the tests set TRITON_INTERPRET=1 themselves for the kernel checks
 
 Under the interpreter, tiles are fixed and small and tl.dot is exact only for fp32/fp16 (numpy has no bf16 matmul);
@@ -21,6 +22,7 @@ on GPU the attention tiles are autotuned per (T, head dim, causal, T % 128 == 0)
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -837,13 +839,78 @@ def _attn_torch(q, k, v, causal, scale, window=None):
                                           enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
+# FlexAttention (torch.nn.attention.flex_attention, PyTorch 2.5+) takes the mask as a function of (batch, head,
+# query, key) and, from it, a block mask: which (128 x 128) tiles of the scores are empty, full or partial. Its
+# kernel, which torch.compile writes, skips the empty tiles, so a window W costs about T * W, not T^2. Only the
+# compiled kernel skips anything: called eagerly, flex_attention computes every score and masks them, like the
+# dense mask above. Its backward runs on CUDA only ("FlexAttention does not support backward on CPU", torch 2.13).
+_masked = "sdpa"
+_flex = {}  # "eager" and "compiled": flex_attention itself and compiled; (T, window, device): its block mask
+
+
+def use_attention(name):
+    """Pick how a windowed attention runs: "sdpa" (a dense boolean mask over SDPA, every tile computed; the
+    reference) or "flex" (FlexAttention, which skips the tiles outside the window; compiled on CUDA, eager on a CPU,
+    where it has no backward). Full causal attention and decode steps take attention()'s other paths either way."""
+    global _masked
+    if name not in ("sdpa", "flex"):
+        raise ValueError(f"kernels.use_attention: must be 'sdpa' or 'flex', got {name!r}")
+    _masked = name
+    if name == "flex":  # imported here: importing kernels stays cheap, and needs no FlexAttention
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex["eager"] = flex_attention  # off CUDA: every score computed, then masked; forward only
+        # the kernel that skips tiles, for CUDA: wrapped here, not inside a forward that torch.compile traces, and
+        # compiled on its first call, once per shape
+        _flex["compiled"] = torch.compile(flex_attention, dynamic=False)
+
+
+def _band(window):
+    """FlexAttention's mask_mod: query i sees key j if and only if j <= i, and i - j < window if there is one."""
+    def keep(b, h, i, j):
+        seen = j <= i
+        if window:
+            seen = seen & (i - j < window)
+        return seen
+    return keep
+
+
+def _block_mask(T, window, device):
+    """The block mask of causal attention in a window over T positions, made once per (T, window, device).
+    Under torch.compile the first call is traced with the model; the recompile after it reads the cache."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    key = (T, window, device)
+    if key not in _flex:
+        _flex[key] = create_block_mask(_band(window), None, None, T, T, device=device)
+    return _flex[key]
+
+
+def _attn_flex(q, k, v, scale, window=None):
+    """Causal attention, in a window if one is given, by FlexAttention: q (B, Hq, T, D), k and v (B, Hkv, T, D).
+    On a CPU it runs forward only; kernels.use_attention("flex") must have run first."""
+    kind = q.device.type
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if kind != "cuda" and grad:
+        raise NotImplementedError(f"kernels.attention: FlexAttention has no backward on {kind} (CUDA only); use "
+                                  "kernels.use_attention('sdpa') there (--attention=sdpa)")
+    mask = _block_mask(q.shape[2], window, q.device)
+    gqa = q.shape[1] != k.shape[1]
+    if kind == "cuda":
+        return _flex["compiled"](q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    # eager FlexAttention refuses inputs that require grad off CUDA, even under no_grad: detached, they do not
+    q, k, v = q.detach(), k.detach(), v.detach()
+    return _flex["eager"](q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 def attention(q, k, v, causal=True, scale=None, window=None):
     """Scaled dot-product attention with GQA/MQA; q (B, Hq, T, D), k and v (B, Hkv, T, D) -> (B, Hq, T, D). With a
     window W (causal only), query i sees key j if and only if i - W < j <= i."""
     if window is not None and (window < 1 or not causal):
         raise ValueError(f"kernels.attention: a window must be >= 1 and causal, got window={window}, causal={causal}")
-    # decode steps and windows: PyTorch's path (a Triton kernel that skips the tiles outside a window waits for a GPU
-    # to time it; PyTorch masks them, so a window costs as much as full attention there)
+    # a window under use_attention("flex"), queries and keys of one length (a training step): FlexAttention
+    if window and _masked == "flex" and q.shape[2] == k.shape[2]:
+        return _attn_flex(q, k, v, scale, window)
+    # decode steps and other windows: PyTorch's path. SDPA masks the tiles outside a window, so there a window
+    # costs as much as full attention
     if window or not _use_triton(q, k, v, auto=False) or q.shape[-1] > 256 or q.shape[2] != k.shape[2]:
         return _attn_torch(q, k, v, causal, scale, window)
     return _attn_op(q, k, v, causal, float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))[0]
@@ -933,9 +1000,63 @@ def bench():
         del z
 
 
+def _ms(fn, cuda):
+    """Milliseconds a call of fn takes, after a warm-up call (which compiles): triton's do_bench on a GPU, one call
+    on a CPU."""
+    fn()
+    if cuda:
+        from triton.testing import do_bench
+        return do_bench(fn)
+    t0 = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - t0)
+
+
+def bench_window():
+    """Print the ms of sliding-window attention, a window of T/4, forward and forward + backward, at T 1,024 and
+    4,096 on a GPU, in bf16 at GPT-2 124M's 12 heads of 64 and its 32 x 1,024 tokens a micro-step: the masked SDPA
+    (its mask made in each call, as a step makes it), FlexAttention (its block mask made once, before) and, beside
+    them, SDPA's causal attention with no window. On a CPU: T 256 and 512 in fp32 and 1,024 tokens, FlexAttention
+    forward only, which checks that the code runs; those are not figures."""
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    dt = torch.bfloat16 if cuda else torch.float32
+    sizes = (1024, 4096) if cuda else (256, 512)
+    tokens = 32768 if cuda else 1024
+    where = torch.cuda.get_device_name() if cuda else "a CPU (to check the code runs; not figures)"
+    use_attention("flex")
+    print(f"# sliding-window attention, window T/4, {str(dt)[6:]}, on {where}: ms forward / forward + backward")
+    print("| T | window | B x H x D | causal SDPA, no window | masked SDPA | FlexAttention | flex / masked, f+b |")
+    print("|---|---|---|---|---|---|---|")
+    for T in sizes:
+        W = T // 4
+        B = tokens // T
+        q, k, v = (torch.randn(B, 12, T, 64, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+        g = torch.randn_like(q)
+        paths = {"causal": lambda: _attn_torch(q, k, v, True, None),
+                 "masked": lambda: _attn_torch(q, k, v, True, None, W),
+                 "flex": lambda: _attn_flex(q, k, v, None, W)}
+        cells, both = [], {}
+        for name, f in paths.items():
+            with torch.no_grad():
+                fwd = _ms(f, cuda)
+            cell = f"{fwd:.2f} / no backward on a CPU"
+            if cuda or name != "flex":
+                both[name] = _ms(lambda: f().backward(g), cuda)
+                cell = f"{fwd:.2f} / {both[name]:.2f}"
+            cells.append(cell)
+        ratio = f"{both['flex'] / both['masked']:.2f}x" if "flex" in both else "-"
+        print(f"| {T:,} | {W:,} | {B} x 12 x 64 | " + " | ".join(cells) + f" | {ratio} |")
+        q.grad = k.grad = v.grad = None
+    use_attention("sdpa")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--bench"]:
         sys.exit(bench())  # exit 0, or a one-line error where there is no GPU
+    if sys.argv[1:] == ["--bench_window"]:
+        sys.exit(bench_window())  # a GPU's figures; on a CPU, the same code at small sizes
     if sys.argv[1:] not in ([], ["-h"], ["--help"]):  # a typo such as --bnech must not pass for a bench that ran
-        sys.exit(f"kernels.py: error: unknown argument {sys.argv[1]!r}; its only flag is --bench (a GPU's timings)")
+        sys.exit(f"kernels.py: error: unknown argument {sys.argv[1]!r}; its flags are --bench and --bench_window "
+                 "(a GPU's timings)")
     print(__doc__)

@@ -434,6 +434,7 @@ def train(cfg, stop):
     if cfg.kl:  # the --init_from model, frozen: what the KL penalty holds the policy near
         ref = copy.deepcopy(raw).requires_grad_(False).eval()
     tg.kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
+    tg.kernels.use_attention(cfg.attention)  # flex: a window skips the tiles it masks
     model, compiled = tg.wrap_model(raw, cfg, device, dtype, world_size)
     opts = tg.build_optimizers(cfg, raw, dtype)
     B = cfg.batch_size

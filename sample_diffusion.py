@@ -127,33 +127,43 @@ def profile_inner(ta, ga, tb, gb):
     if ta > tb:  # symmetric: let a end first
         ta, ga, tb, gb = tb, gb, ta, ga
     # the integral of (ga + 1)(gb + 1) tau^(ga + gb) / (ta^(ga + 1) tb^(gb + 1)) over [0, ta]
-    return (ga + 1) * (gb + 1) / ((ga + gb + 1) * tb) * (ta / tb) ** gb
+    scale = (ga + 1) * (gb + 1) / (ga + gb + 1)
+    return scale / tb * (ta / tb) ** gb
 
 def phema_coefficients(profiles, t, std):
     """Least-squares weights x of the snapshots' profiles [(t_i, gamma_i)] that rebuild the EMA of
     relative width std at step t."""
     g = td.std_to_gamma(std)
-    A = np.array([[profile_inner(ta, ga, tb, gb) for tb, gb in profiles] for ta, ga in profiles])
-    b = np.array([profile_inner(ta, ga, t, g) for ta, ga in profiles])
+    A = np.zeros((len(profiles), len(profiles)))
+    b = np.zeros(len(profiles))
+    for i, (ta, ga) in enumerate(profiles):
+        b[i] = profile_inner(ta, ga, t, g)
+        for j, (tb, gb) in enumerate(profiles):
+            A[i, j] = profile_inner(ta, ga, tb, gb)
     # A is a Gram matrix of nearly parallel profiles, so ill-conditioned: solved in float64 by lstsq
     return np.linalg.lstsq(A, b, rcond=None)[0]
 
 def posthoc_ema(folder, step, std, model):
     """{name: tensor} of model's parameters, an EMA of width std at step rebuilt from the snapshots in
     folder (phema_STEP.pt, written by train_diffusion.py --phema_every) up to step."""
-    snaps = []
+    profiles, weights = [], []  # (t, gamma) of each profile of each snapshot, and its weights
     for path in sorted(glob.glob(os.path.join(folder, "phema_*.pt"))):
         with td.exit_if_unreadable(path, "delete it, or pass --ema_std=0 for the run's EMA"):
             snap = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as it is used
-            if snap["step"] <= step:  # later ones belong to a run that went on past this checkpoint
-                snaps += [(int(p["t"]), td.std_to_gamma(p["std"]), p["weights"]) for p in snap["profiles"]]
-    if not snaps:
+            if snap["step"] > step:  # it belongs to a run that went on past this checkpoint
+                continue
+            for p in snap["profiles"]:
+                profiles.append((int(p["t"]), td.std_to_gamma(p["std"])))
+                weights.append(p["weights"])
+    if not profiles:
         td.die(f"--ema_std: no snapshots up to step {step} in {folder}; train with --phema_every=N")
-    x = phema_coefficients([(t, g) for t, g, _ in snaps], step, std)
-    names = [name for name, _ in model.named_parameters()]
+    x = phema_coefficients(profiles, step, std)
     mixed = {}
-    for k in names:  # a parameter at a time, so memory holds one mix
-        mixed[k] = sum(float(w) * weights[k].double() for w, (_, _, weights) in zip(x, snaps)).float()
+    for k, _ in model.named_parameters():  # a parameter at a time, so memory holds one mix
+        mix = torch.zeros_like(weights[0][k], dtype=torch.float64)
+        for w, ws in zip(x, weights):
+            mix += float(w) * ws[k].double()
+        mixed[k] = mix.float()
     return mixed
 
 # -----------------------------------------------------------------------------
@@ -172,15 +182,16 @@ def main(cfg):
     weights = "EMA" if ckpt["ema"] else "raw"
     if cfg.ema_std:  # the weights of another EMA length, rebuilt from the run's snapshots
         folder = os.path.join(os.path.dirname(path), "phema")
-        model.load_state_dict(posthoc_ema(folder, ckpt["step"], cfg.ema_std, model), strict=False)
+        rebuilt = posthoc_ema(folder, ckpt["step"], cfg.ema_std, model)
+        model.load_state_dict(rebuilt, strict=False)  # the parameters; the buffers stay the run's
         weights = f"post-hoc EMA {cfg.ema_std:g}"
     guide = None
     if cfg.guide:  # autoguidance: a worse model of the same task, the same images and classes
         guide_ckpt, guide_path = td.load_checkpoint(cfg.guide)
         guide, theirs, guide_meta, guide_K = load_model(guide_path, guide_ckpt, cfg.guide, device)
-        same = guide_meta == meta and guide_K == K
-        same = same and (theirs.objective, theirs.predict) == (trained.objective, trained.predict)
-        if not same:
+        same_data = guide_meta == meta and guide_K == K
+        same_objective = theirs.objective == trained.objective and theirs.predict == trained.predict
+        if not (same_data and same_objective):
             td.die(f"--guide={cfg.guide}: its model learned another task (data, classes or objective) than "
                    f"{path}'s; pass a checkpoint of the same run, or of one with the same flags but its size")
     # a sampler integrates the objective the run learned: Euler or Heun a flow, DDIM a DDPM

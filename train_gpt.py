@@ -140,6 +140,7 @@ class Config:
     offload: Literal["none", "params"] = "none"  # fsdp: keep the parameters in CPU memory
     seed: int = 1337  # of the init, the order of the train rows and the sampling
     kernels: Literal["auto", "triton", "torch"] = "auto"  # Triton's or PyTorch's ops; auto: the faster per op
+    attention: Literal["sdpa", "flex"] = "sdpa"  # --window's: SDPA under a dense mask, or FlexAttention (CUDA)
     # the text sampled at evals (sample_gpt.py samples a finished checkpoint)
     temperature: float = 0.8  # of the sampled text; 0 = greedy
     top_k: int = 50  # sample from the k likeliest tokens; 0 = all tokens
@@ -1382,6 +1383,7 @@ def train(cfg, stop, build=None, resume_fields=()):
     cfg = dataclasses.replace(cfg, dtype=str(dtype).removeprefix("torch."))
     # the wrapped model, the optimizers, the guard
     kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
+    kernels.use_attention(cfg.attention)  # flex: a window skips the tiles it masks
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw, dtype)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
@@ -1544,6 +1546,9 @@ def check_config(cfg):
     if not (cfg.lr > 0 and 0 <= cfg.final_lr_frac <= 1 and 0 < cfg.cooldown_frac <= 1
             and 0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         die("need --lr > 0, 0 <= --final_lr_frac <= 1, 0 < --cooldown_frac <= 1, 0 <= --beta1, --beta2 < 1")
+    cuda = cfg.device in ("auto", "cuda") and torch.cuda.is_available()
+    if cfg.attention == "flex" and not cuda:  # FlexAttention's backward runs on CUDA only
+        die("--attention=flex needs a CUDA GPU (FlexAttention has no backward elsewhere); use --attention=sdpa")
     if cfg.seq_len_warmup and (cfg.seq_len % 64 or not 64 <= cfg.seq_len_start <= cfg.seq_len):
         die(f"--seq_len_warmup needs --seq_len a multiple of 64 (got {cfg.seq_len}) and "
             f"64 <= --seq_len_start <= --seq_len (got {cfg.seq_len_start})")

@@ -77,8 +77,9 @@ def test_every_flag_of_the_image_scripts_has_help():
 # trainer by about 750; issue 78's ladder made value embeddings the GPT's default, 330 tokens: the tables and their
 # gates, the optimizer's group for them, and the checkpoints from before them. Its losing tricks were deleted;
 # issue 79 gave the DiT a guidance interval and autoguidance in guided() (about 150 tokens), and the post-hoc EMA's
-# two power-function profiles, their snapshots and their place in the checkpoint and the resume (about 600))
-TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 11126), "train_vit.py": (7500, 10334),
+# two power-function profiles, their snapshots and their place in the checkpoint and the resume (about 600); issue
+# 82's --attention=flex, 51: its field, its call to kernels.use_attention and check_config's refusal off CUDA)
+TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 11177), "train_vit.py": (7500, 10334),
                             "train_diffusion.py": (7500, 11604)}
 # the shared machinery fence of each trainer (issue 61's stop flag, read every step, added 80; issue 59's helpers
 # that return values instead of printing behind a return, -h groups and the source copy, 180; the guard's packed
@@ -91,8 +92,13 @@ TOKENS_MACHINERY = (3500, 4348)  # issue 77: the guard's device side out, RunLog
 # config_lines, 4 in each trainer. Issue 81's new job, CORE (DCLM's 22 tasks) beside HellaSwag, comes on top too:
 # eval_gpt.py 1,178 -> 3,023 (the bundle's reader and checks, the three kinds' prompts, continuations and rules, the
 # scorer across ranks, --task and --core_items; the label message of issue 80) and prepare_data.py 8,786 -> 9,370
-# (prepare_data.py core: the download, its SHA-256, the zip's CRC-32 and completeness checks, the published layout)
-TOKENS_SUITE = int(83948 * 1.05) + 4006 + 1567 + 868 + 3 * 4 + 1845 + 584
+# (prepare_data.py core: the download, its SHA-256, the zip's CRC-32 and completeness checks, the published layout);
+# issue 82's FlexAttention for --window, 832: kernels.py's path (use_attention, the band, the block masks, the call;
+# 376) and its GPU timing (bench_window, 385), the flag in train_gpt.py (51) and its use_attention calls in
+# chat_gpt.py and rl_gpt.py (10 each); issue 79's guidance interval, autoguidance and post-hoc EMA, 754 in
+# train_diffusion.py and 652 in sample_diffusion.py (1,047 -> 1,699: the least squares and the rebuilt weights, --guide
+# and its checks, the grid's name)
+TOKENS_SUITE = int(83948 * 1.05) + 4006 + 1567 + 868 + 3 * 4 + 1845 + 584 + 832 + 754 + 652
 COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "rl_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py",
               "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
@@ -183,8 +189,9 @@ def test_counts_match_the_shared_reference():
 # Issue 77: one training step's path, counted the same way each time by tests/step_path.py (its docstring names the
 # method: what runs in a logged step, what train() sets up outside the machinery, the Config and train()'s loop), as
 # (goal, ceiling) of (code tokens, places). At baab10e: GPT 7,398 in 8, ViT 7,745 in 7, DiT 7,020 in 9; issue 78's
-# value embeddings, the GPT's default, are on its path: 7,233 -> 7,522
-STEP_PATH = {"train_gpt.py": ((5500, 6), (7522, 7)), "train_vit.py": ((5500, 6), (7462, 6)),
+# value embeddings, the GPT's default, are on its path: 7,233 -> 7,522; issue 82's --attention field and its
+# kernels.use_attention call in train(): 7,540
+STEP_PATH = {"train_gpt.py": ((5500, 6), (7540, 7)), "train_vit.py": ((5500, 6), (7462, 6)),
              "train_diffusion.py": ((5500, 6), (6747, 7))}
 FORWARD_REFS = 12  # names used above their definition outside the machinery (readability.py --names), each trainer
 

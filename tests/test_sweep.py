@@ -491,9 +491,10 @@ def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, mon
 
 
 def test_kernels_py_refuses_an_unknown_argument(tmp_path):
-    """python kernels.py takes --bench (a GPU's timings), or nothing or -h (its docstring): a typo is refused in one
-    line with exit status 1, not answered with the docstring and exit 0 as if a bench had run."""
+    """python kernels.py takes --bench or --bench_window (a GPU's timings), or nothing or -h (its docstring): a typo
+    is refused in one line with exit status 1, not answered with the docstring and exit 0 as if a bench had run."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py"), "--bnech"], capture_output=True, text=True,
                        cwd=tmp_path, timeout=120)
-    line = "kernels.py: error: unknown argument '--bnech'; its only flag is --bench (a GPU's timings)\n"
+    line = ("kernels.py: error: unknown argument '--bnech'; its flags are --bench and --bench_window (a GPU's "
+            "timings)\n")
     assert (p.returncode, p.stdout, p.stderr) == (1, "", line), p.stderr
