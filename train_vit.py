@@ -1277,6 +1277,9 @@ def train(cfg, stop):
     H, W = meta["image_size"]
     C = meta["channels"]
     K = meta["num_classes"]
+    if K < 2:  # one class: every image is right before a step, and the loss falls to 0 with nothing learnt
+        die(f"{cfg.data_dir} holds images of {K} class ({', '.join(meta['classes'])}); a classifier needs at least "
+            f"2: prepare a folder of two or more, one subfolder a class (prepare_data.py imagefolder PATH)")
     check_shift(cfg, H)
     flip, why = flips(cfg, meta)
     # Two views of the data go into every checkpoint: data_info, which a resume must match, and data_meta, which

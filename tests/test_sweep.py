@@ -228,6 +228,15 @@ def chat_data_here(t, f):
     return ["--chat", "--prompt=hi", "--device=cpu"]
 
 
+def one_class(t):
+    """An image data dir made by hand whose images are all of one class (prepare_data.py refuses such a folder)."""
+    import prepare_data
+    x, y = prepare_data.make_shapes(16, 16, 0)
+    splits = {"train": (x, y * 0), "val": (x[:8], y[:8] * 0)}
+    prepare_data.write_images(t / "one", splits, ["circle"], "by hand")
+    return t / "one"
+
+
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
@@ -392,6 +401,9 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
     "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
     "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
+    # issue 80's sweep: a classifier of one class, ...
+    "vit-data_dir-of-one-class": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={one_class(t)}",
+                                                                   "--eval_images=8")),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-device-mps-missing": "--device=mps but MPS is not available",
@@ -399,6 +411,7 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-data_dir-of-images": "holds images, which train_vit.py and train_diffusion.py read",
     "vit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "dit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
+    "vit-data_dir-of-one-class": "/one holds images of 1 class (circle); a classifier needs at least 2",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
     "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
                                     "shapes -h",
