@@ -237,6 +237,19 @@ def one_class(t):
     return t / "one"
 
 
+def rl(f, t, *flags):
+    """rl_gpt.py's flags for a two-step run from the chat model, on 20 arithmetic dialogues, then flags."""
+    return [f"--init_from={f.chat_model}", "--conversations=20", "--max_steps=2", "--batch_size=1", "--samples=2",
+            "--max_new_tokens=2", "--eval_items=1", "--pass_k=0", "--eval_every=0", "--device=cpu", "--compile=false",
+            f"--out_dir={t / 'rl'}", *flags]
+
+
+def rl_finished(t, f):
+    """--resume of a finished two-step RL run, with the same budget."""
+    entry("rl_gpt.py", rl(f, t))
+    return rl(f, t, "--resume")
+
+
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
@@ -401,9 +414,11 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
     "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
     "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
-    # issue 80's sweep: a classifier of one class, ...
+    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed
     "vit-data_dir-of-one-class": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={one_class(t)}",
                                                                    "--eval_images=8")),
+    "rl-resume-a-finished-run": ("rl_gpt.py", rl_finished),
+    "rl-answer_regex-not-a-regex": ("rl_gpt.py", lambda t, f: rl(f, t, r"--answer_regex=(\d+")),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-device-mps-missing": "--device=mps but MPS is not available",
@@ -412,6 +427,8 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
     "vit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "dit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "vit-data_dir-of-one-class": "/one holds images of 1 class (circle); a classifier needs at least 2",
+    "rl-resume-a-finished-run": "/rl is complete at step 2; raise its budget (--max_steps, --time_budget, ...)",
+    "rl-answer_regex-not-a-regex": "error: --answer_regex='(\\d+' is no regular expression (missing ), unterminated ",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
     "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
                                     "shapes -h",
