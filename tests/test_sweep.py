@@ -187,6 +187,24 @@ def cut_safetensors(t):
     return "model.safetensors", (t / "whole.safetensors").read_bytes()[:100]
 
 
+def gpt2_weights(t, n_layer=1, n_embd=8):
+    """model.safetensors of a tiny GPT-2 (vocab 64, 16 positions) in Hugging Face's names and layout: Conv1D
+    weights are (in, out)."""
+    import torch
+    from safetensors.torch import save_file
+    d = n_embd
+    w = {"wte.weight": torch.zeros(64, d), "wpe.weight": torch.zeros(16, d), "ln_f.weight": torch.ones(d),
+         "ln_f.bias": torch.zeros(d)}
+    for i in range(n_layer):
+        shapes = {"ln_1": (d,), "attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "ln_2": (d,), "mlp.c_fc": (d, 4 * d),
+                  "mlp.c_proj": (4 * d, d)}
+        for name, shape in shapes.items():
+            w[f"h.{i}.{name}.weight"] = torch.zeros(shape)
+            w[f"h.{i}.{name}.bias"] = torch.zeros(shape[-1])
+    save_file(w, t / "weights.safetensors")
+    return "model.safetensors", (t / "weights.safetensors").read_bytes()
+
+
 def resume_from_cut(f, t, ckpt, flags):
     """flags, then --resume from an out_dir whose only checkpoint was cut short."""
     half(ckpt, t / "run" / ckpt.name)
@@ -250,6 +268,8 @@ def rl_finished(t, f):
     return rl(f, t, "--resume")
 
 
+HF_TWO_LAYERS = json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "n_positions": 16,
+                            "layer_norm_epsilon": 1e-5, "vocab_size": 64})
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 26d9540: issue 51's closing note
@@ -414,10 +434,17 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
     "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
     "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
-    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed
+    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed, a GPT-2 folder whose config.json
+    # is not its weights'
     "vit-data_dir-of-one-class": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={one_class(t)}",
                                                                    "--eval_images=8")),
     "rl-resume-a-finished-run": ("rl_gpt.py", rl_finished),
+    "sample-hf-config-narrower-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=gpt2_weights(t, n_embd=16))}", "--device=cpu"]),
+    "sample-hf-config-deeper-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, config=HF_TWO_LAYERS, weights=gpt2_weights(t))}", "--device=cpu"]),
+    "sample-hf-config-shallower-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=gpt2_weights(t, n_layer=2))}", "--device=cpu", "--max_new_tokens=1"]),
     "rl-answer_regex-not-a-regex": ("rl_gpt.py", lambda t, f: rl(f, t, r"--answer_regex=(\d+")),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
@@ -427,6 +454,13 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
     "vit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "dit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "vit-data_dir-of-one-class": "/one holds images of 1 class (circle); a classifier needs at least 2",
+    "sample-hf-config-narrower-than-its-weights": "/hf/model.safetensors: wte.weight is 64x16 there, but "
+                                                  "config.json (n_layer 1, n_embd 8, vocab_size 64, 16 positions) "
+                                                  "makes it 64x8; the weights and config.json",
+    "sample-hf-config-deeper-than-its-weights": "/hf/model.safetensors holds no h.1.ln_1.weight, which config.json "
+                                                "(n_layer 2,",
+    "sample-hf-config-shallower-than-its-weights": "/hf/model.safetensors holds h.1.attn.c_attn.bias, of a layer "
+                                                   "beyond config.json's n_layer 1;",
     "rl-resume-a-finished-run": "/rl is complete at step 2; raise its budget (--max_steps, --time_budget, ...)",
     "rl-answer_regex-not-a-regex": "error: --answer_regex='(\\d+' is no regular expression (missing ), unterminated ",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
