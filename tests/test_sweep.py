@@ -10,7 +10,9 @@ import importlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -547,6 +549,72 @@ def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, mon
     code, out, err, new = run("prepare_data.py", ["hellaswag", f"--data_dir={tmp_path / 'new' / 'hs'}"], tmp_path)
     assert not problems("prepare_data.py", code, out, err, new) and "error: cannot download " in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+KILLED = os.path.join("train", "c1", "im5.png")  # the 14th of 16 train images: in chunk 7 of 8, of two images each
+
+
+def decode_or_be_killed(paths, size):
+    """prepare_data.load_images in a worker that is killed (SIGKILL, as the OOM killer kills) when it is given the
+    chunk that holds KILLED; the other chunks decode to black, which this test does not read."""
+    import numpy as np
+    if any(str(p).endswith(KILLED) for p in paths):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.zeros((len(paths), size, size, 3), np.uint8), False
+
+
+def draw_or_be_killed(seed, index, m, size, rotate):
+    """prepare_data.draw_shapes in a worker that is killed (SIGKILL) when it is given chunk 1 of the train split
+    (seed 0); the other chunks are black."""
+    import numpy as np
+    if (seed, index) == (0, 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.zeros((m, size, size, 3), np.uint8), np.zeros(m, np.int64)
+
+
+# prepare_data.py's main, in a process of its own, with its workers' task replaced by one that kills them (argv[3]: which command)
+KILLING = """import sys
+sys.path[:0] = sys.argv[1:3]
+import prepare_data, test_sweep
+if sys.argv[3] == "imagefolder":
+    prepare_data.load_images = test_sweep.decode_or_be_killed
+    prepare_data.CHUNK_BYTES = 2 * 8 * 8 * 3  # two images a chunk
+else:
+    prepare_data.draw_shapes = test_sweep.draw_or_be_killed
+sys.exit(prepare_data.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["imagefolder", "shapes"])
+def test_a_worker_killed_from_outside_ends_in_one_line(command, tmp_path):
+    """Issue 80: a worker of prepare_data.py's pool killed from outside (SIGKILL, as the OOM killer does) while it
+    decodes or draws a chunk stops the command in one line that names the chunk and the likely cause, memory, and
+    leaves nothing behind; multiprocessing.Pool waited for the dead worker's result for ever. The worker kills itself
+    on a chosen chunk, and the timeout only ends a command that hangs."""
+    from PIL import Image
+    for split, n in (("train", 8), ("val", 1)):  # 16 train images of two classes, and a val folder of 2
+        for c in ("c0", "c1"):
+            for i in range(n):
+                put(tmp_path / split / c / f"im{i}.png", b"")
+                Image.new("RGB", (8, 8)).save(tmp_path / split / c / f"im{i}.png")
+    flags = [f"--data_dir={tmp_path / 'd'}", "--image_size=8", "--workers=2"]
+    if command == "imagefolder":
+        argv = ["imagefolder", str(tmp_path / "train"), f"--val={tmp_path / 'val'}", *flags]
+        killed, n = 7, 8
+    else:
+        argv = ["shapes", "--train_size=600", "--val_size=10", *flags]  # chunks of 256 images: 3 for train
+        killed, n = 2, 3
+    before = set(tmp_path.rglob("*"))
+    p = subprocess.run([sys.executable, "-c", KILLING, ROOT, os.path.dirname(__file__), *argv], capture_output=True,
+                       cwd=tmp_path, timeout=120)  # bytes: text mode would turn the progress line's \r into \n
+    new = sorted(str(q.relative_to(tmp_path)) for q in set(tmp_path.rglob("*")) - before)
+    err = p.stderr.decode()
+    assert not problems("prepare_data.py", p.returncode, p.stdout.decode(), err, new), err
+    line = err.strip().split("\n")[-1]
+    assert "a worker process was killed from outside" in line and "memory ran out" in line, line
+    # the chunks that were in flight when the pool broke (any of them may have been the killed worker's) hold it
+    m = re.search(rf" chunks? (\d+)(?:-(\d+))? of {n} ", line)
+    assert m and int(m[1]) <= killed <= int(m[2] or m[1]) and "--workers" in line, line
 
 
 def test_kernels_py_refuses_an_unknown_argument(tmp_path):
