@@ -85,8 +85,8 @@ PRESETS = {
 # instead. Those scripts read GPT-2, LoRA and int8 checkpoints through load_model below.
 MOVED = {
     **tg.MOVED,
-    "sample": "python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=out/finetune)",
-    "eval_only": "python eval_gpt.py --ckpt=gpt2 --items=data/hellaswag (or --ckpt=out/finetune)",
+    "sample": "python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=out/gpt, this script's run)",
+    "eval_only": "python eval_gpt.py --ckpt=gpt2 --items=data/hellaswag (or --ckpt=out/gpt, this script's run)",
 }
 # A resume must share these with the run it resumes, besides train_gpt.py's fields: they change what the weights in
 # the checkpoint mean (adapters, a quantization grid) though not the base model's shapes.

@@ -448,6 +448,13 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "sample-hf-config-shallower-than-its-weights": ("sample_gpt.py", lambda t, f: [
         f"--ckpt={hf_folder(t, weights=gpt2_weights(t, n_layer=2))}", "--device=cpu", "--max_new_tokens=1"]),
     "rl-answer_regex-not-a-regex": ("rl_gpt.py", lambda t, f: rl(f, t, r"--answer_regex=(\d+")),
+    # an old flag's new command, with the user's own values: --out_dir (or a preset's) as --ckpt, and the flags given
+    "gpt-sample-moved-own-out_dir": ("train_gpt.py", lambda t, f: ["--sample", "--prompt=def f(x):",
+                                                                   "--out_dir=runs/mine"]),
+    "gpt-eval_only-moved-a-presets-out_dir": ("train_gpt.py", lambda t, f: ["--preset=gpt2_124m", "--eval_only"]),
+    "ft-sample-moved-own-out_dir": ("finetune_gpt.py", lambda t, f: ["--sample", "--out_dir=runs/ft"]),
+    "vit-predict-moved-own-ckpt": ("train_vit.py", lambda t, f: ["--predict=pngs", "--ckpt=runs/vit"]),
+    "dit-sample_out-moved-own-out_dir": ("train_diffusion.py", lambda t, f: ["--sample_out=g.png", "--out_dir=runs/dit"]),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-device-mps-missing": "--device=mps but MPS is not available",
@@ -463,6 +470,11 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
                                                 "(n_layer 2,",
     "sample-hf-config-shallower-than-its-weights": "/hf/model.safetensors holds h.1.attn.c_attn.bias, of a layer "
                                                    "beyond config.json's n_layer 1;",
+    "gpt-sample-moved-own-out_dir": "error: --sample moved: python sample_gpt.py --ckpt=runs/mine --prompt='def f(x):'",
+    "gpt-eval_only-moved-a-presets-out_dir": "moved: python eval_gpt.py --ckpt=out/gpt2_124m --items=data/hellaswag",
+    "ft-sample-moved-own-out_dir": "moved: python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=runs/ft, this script's run)",
+    "vit-predict-moved-own-ckpt": "error: --predict moved: python predict_vit.py --ckpt=runs/vit --images=PATH",
+    "dit-sample_out-moved-own-out_dir": "moved: python sample_diffusion.py --ckpt=runs/dit --out=PATH.png",
     "rl-resume-a-finished-run": "/rl is complete at step 2; raise its budget (--max_steps, --time_budget, ...)",
     "rl-answer_regex-not-a-regex": "error: --answer_regex='(\\d+' is no regular expression (missing ), unterminated ",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
