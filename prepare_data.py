@@ -1078,8 +1078,8 @@ def in_order(pool, work, jobs, window, firsts):
         where = f"chunks {taken + 1}-{last}"
         if last == taken + 1:
             where = f"chunk {last}"
-        fail(f"a worker process was killed from outside with {where} of {len(jobs)} under way (the first from "
-             f"{firsts[taken]}), most likely by the kernel's OOM killer: memory ran out; run this again with fewer "
+        fail(f"a worker process was killed from outside with {where} of {len(jobs)} under way (the first starts "
+             f"at {firsts[taken]}), most likely by the kernel's OOM killer: memory ran out; run this again with fewer "
              f"--workers, or with more memory free")
 
 def write_split(stage, split, pairs, size, pool, window):

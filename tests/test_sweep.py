@@ -436,8 +436,8 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     "gpt-data_dir-of-images": ("train_gpt.py", lambda t, f: gpt(f, t, f"--data_dir={f.shapes}")),
     "vit-data_dir-of-text": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={f.corpus}")),
     "dit-data_dir-of-text": ("train_diffusion.py", lambda t, f: img(f, t, DIT, f"--data_dir={f.corpus}")),
-    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed, a GPT-2 folder whose config.json
-    # is not its weights'
+    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed, a GPT-2
+    # folder whose config.json is not its weights'
     "vit-data_dir-of-one-class": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={one_class(t)}",
                                                                    "--eval_images=8")),
     "rl-resume-a-finished-run": ("rl_gpt.py", rl_finished),
@@ -470,9 +470,11 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
                                                 "(n_layer 2,",
     "sample-hf-config-shallower-than-its-weights": "/hf/model.safetensors holds h.1.attn.c_attn.bias, of a layer "
                                                    "beyond config.json's n_layer 1;",
-    "gpt-sample-moved-own-out_dir": "error: --sample moved: python sample_gpt.py --ckpt=runs/mine --prompt='def f(x):'",
+    "gpt-sample-moved-own-out_dir": "error: --sample moved: python sample_gpt.py --ckpt=runs/mine "
+                                    "--prompt='def f(x):'",
     "gpt-eval_only-moved-a-presets-out_dir": "moved: python eval_gpt.py --ckpt=out/gpt2_124m --items=data/hellaswag",
-    "ft-sample-moved-own-out_dir": "moved: python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=runs/ft, this script's run)",
+    "ft-sample-moved-own-out_dir": "moved: python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=runs/ft, this "
+                                   "script's run)",
     "vit-predict-moved-own-ckpt": "error: --predict moved: python predict_vit.py --ckpt=runs/vit --images=PATH",
     "dit-sample_out-moved-own-out_dir": "moved: python sample_diffusion.py --ckpt=runs/dit --out=PATH.png",
     "rl-resume-a-finished-run": "/rl is complete at step 2; raise its budget (--max_steps, --time_budget, ...)",
@@ -584,7 +586,7 @@ def draw_or_be_killed(seed, index, m, size, rotate):
     return np.zeros((m, size, size, 3), np.uint8), np.zeros(m, np.int64)
 
 
-# prepare_data.py's main, in a process of its own, with its workers' task replaced by one that kills them (argv[3]: which command)
+# prepare_data.py's main in a process of its own, its workers' task one that kills them (argv[3]: the command)
 KILLING = """import sys
 sys.path[:0] = sys.argv[1:3]
 import prepare_data, test_sweep
