@@ -85,8 +85,8 @@ PRESETS = {
 # instead. Those scripts read GPT-2, LoRA and int8 checkpoints through load_model below.
 MOVED = {
     **tg.MOVED,
-    "sample": "python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=out/finetune)",
-    "eval_only": "python eval_gpt.py --ckpt=gpt2 --items=data/hellaswag (or --ckpt=out/finetune)",
+    "sample": "python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=out/gpt, this script's run)",
+    "eval_only": "python eval_gpt.py --ckpt=gpt2 --items=data/hellaswag (or --ckpt=out/gpt, this script's run)",
 }
 # A resume must share these with the run it resumes, besides train_gpt.py's fields: they change what the weights in
 # the checkpoint mean (adapters, a quantization grid) though not the base model's shapes.
@@ -261,6 +261,30 @@ def conv1d(name, t):
         return t.T
     return t
 
+def check_gpt2_shapes(hf, cfg, vocab_size, path):
+    """Stop in one line where the weights hf (HF's names) are not of the sizes config.json gives (in cfg): the
+    tensor, its shape in the file and the shape config.json makes it, and the fix."""
+    with torch.device("meta"):  # the model config.json describes, as shapes only: nothing is allocated
+        ours = tg.GPT(cfg, vocab_size).state_dict()
+    sizes = f"n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, vocab_size {vocab_size}, {cfg.seq_len} positions"
+    fix = ("the weights and config.json are of different models: set config.json's sizes to the weights', or "
+           "pass the config.json that came with them")
+    for theirs, name in gpt2_names(cfg.n_layer).items():
+        if theirs not in hf:
+            tg.die(f"{path} holds no {theirs}, which config.json ({sizes}) asks for; {fix}")
+        want = tuple(conv1d(theirs, ours[name]).shape)  # in GPT-2's layout
+        got = tuple(hf[theirs].shape)
+        if theirs == "wte.weight":  # ours has the padding rows that gpt2_state_dict adds
+            want = (vocab_size, cfg.n_embd)
+        if theirs == "wpe.weight":  # a table of more positions than this run reads: it reads the first rows
+            got = tuple(hf[theirs][:cfg.seq_len].shape)
+        if got != want:
+            tg.die(f"{path}: {theirs} is {'x'.join(map(str, got))} there, but config.json ({sizes}) makes it "
+                   f"{'x'.join(map(str, want))}; {fix}")
+    beyond = sorted(k for k in hf if k.startswith(f"h.{cfg.n_layer}."))
+    if beyond:  # a deeper model than config.json says: the layers past its n_layer would be dropped unread
+        tg.die(f"{path} holds {beyond[0]}, of a layer beyond config.json's n_layer {cfg.n_layer}; {fix}")
+
 def gpt2_state_dict(folder, cfg, vocab_size):
     """Our state dict of the HF GPT-2 weights in folder: the vocab padded with zero rows
     to a multiple of 64, the positions cut to seq_len."""
@@ -277,6 +301,7 @@ def gpt2_state_dict(folder, cfg, vocab_size):
         except SafetensorError as e:  # truncated or damaged: one line, as for any file we read
             raise ValueError(e) from None
         hf = {k.removeprefix("transformer."): v.float() for k, v in hf.items()}
+        check_gpt2_shapes(hf, cfg, vocab_size, path)
         sd = {ours: conv1d(theirs, hf[theirs]) for theirs, ours in gpt2_names(cfg.n_layer).items()}
     # 50,257 rows padded to 50,304 = 64 x 786, a shape the matmuls run fast on (nanoGPT's trick). The padding rows
     # are zeros and never sampled: GPT.logits drops them.

@@ -47,7 +47,6 @@ import io
 import json
 import lzma
 import math
-import multiprocessing
 import os
 import pickle
 import random
@@ -62,6 +61,8 @@ import urllib.request
 import zipfile
 import zlib
 from collections import Counter, defaultdict, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -724,7 +725,8 @@ def make_shapes(n, size, seed, rotate=True, pool=None, chunk=256):
     # its own, seeded by (seed, the chunk's index), and draws from it in a fixed order: the same seed gives the same
     # images, bit for bit, whether the chunks are drawn here or side by side by a pool's processes.
     jobs = [(seed, index, min(chunk, n - i), size, rotate) for index, i in enumerate(range(0, n, chunk))]
-    parts = pool.starmap(draw_shapes, jobs) if pool else [draw_shapes(*job) for job in jobs]
+    firsts = [f"image {i:,}" for i in range(0, n, chunk)]  # each chunk's first, which an error names
+    parts = list(in_order(pool, draw_shapes, jobs, len(jobs), firsts))
     return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 def draw_shapes(seed, index, m, size, rotate):
@@ -1095,8 +1097,9 @@ def write_images(data_dir, splits, classes, source, flip_ok=True):
 # imagefolder, streamed: each split is decoded by worker processes and written to its staged file a chunk at a time
 
 def quiet_worker():
-    """Run by each worker of a pool as it starts: Ctrl-C is for the main process (which stops the pool), and the
-    pool's stop (SIGTERM) ends a worker at once, not as the KeyboardInterrupt that main() makes of it (a traceback)."""
+    """Run by each worker of a pool as it starts: Ctrl-C is for the main process (which stops the pool), and a
+    SIGTERM (a scheduler's stop of the whole job) ends a worker at once, not as the KeyboardInterrupt that main()
+    makes of it (a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -1112,30 +1115,46 @@ def worker_pool(workers):
     if workers <= 1:
         yield None
         return
-    pool = multiprocessing.Pool(workers, initializer=quiet_worker)
+    # concurrent.futures, not multiprocessing.Pool: a Pool replaces a worker killed from outside (SIGKILL, the OOM
+    # killer's signal) and waits for the dead one's result for ever, while this pool breaks, and says so
+    pool = ProcessPoolExecutor(workers, initializer=quiet_worker)
     try:
         yield pool
     finally:
-        # stop the workers even mid-chunk (after a bad image, Ctrl-C or a failed write), and wait until they are gone
-        pool.terminate()
-        pool.join()
+        # after a bad image, Ctrl-C or a failed write: the queued chunks are dropped, and the workers finish the
+        # ones they hold (2 MiB each) and exit
+        pool.shutdown(cancel_futures=True)
 
-def decode_in_order(pool, chunks, size, window):
-    """load_images of each chunk of paths, in order: in this process if pool is None, else by the pool, with at
-    most `window` chunks in flight (queued, being decoded, or decoded and waiting to be written)."""
+def in_order(pool, work, jobs, window, firsts):
+    """work(*job) of each job, in order: in this process if pool is None, else by the pool, with at most `window`
+    jobs in flight (queued, at work, or done and waiting to be taken). firsts[i]: job i's first image, for errors."""
     if pool is None:
-        for chunk in chunks:
-            yield load_images(chunk, size)
+        for job in jobs:
+            yield work(*job)
         return
     # Pool.imap would queue every chunk at once and keep each result until it is taken, so a slow disk would let
     # decoded chunks pile up in memory; here a new chunk is sent only when the oldest is taken
     pending = deque()
-    for chunk in chunks:
-        pending.append(pool.apply_async(load_images, (chunk, size)))
-        if len(pending) == window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    taken = 0  # jobs whose results were taken; those from here on are in flight
+    try:
+        for job in jobs:
+            pending.append(pool.submit(work, *job))
+            if len(pending) == window:
+                yield pending.popleft().result()  # a worker's exception (BadImage) is raised here
+                taken += 1
+        while pending:
+            yield pending.popleft().result()
+            taken += 1
+    except BrokenProcessPool:
+        # A worker died without a word: killed from outside, since its own errors come back as exceptions. The pool
+        # cannot tell which job it held, so the error names those in flight (or next): one of them was its.
+        last = min(taken + len(pending) + 1, len(jobs))
+        where = f"chunks {taken + 1}-{last}"
+        if last == taken + 1:
+            where = f"chunk {last}"
+        fail(f"a worker process was killed from outside with {where} of {len(jobs)} under way (the first starts "
+             f"at {firsts[taken]}), most likely by the kernel's OOM killer: memory ran out; run this again with fewer "
+             f"--workers, or with more memory free")
 
 def write_split(stage, split, pairs, size, pool, window):
     """Decode a split's (path, label) pairs into stage/{split}_images.npy, a chunk at a time in the file's order,
@@ -1147,13 +1166,14 @@ def write_split(stage, split, pairs, size, pool, window):
     offset = new_npy(path, (len(paths), size, size, 3))
     per_chunk = images_per_chunk((size, size, 3))
     chunks = [paths[i:i + per_chunk] for i in range(0, len(paths), per_chunk)]
+    jobs = [(chunk, size) for chunk in chunks]
     gray = True
     done = 0
     shown = 0.0
     with open(path, "r+b") as f:
         f.seek(offset)
         try:
-            for x, chunk_gray in decode_in_order(pool, chunks, size, window):
+            for x, chunk_gray in in_order(pool, load_images, jobs, window, [c[0] for c in chunks]):
                 f.write(x)  # (n, size, size, 3): the next n images, appended in place
                 gray = gray and chunk_gray
                 done += len(x)

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def check_config(cfg):
     try:
         re.compile(cfg.answer_regex)
     except re.error as e:
-        tg.die(f"--answer_regex={cfg.answer_regex!r} is no regular expression ({e}); fix it, or pass '' to "
-               f"compare whole replies")
+        # echoed as it was typed, quoted for the shell (a repr would double each backslash: a different regex)
+        tg.die(f"--answer_regex={shlex.quote(cfg.answer_regex)} is no regular expression ({e}); fix it, or pass '' "
+               f"to compare whole replies")
     # the loop wraps the model in DDP only, and its loss is the policy gradient alone (no teacher, no QAT)
     if cfg.parallel == "fsdp" or cfg.teacher or cfg.qat:
         tg.die("rl_gpt.py trains with DDP, without --teacher or --qat; drop --parallel=fsdp, --teacher, --qat")
@@ -400,7 +402,9 @@ def start(cfg, rank, world_size):
     if not cfg.score_only:
         ft.check_writable("--out_dir", cfg.out_dir)  # now, not at the first save
         layout = tg.run_layout(dataclasses.asdict(cfg), world_size, info)  # what a resume must share
-        ckpt = tg.resume_point(cfg.out_dir, cfg.resume, layout, rank == 0)[0]
+        # the budget as train() reads it, so that a run which is done already stops here, as the trainers' do
+        time_budget = 0.0 if cfg.max_steps else cfg.time_budget
+        ckpt = tg.resume_point(cfg.out_dir, cfg.resume, layout, rank == 0, cfg.max_steps, time_budget)[0]
     return cfg, tok, init, info, ckpt
 
 def save(out_dir, ckpt, keep_last):

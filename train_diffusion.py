@@ -1692,6 +1692,15 @@ def finite(text):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return x
 
+def own_value(given, out_dir, m):
+    """A --key=VALUE (the match m) of a moved job's command in the user's own value: the --key given, and for
+    --ckpt=OUT_DIR, the default run's folder, the --out_dir given (or the preset's)."""
+    import shlex  # a value with spaces or quotes, written as a shell reads it back
+    key, value = m.groups()
+    if key == "ckpt" and value == out_dir:
+        value = given.get("out_dir", value)
+    return f"--{key}={shlex.quote(str(given.get(key, value)))}"
+
 def parse_args(cls, argv):
     """A Config from --key=value flags over a --preset. Unlike nanoGPT's configurator, which
     exec()s its arguments, a typo stops in one line that names the nearest flag."""
@@ -1729,7 +1738,16 @@ def parse_args(cls, argv):
         flag = unknown[0].split("=")[0]
         moved = getattr(module, "MOVED", {})  # jobs that moved to a companion: name its command
         if flag.lstrip("-") in moved:
-            die(f"{flag} moved: {moved[flag.lstrip('-')]}")
+            # the values of this command line, over the preset's: the flags known here, then the moved ones
+            defaults = module.PRESETS.get(vars(args).get("preset"), {})
+            given = {**defaults, **vars(args)}
+            for word in unknown:
+                key, eq, value = word.lstrip("-").partition("=")
+                if eq:
+                    given[key] = value
+            command = re.sub(r"--(\w+)=([^\s),]+)", functools.partial(own_value, given, cls.out_dir),
+                             moved[flag.lstrip("-")])
+            die(f"{flag} moved: {command}")
         names = [f.name for f in dataclasses.fields(cls)]
         near = difflib.get_close_matches(flag.lstrip("-"), names, n=1)
         die(f"unknown flag {flag!r}" + (f"; did you mean --{near[0]}?" if near else " (see -h)"))

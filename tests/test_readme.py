@@ -36,6 +36,10 @@ KNOWN_FAILURES = {
         "is complete at step 6; raise its budget",
         "the run before it here is complete (6 steps of 6); a run cut short resumes, as tests/test_train_gpt.py's "
         "resume tests show, and a complete one stops in this one line"),
+    "python rl_gpt.py --init_from=out/chat --out_dir=out/rl --resume": (
+        "is complete at step 3; raise its budget",
+        "the RL run before it here is complete (3 steps of 3); a run cut short by SIGTERM resumes, as "
+        "tests/test_rl_gpt.py's resume test shows, and a complete one stops in this one line (issue 80)"),
 }
 # the modes of each trainer that read a run instead of starting one (predict_vit.py and sample_diffusion.py only
 # read one: their commands are not here, and never remove an out_dir)

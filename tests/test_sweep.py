@@ -10,7 +10,9 @@ import importlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +189,24 @@ def cut_safetensors(t):
     return "model.safetensors", (t / "whole.safetensors").read_bytes()[:100]
 
 
+def gpt2_weights(t, n_layer=1, n_embd=8):
+    """model.safetensors of a tiny GPT-2 (vocab 64, 16 positions) in Hugging Face's names and layout: Conv1D
+    weights are (in, out)."""
+    import torch
+    from safetensors.torch import save_file
+    d = n_embd
+    w = {"wte.weight": torch.zeros(64, d), "wpe.weight": torch.zeros(16, d), "ln_f.weight": torch.ones(d),
+         "ln_f.bias": torch.zeros(d)}
+    for i in range(n_layer):
+        shapes = {"ln_1": (d,), "attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "ln_2": (d,), "mlp.c_fc": (d, 4 * d),
+                  "mlp.c_proj": (4 * d, d)}
+        for name, shape in shapes.items():
+            w[f"h.{i}.{name}.weight"] = torch.zeros(shape)
+            w[f"h.{i}.{name}.bias"] = torch.zeros(shape[-1])
+    save_file(w, t / "weights.safetensors")
+    return "model.safetensors", (t / "weights.safetensors").read_bytes()
+
+
 def resume_from_cut(f, t, ckpt, flags):
     """flags, then --resume from an out_dir whose only checkpoint was cut short."""
     half(ckpt, t / "run" / ckpt.name)
@@ -228,6 +248,30 @@ def chat_data_here(t, f):
     return ["--chat", "--prompt=hi", "--device=cpu"]
 
 
+def one_class(t):
+    """An image data dir made by hand whose images are all of one class (prepare_data.py refuses such a folder)."""
+    import prepare_data
+    x, y = prepare_data.make_shapes(16, 16, 0)
+    splits = {"train": (x, y * 0), "val": (x[:8], y[:8] * 0)}
+    prepare_data.write_images(t / "one", splits, ["circle"], "by hand")
+    return t / "one"
+
+
+def rl(f, t, *flags):
+    """rl_gpt.py's flags for a two-step run from the chat model, on 20 arithmetic dialogues, then flags."""
+    return [f"--init_from={f.chat_model}", "--conversations=20", "--max_steps=2", "--batch_size=1", "--samples=2",
+            "--max_new_tokens=2", "--eval_items=1", "--pass_k=0", "--eval_every=0", "--device=cpu", "--compile=false",
+            f"--out_dir={t / 'rl'}", *flags]
+
+
+def rl_finished(t, f):
+    """--resume of a finished two-step RL run, with the same budget."""
+    entry("rl_gpt.py", rl(f, t))
+    return rl(f, t, "--resume")
+
+
+HF_TWO_LAYERS = json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "n_positions": 16,
+                            "layer_norm_epsilon": 1e-5, "vocab_size": 64})
 NOT_UTF8 = "caf\u00e9\n".encode("latin-1")  # Latin-1 text
 NOT_JSON = "hello\n{]\n"
 LABEL_4_OF_4 = '{"ctx": "a b", "endings": ["c", "d", "e", "f"], "label": 4}\n'  # HellaSwag's labels are 0..3
@@ -396,6 +440,25 @@ CASES = {  # id: (script, setup(tmp_path, fixtures) -> argv); what each did at 2
     # issue 80: an item whose label is past its endings said "not a multiple-choice item", as if its shape were wrong
     "eval-items-label-past-its-endings": ("eval_gpt.py", lambda t, f: [
         f"--ckpt={f.gpt}", f"--items={put(t / 'mc.jsonl', LABEL_4_OF_4)}", "--device=cpu"]),
+    # issue 80's sweep: a classifier of one class, RL resumed when it is done, a regex echoed as typed, a GPT-2
+    # folder whose config.json is not its weights'
+    "vit-data_dir-of-one-class": ("train_vit.py", lambda t, f: img(f, t, IMG, f"--data_dir={one_class(t)}",
+                                                                   "--eval_images=8")),
+    "rl-resume-a-finished-run": ("rl_gpt.py", rl_finished),
+    "sample-hf-config-narrower-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=gpt2_weights(t, n_embd=16))}", "--device=cpu"]),
+    "sample-hf-config-deeper-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, config=HF_TWO_LAYERS, weights=gpt2_weights(t))}", "--device=cpu"]),
+    "sample-hf-config-shallower-than-its-weights": ("sample_gpt.py", lambda t, f: [
+        f"--ckpt={hf_folder(t, weights=gpt2_weights(t, n_layer=2))}", "--device=cpu", "--max_new_tokens=1"]),
+    "rl-answer_regex-not-a-regex": ("rl_gpt.py", lambda t, f: rl(f, t, r"--answer_regex=(\d+")),
+    # an old flag's new command, with the user's own values: --out_dir (or a preset's) as --ckpt, and the flags given
+    "gpt-sample-moved-own-out_dir": ("train_gpt.py", lambda t, f: ["--sample", "--prompt=def f(x):",
+                                                                   "--out_dir=runs/mine"]),
+    "gpt-eval_only-moved-a-presets-out_dir": ("train_gpt.py", lambda t, f: ["--preset=gpt2_124m", "--eval_only"]),
+    "ft-sample-moved-own-out_dir": ("finetune_gpt.py", lambda t, f: ["--sample", "--out_dir=runs/ft"]),
+    "vit-predict-moved-own-ckpt": ("train_vit.py", lambda t, f: ["--predict=pngs", "--ckpt=runs/vit"]),
+    "dit-sample_out-moved-own-out_dir": ("train_diffusion.py", lambda t, f: ["--sample_out=g.png", "--out_dir=runs/dit"]),
 }
 SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-device-mps-missing": "--device=mps but MPS is not available",
@@ -403,6 +466,23 @@ SAYS = {  # what the line must say, beyond the one line that every case ends in
     "gpt-data_dir-of-images": "holds images, which train_vit.py and train_diffusion.py read",
     "vit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
     "dit-data_dir-of-text": "holds token shards (text), which train_gpt.py reads",
+    "vit-data_dir-of-one-class": "/one holds images of 1 class (circle); a classifier needs at least 2",
+    "sample-hf-config-narrower-than-its-weights": "/hf/model.safetensors: wte.weight is 64x16 there, but "
+                                                  "config.json (n_layer 1, n_embd 8, vocab_size 64, 16 positions) "
+                                                  "makes it 64x8; the weights and config.json",
+    "sample-hf-config-deeper-than-its-weights": "/hf/model.safetensors holds no h.1.ln_1.weight, which config.json "
+                                                "(n_layer 2,",
+    "sample-hf-config-shallower-than-its-weights": "/hf/model.safetensors holds h.1.attn.c_attn.bias, of a layer "
+                                                   "beyond config.json's n_layer 1;",
+    "gpt-sample-moved-own-out_dir": "error: --sample moved: python sample_gpt.py --ckpt=runs/mine "
+                                    "--prompt='def f(x):'",
+    "gpt-eval_only-moved-a-presets-out_dir": "moved: python eval_gpt.py --ckpt=out/gpt2_124m --items=data/hellaswag",
+    "ft-sample-moved-own-out_dir": "moved: python sample_gpt.py --ckpt=gpt2 --prompt=TEXT (or --ckpt=runs/ft, this "
+                                   "script's run)",
+    "vit-predict-moved-own-ckpt": "error: --predict moved: python predict_vit.py --ckpt=runs/vit --images=PATH",
+    "dit-sample_out-moved-own-out_dir": "moved: python sample_diffusion.py --ckpt=runs/dit --out=PATH.png",
+    "rl-resume-a-finished-run": "/rl is complete at step 2; raise its budget (--max_steps, --time_budget, ...)",
+    "rl-answer_regex-not-a-regex": "error: --answer_regex='(\\d+' is no regular expression (missing ), unterminated ",
     "prep-flag-misspelt": "error: unrecognized arguments: --data-dir=d; did you mean --data_dir?",
     "prep-flag-of-another-command": "error: unrecognized arguments: --tokenizer=gpt2; see python prepare_data.py "
                                     "shapes -h",
@@ -488,6 +568,72 @@ def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, mon
     code, out, err, new = run("prepare_data.py", ["hellaswag", f"--data_dir={tmp_path / 'new' / 'hs'}"], tmp_path)
     assert not problems("prepare_data.py", code, out, err, new) and "error: cannot download " in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+KILLED = os.path.join("train", "c1", "im5.png")  # the 14th of 16 train images: in chunk 7 of 8, of two images each
+
+
+def decode_or_be_killed(paths, size):
+    """prepare_data.load_images in a worker that is killed (SIGKILL, as the OOM killer kills) when it is given the
+    chunk that holds KILLED; the other chunks decode to black, which this test does not read."""
+    import numpy as np
+    if any(str(p).endswith(KILLED) for p in paths):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.zeros((len(paths), size, size, 3), np.uint8), False
+
+
+def draw_or_be_killed(seed, index, m, size, rotate):
+    """prepare_data.draw_shapes in a worker that is killed (SIGKILL) when it is given chunk 1 of the train split
+    (seed 0); the other chunks are black."""
+    import numpy as np
+    if (seed, index) == (0, 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return np.zeros((m, size, size, 3), np.uint8), np.zeros(m, np.int64)
+
+
+# prepare_data.py's main in a process of its own, its workers' task one that kills them (argv[3]: the command)
+KILLING = """import sys
+sys.path[:0] = sys.argv[1:3]
+import prepare_data, test_sweep
+if sys.argv[3] == "imagefolder":
+    prepare_data.load_images = test_sweep.decode_or_be_killed
+    prepare_data.CHUNK_BYTES = 2 * 8 * 8 * 3  # two images a chunk
+else:
+    prepare_data.draw_shapes = test_sweep.draw_or_be_killed
+sys.exit(prepare_data.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["imagefolder", "shapes"])
+def test_a_worker_killed_from_outside_ends_in_one_line(command, tmp_path):
+    """Issue 80: a worker of prepare_data.py's pool killed from outside (SIGKILL, as the OOM killer does) while it
+    decodes or draws a chunk stops the command in one line that names the chunk and the likely cause, memory, and
+    leaves nothing behind; multiprocessing.Pool waited for the dead worker's result for ever. The worker kills itself
+    on a chosen chunk, and the timeout only ends a command that hangs."""
+    from PIL import Image
+    for split, n in (("train", 8), ("val", 1)):  # 16 train images of two classes, and a val folder of 2
+        for c in ("c0", "c1"):
+            for i in range(n):
+                put(tmp_path / split / c / f"im{i}.png", b"")
+                Image.new("RGB", (8, 8)).save(tmp_path / split / c / f"im{i}.png")
+    flags = [f"--data_dir={tmp_path / 'd'}", "--image_size=8", "--workers=2"]
+    if command == "imagefolder":
+        argv = ["imagefolder", str(tmp_path / "train"), f"--val={tmp_path / 'val'}", *flags]
+        killed, n = 7, 8
+    else:
+        argv = ["shapes", "--train_size=600", "--val_size=10", *flags]  # chunks of 256 images: 3 for train
+        killed, n = 2, 3
+    before = set(tmp_path.rglob("*"))
+    p = subprocess.run([sys.executable, "-c", KILLING, ROOT, os.path.dirname(__file__), *argv], capture_output=True,
+                       cwd=tmp_path, timeout=120)  # bytes: text mode would turn the progress line's \r into \n
+    new = sorted(str(q.relative_to(tmp_path)) for q in set(tmp_path.rglob("*")) - before)
+    err = p.stderr.decode()
+    assert not problems("prepare_data.py", p.returncode, p.stdout.decode(), err, new), err
+    line = err.strip().split("\n")[-1]
+    assert "a worker process was killed from outside" in line and "memory ran out" in line, line
+    # the chunks that were in flight when the pool broke (any of them may have been the killed worker's) hold it
+    m = re.search(rf" chunks? (\d+)(?:-(\d+))? of {n} ", line)
+    assert m and int(m[1]) <= killed <= int(m[2] or m[1]) and "--workers" in line, line
 
 
 def test_kernels_py_refuses_an_unknown_argument(tmp_path):

@@ -305,8 +305,9 @@ def test_guards_skip_a_nan_and_sigterm_saves(shapes, tmp_path, capsys):
     (["--max_steps=-3"], "--max_steps must be at least 0, got -3"),  # budgets that would never end
     (["--max_steps=5", "--time_budget=-1"], "--time_budget must be at least 0, got -1.0"),
     # jobs that moved to sample_diffusion.py: the old flag names the new command (issue 59)
-    (["--sample", "--ckpt=nowhere"], "--sample moved: python sample_diffusion.py --ckpt=out/diffusion"),
-    (["--sample_out=grid.png"], "--sample_out moved: python sample_diffusion.py --ckpt=out/diffusion --out=PATH.png"),
+    (["--sample", "--ckpt=nowhere"], "--sample moved: python sample_diffusion.py --ckpt=nowhere"),  # the user's own
+    (["--sample_out=grid.png"], "--sample_out moved: python sample_diffusion.py --ckpt="),  # the --out_dir given,
+    (["--sample_out=grid.png"], "/o --out=PATH.png"),
 ])
 def test_bad_flags_give_one_line_errors(args, message, tmp_path, as_a_user):
     status, err = as_a_user("train_diffusion.py", *args, f"--out_dir={tmp_path}/o", cwd=tmp_path)
