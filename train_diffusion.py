@@ -102,7 +102,8 @@ class Config:
     schedule: Literal["constant", "cosine"] = "constant"  # the LR after warmup: held, or a cosine decay
     warmup_steps: int = 100  # steps of linear warmup up to the peak LR
     final_lr_frac: float = 0.0  # cosine: the LR at the end of the decay, as a fraction of the peak
-    ema: float = 0.999  # decay of a moving average of the weights, which samples come from; 0 = off
+    ema: float = 0.999  # a moving average of the weights, which samples come from: its decay; 0 = none at all
+    ema_std: float = 0.02  # that average a power-function profile (EDM2) this wide, relative to the run; 0: decay
     phema_every: int = 0  # steps between snapshots of two power-function EMAs, for sample_diffusion --ema_std
     # eval, logging, checkpoints
     eval_every: int = 1000  # steps between evals; 0 = only at the end
@@ -157,7 +158,8 @@ PRESETS = {
         batch_size=256,  # DiT's
         lr=3e-4,
         warmup_steps=1000,
-        ema=0.9999,  # DiT's
+        ema=0.9999,  # DiT's, a fixed decay
+        ema_std=0.0,
         eval_every=10000,
         eval_images=10000,
         eval_samples=1000,
@@ -185,6 +187,7 @@ PRESETS = {
         lr=1e-4,
         warmup_steps=1000,
         ema=0.9999,
+        ema_std=0.0,
         eval_every=20000,
         eval_images=10000,
         eval_samples=1000,
@@ -832,13 +835,40 @@ def phema_state(phemas, raw):
     return [{"std": e.std, "t": e.t, "weights": {k: s.detach().cpu().clone() for k, s in zip(names, e.shadow)}}
             for e in phemas]
 
-def load_phema(phemas, state, raw):
-    """Set the power-function EMAs from phema_state()'s list."""
+def load_phema(phemas, ckpt, raw):
+    """Set the power-function EMAs from the phema_state() of a checkpoint."""
+    if not phemas:  # (a checkpoint from before them has none)
+        return
     names = [name for name, _ in raw.named_parameters()]
-    for e, s in zip(phemas, state, strict=True):
+    for e, s in zip(phemas, ckpt["phema"], strict=True):
         for shadow, k in zip(e.shadow, names):
             shadow.copy_(s["weights"][k])
         e.t = int(s["t"])
+
+def build_emas(cfg, raw, ckpt, world_size):
+    """(the evals' EMA or None, the post-hoc EMA's profiles or []) of the weights of raw."""
+    # the evals' EMA: a power-function profile of relative width ema_std, else a fixed decay
+    ema = None
+    if cfg.ema and cfg.ema_std:
+        ema = PowerEMA(raw.parameters(), cfg.ema_std, raw)
+    elif cfg.ema:
+        ema = EMA(raw.parameters(), cfg.ema, raw)
+    phemas = []  # the post-hoc EMA's two profiles, snapshotted every phema_every steps
+    if cfg.phema_every:
+        phemas = [PowerEMA(raw.parameters(), std, raw) for std in PHEMA_STDS]
+    if phemas and world_size > 1 and cfg.parallel == "fsdp":
+        die("--phema_every snapshots whole weights, which --parallel=fsdp shards; use --parallel=ddp or 0")
+    if not ckpt:
+        return ema, phemas
+    # a resume goes on with the EMAs the run began with: begun later, a profile would miss the run's start
+    theirs = ckpt["config"].get("ema_std", 0.0)  # 0 before the option existed
+    if theirs != cfg.ema_std:
+        die(f"--resume: the run in {cfg.out_dir} was made with --ema_std={theirs:g}; pass the same, or use a new "
+            "--out_dir")
+    if bool(ckpt.get("phema")) != bool(phemas):
+        die(f"--resume: the run in {cfg.out_dir} was made with{'out' if phemas else ''} --phema_every; pass the "
+            "same, or use a new --out_dir")
+    return ema, phemas
 
 def write_snapshot(out_dir, step, state):
     """out_dir/phema/phema_STEP.pt: the power-function EMAs at this step, written whole, then renamed."""
@@ -1292,8 +1322,8 @@ def evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
     rec = {"step": step}
     args = (model, val_x, val_y, K, cfg, alpha_bar, rank, world_size, ctx)
     rec["val_loss"], rec["val_loss_t"] = denoising_loss(*args)
-    # The samples come from the EMA of the weights, as DiT's and EDM's do: an average over roughly the last
-    # 1 / (1 - ema) steps, which smooths out the noise of single updates.
+    # The samples come from the EMA of the weights, as DiT's and EDM's do: an average over the last few percent of
+    # the run (--ema_std), or roughly the last 1 / (1 - ema) steps, which smooths out the noise of single updates.
     if ema:
         ema.swap()
         rec["ema_val_loss"], rec["ema_val_loss_t"] = denoising_loss(*args)
@@ -1411,14 +1441,7 @@ def train(cfg, stop):
     kernels.use(cfg.kernels)  # Triton's or PyTorch's ops, chosen before compile traces the model
     model, compiled = wrap_model(raw, cfg, device, dtype, world_size)
     opts = build_optimizers(cfg, raw)
-    ema = EMA(raw.parameters(), cfg.ema, raw) if cfg.ema else None
-    # the post-hoc EMA's two profiles, snapshotted every phema_every steps (PowerEMA)
-    phemas = [PowerEMA(raw.parameters(), std, raw) for std in PHEMA_STDS] if cfg.phema_every else []
-    if phemas and world_size > 1 and cfg.parallel == "fsdp":
-        die("--phema_every snapshots whole weights, which --parallel=fsdp shards; use --parallel=ddp or 0")
-    if ckpt and ("phema" in ckpt) != bool(phemas):  # begun later, a profile would miss the run's start
-        die(f"--resume: the run in {cfg.out_dir} was made with{'out' if phemas else ''} --phema_every; pass the "
-            f"same, or use a new --out_dir")
+    ema, phemas = build_emas(cfg, raw, ckpt, world_size)
     guard = Guard(cfg.loss_spike, cfg.gnorm_spike, cfg.guard_window, cfg.rollback_after, cfg.clip_mult, device)
     n_params = sum(p.numel() for p in raw.parameters())
 
@@ -1428,8 +1451,7 @@ def train(cfg, stop):
         with exit_if_unreadable(path, "it is not a checkpoint of this run; pass a new --out_dir"):
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
             loader.load_state(ckpt["data"])
-            if phemas:
-                load_phema(phemas, ckpt["phema"], raw)
+            load_phema(phemas, ckpt, raw)
     # the log: a line a log step, every value in metrics.jsonl; what a step is worth gives its speed and MFU
     log = start_log(cfg, master, images_per_step, "img", raw.flops_per_image() * images_per_step, device, dtype)
     sharded = world_size > 1 and cfg.parallel == "fsdp"  # a checkpoint: a folder of shards
@@ -1476,7 +1498,7 @@ def train(cfg, stop):
                          "step": step, "guard": guard.state(), "train_time": train_time,
                          "history": history, "data_info": data_info, "config": dataclasses.asdict(cfg),
                          "world_size": world_size, "data": loader.state(), "num_classes": K,
-                         "data_meta": data_meta, **({"phema": phema_state(phemas, raw)} if phemas else {})})
+                         "data_meta": data_meta, "phema": phema_state(phemas, raw)})
         if last_step:
             break
         if evals or saves or snapshot:
@@ -1515,10 +1537,11 @@ def train(cfg, stop):
         verdict = guard.check(loss, gnorm, scaler.is_enabled())
         for opt in opts:
             opt.step(skip=verdict != GOOD)
-        # The EMA of the weights, which evals sample from. Its decay rises as (1 + t) / (10 + t) up to --ema, so
-        # until step ~9,000 it averages over about the last tenth of the run (the demo's ~4,500 steps: it never
-        # reaches 0.999), then over the last 1 / (1 - ema); DiT's 0.9999 suits its 400k. A skipped step left the
-        # weights, and so the EMA, as they were.
+        # The EMA of the weights, which evals sample from. By default a power-function profile (PowerEMA) whose
+        # width is 2% of the steps so far at every step: the post-hoc EMA's measurements chose it (BENCHMARKS.md,
+        # issue 79), 1.4 to 1.9 points more samples recognised than the fixed 0.999, whose warm-up averaged about
+        # the last tenth of the demo's run. With --ema_std=0 the decay rises as (1 + t) / (10 + t) up to --ema,
+        # DiT's 0.9999 in the presets. A skipped step left the weights, and so the EMAs, as they were.
         if ema:
             ema.update()
         for e in phemas:
@@ -1546,8 +1569,7 @@ def train(cfg, stop):
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
             ckpt = writer.rollback_point(guard, reason, log, step)
             step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            if phemas:
-                load_phema(phemas, ckpt["phema"], raw)
+            load_phema(phemas, ckpt, raw)
             first = step  # the batches read since are skipped, not read again
             t0 = time.perf_counter()
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
@@ -1600,6 +1622,8 @@ def check_config(cfg):
     in_range = all(0 <= v < 1 for v in (cfg.ema, cfg.class_dropout, cfg.beta1, cfg.beta2))
     if not (in_range and cfg.t_std > 0 and cfg.mlp_ratio > 0):
         die("need 0 <= --ema, --class_dropout, --beta1, --beta2 < 1 and --t_std, --mlp_ratio > 0")
+    if not 0 <= cfg.ema_std <= 0.28:  # a power function's profile is at most 0.289 wide (gamma = 0)
+        die(f"--ema_std={cfg.ema_std:g}: need 0 < std <= 0.28 (EDM2's are 0.05 and 0.10), or 0 for --ema's decay")
     # euler and heun integrate flow's ODE; ddim steps through ddpm's chain
     if cfg.sampler != "auto" and (cfg.sampler == "ddim") != (cfg.objective == "ddpm"):
         die(f"--sampler={cfg.sampler} does not fit --objective={cfg.objective}: "

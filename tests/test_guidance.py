@@ -176,6 +176,18 @@ def test_power_ema_is_its_profile_and_a_profiles_own_length_is_rebuilt_exactly(t
     torch.testing.assert_close(early["0"].double(), snaps[3]["profiles"][0]["weights"]["0"], rtol=1e-5, atol=1e-5)
 
 
+def test_the_evals_ema_is_a_power_profile_by_default_and_the_presets_keep_dits_decay():
+    raw = td.build_model(td.Config(**TINY), 16, 3, 5, CPU)
+    ema, phemas = td.build_emas(td.Config(**TINY), raw, None, 1)
+    assert isinstance(ema, td.PowerEMA) and ema.std == 0.02 and phemas == []
+    ema, phemas = td.build_emas(td.Config(**{**TINY, "ema_std": 0.0, "phema_every": 10}), raw, None, 1)
+    assert type(ema) is td.EMA and ema.decay == 0.999 and [e.std for e in phemas] == [0.05, 0.10]
+    ema, _ = td.build_emas(td.Config(**{**TINY, "ema": 0.0}), raw, None, 1)
+    assert ema is None  # --ema=0: no average at all
+    for name in ("cifar10", "imagenet64"):  # DiT's fixed 0.9999, unmeasured here
+        assert td.PRESETS[name]["ema"] == 0.9999 and td.PRESETS[name]["ema_std"] == 0.0
+
+
 @pytest.mark.slow
 def test_a_run_snapshots_its_profiles_resumes_them_exactly_and_samples_from_them(shapes, tmp_path):  # noqa: F811
     """--phema_every: snapshots at its steps and the end; a resume goes on with the same profiles (bit for bit);
@@ -200,6 +212,8 @@ def test_a_run_snapshots_its_profiles_resumes_them_exactly_and_samples_from_them
     assert out["grid"].endswith("_interval0.2-0.8_guide4_ema0.05.png") and os.path.exists(out["grid"])
     with pytest.raises(SystemExit, match="phema_every"):  # a resume must keep the snapshots as they began
         td.main(tiny(shapes, b, resume=True, **{**kw, "phema_every": 0, "max_steps": 12}))
+    with pytest.raises(SystemExit, match="ema_std=0.02"):  # and the evals' EMA
+        td.main(tiny(shapes, b, resume=True, **{**kw, "ema_std": 0.05, "max_steps": 12}))
 
 
 def test_sampling_refuses_what_it_cannot_rebuild_or_guide_by(shapes, tmp_path):  # noqa: F811

@@ -77,11 +77,12 @@ def test_every_flag_of_the_image_scripts_has_help():
 # trainer by about 750; issue 78's ladder made value embeddings the GPT's default, 330 tokens: the tables and their
 # gates, the optimizer's group for them, and the checkpoints from before them. Its losing tricks were deleted;
 # issue 79 gave the DiT a guidance interval and autoguidance in guided() (about 150 tokens), and the post-hoc EMA's
-# two power-function profiles, their snapshots and their place in the checkpoint and the resume (about 600); issue
+# two power-function profiles, their snapshots and their place in the checkpoint and the resume (about 600), and the
+# evals' EMA as such a profile, --ema_std, its default chosen by the post-hoc EMA's measurements (107); issue
 # 82's --attention=flex, 51: its field, its call to kernels.use_attention and check_config's refusal off CUDA;
 # issue 80's sweep: the ViT refuses data of one class, 10)
 TOKENS_OUTSIDE_MACHINERY = {"train_gpt.py": (8000, 11177), "train_vit.py": (7500, 10344),
-                            "train_diffusion.py": (7500, 11604)}
+                            "train_diffusion.py": (7500, 11711)}
 # the shared machinery fence of each trainer (issue 61's stop flag, read every step, added 80; issue 59's helpers
 # that return values instead of printing behind a return, -h groups and the source copy, 180; the guard's packed
 # lines unpacked into named steps, 37; issue 60's cache on config_lines, 4, which took 9 s off the suite's parses)
@@ -98,9 +99,9 @@ TOKENS_MACHINERY = (3500, 4485)  # issue 77: the guard's device side out, RunLog
 # issue 82's FlexAttention for --window, 832: kernels.py's path (use_attention, the band, the block masks, the call;
 # 376) and its GPU timing (bench_window, 385), the flag in train_gpt.py (51) and its use_attention calls in
 # chat_gpt.py and rl_gpt.py (10 each); issue 79's guidance interval, autoguidance and post-hoc EMA, 754 in
-# train_diffusion.py and 652 in sample_diffusion.py (1,047 -> 1,699: the least squares and the rebuilt weights, --guide
-# and its checks, the grid's name); issue 80's moved commands in the user's own values, 137 in each machinery fence
-TOKENS_SUITE = int(83948 * 1.05) + 4006 + 1567 + 868 + 3 * 4 + 1845 + 584 + 832 + 754 + 652 + 3 * 137
+# train_diffusion.py (and 107 for --ema_std) and 652 in sample_diffusion.py (1,047 -> 1,699: the least squares and
+# the rebuilt weights, --guide and its checks, the grid's name); issue 80's moved commands in the user's own values, 137 in each machinery fence
+TOKENS_SUITE = int(83948 * 1.05) + 4006 + 1567 + 868 + 3 * 4 + 1845 + 584 + 832 + 754 + 107 + 652 + 3 * 137
 COMPANIONS = ("finetune_gpt.py", "chat_gpt.py", "rl_gpt.py", "sample_gpt.py", "eval_gpt.py", "predict_vit.py",
               "sample_diffusion.py")
 # per file: (tokens per code line at most, prose share at least); goals 10 and 20%
@@ -192,9 +193,11 @@ def test_counts_match_the_shared_reference():
 # method: what runs in a logged step, what train() sets up outside the machinery, the Config and train()'s loop), as
 # (goal, ceiling) of (code tokens, places). At baab10e: GPT 7,398 in 8, ViT 7,745 in 7, DiT 7,020 in 9; issue 78's
 # value embeddings, the GPT's default, are on its path: 7,233 -> 7,522; issue 82's --attention field and its
-# kernels.use_attention call in train(): 7,540; issue 80's refusal of one class, in the ViT's train(): 7,462 -> 7,472
+# kernels.use_attention call in train(): 7,540; issue 80's refusal of one class, in the ViT's train(): 7,462 -> 7,472;
+# issue 79's guidance interval and guide in guided(), the power-function EMAs updated each step, and the snapshot
+# and its sync: the DiT's 6,747 -> 6,983
 STEP_PATH = {"train_gpt.py": ((5500, 6), (7540, 7)), "train_vit.py": ((5500, 6), (7472, 6)),
-             "train_diffusion.py": ((5500, 6), (6747, 7))}
+             "train_diffusion.py": ((5500, 6), (6983, 7))}
 FORWARD_REFS = 12  # names used above their definition outside the machinery (readability.py --names), each trainer
 
 
