@@ -1029,6 +1029,14 @@ def every(step, n):
     """Whether step is a multiple of n (n = 0: never)."""
     return n > 0 and step % n == 0
 
+def steps_left(step, max_steps, train_time, time_budget, step_time):
+    """The steps left in the budget: counted, or estimated from the last sync's step time (inf before one)."""
+    if not time_budget:
+        return max_steps - step
+    if not step_time:
+        return math.inf
+    return (time_budget - train_time) / step_time
+
 def agree(trace, t0, world_size):
     """The sync: the host reads the rows of the steps since the last sync (each a tensor of its
     loss, grad norm and the guard's verdict), which waits for the device to finish them, then the
@@ -1345,7 +1353,9 @@ def train(cfg, stop):
         # step a resume or rollback starts from. The clock stopped at the sync: they are not
         # training time.
         final = last_step and not stopped  # a stopped run saves, and leaves the final eval to its resume
-        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first))
+        # a periodic eval within a tenth of an interval of the end would only repeat the final one: skipped
+        soon = steps_left(step, max_steps, train_time, time_budget, step_time) < cfg.eval_every / 10
+        evals = final or (every(step, cfg.eval_every) and (step == 0 or step > first) and not soon)
         saves = last_step or (every(step, cfg.save_every) and step > first)
         if evals:
             rec, conf, best = evaluate_both(cfg, model, ema, val_x, val_y, K, ctx, rank, world_size, step, final)
