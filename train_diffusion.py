@@ -870,7 +870,7 @@ def build_emas(cfg, raw, ckpt, world_size):
             "same, or use a new --out_dir")
     return ema, phemas
 
-def write_snapshot(out_dir, step, state):
+def write_snapshot_file(out_dir, step, state):
     """out_dir/phema/phema_STEP.pt: the power-function EMAs at this step, written whole, then renamed."""
     folder = os.path.join(out_dir, "phema")
     os.makedirs(folder, exist_ok=True)
@@ -878,6 +878,10 @@ def write_snapshot(out_dir, step, state):
     with open(f"{path}.tmp", "wb") as f:
         torch.save({"step": step, "profiles": state}, f)
     os.replace(f"{path}.tmp", path)
+
+def write_snapshot(out_dir, step, state):
+    """write_snapshot_file(), where a failed write warns, and training goes on."""
+    side_path("writing the post-hoc EMA's snapshot", write_snapshot_file, out_dir, step, state)
 
 def build_optimizers(cfg, raw):
     """[AdamW], with weight decay on the blocks' matrices only (not adaLN's)."""
@@ -1494,8 +1498,7 @@ def train(cfg, stop):
         saves = last_step or (every(step, cfg.save_every) and step > first)
         snapshot = phemas and step > first and (every(step, cfg.phema_every) or last_step)
         if snapshot and master:
-            side_path("writing the post-hoc EMA's snapshot", write_snapshot, cfg.out_dir, step,
-                      phema_state(phemas, raw))
+            write_snapshot(cfg.out_dir, step, phema_state(phemas, raw))
         if evals:
             rec = evaluate_both(cfg, model, ema, val_x, val_y, K, alpha_bar, judge, meta,
                                 ctx, rank, world_size, step, final)
@@ -1578,10 +1581,12 @@ def train(cfg, stop):
         reason = log.skips(rows, step - len(rows), guard)
         if reason and guard.rollback_due():  # repeated bad steps: back to a checkpoint before them
             ckpt = writer.rollback_point(guard, reason, log, step)
-            step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
-            load_phema(phemas, ckpt, raw)
-            first = step  # the batches read since are skipped, not read again
-            t0 = time.perf_counter()
+            stopped = stopped or ckpt is None  # none to go back to: save the weights (skips left them) and stop
+            if ckpt:
+                step, train_time, history = apply_checkpoint(ckpt, raw, opts, scaler, guard, ema)
+                load_phema(phemas, ckpt, raw)
+                first = step  # the batches read since are skipped, not read again
+                t0 = time.perf_counter()
         last_step = stopped or (train_time >= time_budget if time_budget else step >= max_steps)
         lossf, gnormf = rows[-1][:2]  # the step's loss and grad norm, on the host
         if step > first and (every(step, cfg.log_every) or last_step):  # (after a rollback: no new step yet)
@@ -1590,7 +1595,7 @@ def train(cfg, stop):
             history.append({"step": step, "loss": lossf})
 
     # the end: how to resume after a signal, or the results
-    writer.wait()
+    writer.close(step)
     result = {"steps": step, "train_time": train_time, "wall_time": time.perf_counter() - wall0,
               "peak_mem_gb": log.peak_memory_gb(), "params": n_params}
     if stopped:  # the checkpoint is saved: exit 0, and --resume goes on
@@ -1979,6 +1984,7 @@ class CheckpointWriter:
         self.world_size = world_size
         self.master = master
         self.pending = None  # the write in flight
+        self.stuck = ""  # why the run must stop: bad steps and no checkpoint from before them (rollback_point)
         # DCP gathers the shards' plan over a gloo group of its own, apart from training's NCCL
         self.group = dist.new_group(backend="gloo") if sharded else None
 
@@ -2026,16 +2032,25 @@ class CheckpointWriter:
     # steps, but not the loader's place: the run goes on from the batch it had reached, so the
     # batches that caused the trouble are not seen again (PaLM's fix).
 
+    def close(self, step):
+        """Wait for the last write; stop in one line if the run had to stop (self.stuck)."""
+        self.wait()
+        if self.stuck:
+            die(f"{self.stuck}; the weights of step {step} are saved, as the bad steps left them: --resume after "
+                "the fix")
+
     def rollback_point(self, guard, reason, log, step):
-        """The newest intact checkpoint from before the guard's first bad step; stops in one line
-        if there is none, or if the run has rolled back to it MAX_ROLLBACKS times already."""
+        """The newest intact checkpoint from before the guard's first bad step, or None (and why in
+        self.stuck) if there is none; stops in one line if the run has rolled back to it MAX_ROLLBACKS times already."""
         self.wait()
         if self.world_size > 1:
             dist.barrier()  # rank 0's last write lands before any rank looks
         ckpt, path = load_checkpoint(self.out_dir, before=guard.bad[0], whole=False)
-        if ckpt is None:  # else it would skip to the end
-            die(f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from before "
-                f"step {guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a rollback has one")
+        if ckpt is None:  # else it would skip to the end: the loop saves what it has (the steps before the bad ones)
+            self.stuck = (f"{guard.max_bad} bad steps in {guard.window} (the last: {reason}) and no checkpoint from "
+                          f"before step {guard.bad[0]} to roll back to; lower --lr, or pass --save_every so that a "
+                          "rollback has one")
+            return None
         guard.rollbacks[ckpt["step"]] = guard.rollbacks.get(ckpt["step"], 0) + 1
         if guard.rollbacks[ckpt["step"]] > MAX_ROLLBACKS:
             die(f"bad steps go on after {MAX_ROLLBACKS} rollbacks to step {ckpt['step']} (the last: {reason}); "

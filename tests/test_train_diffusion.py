@@ -396,3 +396,14 @@ def test_no_mirror_images_when_flips_are_off(tmp_path, flip_ok, flip, mirrored):
     # the L and its mirror differ by 63.75; measured: every sample 61.4-62.9 nearer the L with flips off, and with
     # flips on 4 of 16 samples 59-61 nearer the mirror. Noise scores 0 either way; the bar is half way
     assert (margin.min() > 30) if not mirrored else (margin < -30).any(), margin.round(1)
+
+
+def test_a_run_stopped_by_the_guard_keeps_its_good_weights(shapes, tmp_path):
+    """Issue 80: bad steps with no checkpoint to roll back to (--save_every=0) stop the run in one line, and the
+    weights it stops with, which the skipped steps left good, are saved for a --resume after the fix."""
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e, faults.inject(td, "nan@3-1000"):
+        td.main(tiny(shapes, out, max_steps=60))
+    msg = str(e.value)
+    assert "\n" not in msg and "no checkpoint from before step 3" in msg and "weights of step 7 are saved" in msg, msg
+    assert [s for s, _ in td.list_checkpoints(str(out))] == [7]

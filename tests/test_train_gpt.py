@@ -589,16 +589,22 @@ def test_rollback_gives_up_when_spikes_persist(corpus, tmp_path):
 def test_a_run_that_cannot_recover_stops_within_the_guard_window(corpus, tmp_path):
     """A loss that stays NaN from step 3 on: once rollback is due (5 bad steps of 100) with no checkpoint from before
     the first of them, the run stops in one line that says what happened and what to change, instead of skipping
-    updates to the end of its budget. A checkpoint it has (of skipped steps: still the good state) stays."""
-    for save_every, kept in ((0, []), (4, [4])):
+    updates to the end of its budget. It saves the weights it stops with, which the skipped steps left as they were
+    (issue 80: with --save_every=0 it kept nothing), and a checkpoint it has stays."""
+    for save_every, kept in ((0, [7]), (4, [4, 7])):
         out = tmp_path / f"o{save_every}"
         with pytest.raises(SystemExit) as e, faults.inject(tg, "nan@3-1000"):
             tg.main(tiny(corpus, out, max_steps=60, save_every=save_every))
         msg = str(e.value)
         assert "\n" not in msg and "5 bad steps in 100" in msg and "non-finite loss" in msg, msg
         assert "no checkpoint from before step 3" in msg and "--lr" in msg and "--save_every" in msg, msg
+        assert "weights of step 7 are saved" in msg and "--resume" in msg, msg
         assert [r["step"] for r in events(out, "skip")] == [3, 4, 5, 6, 7]
         assert [s for s, _ in tg.list_checkpoints(str(out))] == kept
+    # the saved weights are those of step 2, the last good one, as the checkpoint of step 4 (two skipped steps) has
+    at4, _ = tg.load_checkpoint(str(out / "ckpt_0000004.pt"))
+    at7, _ = tg.load_checkpoint(str(out / "ckpt_0000007.pt"))
+    assert all(torch.equal(at4["model"][k], at7["model"][k]) for k in at4["model"])
 
 
 def test_sigterm_saves_and_resume_equals_uninterrupted(corpus, tmp_path):
