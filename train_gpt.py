@@ -1003,14 +1003,24 @@ def setup_dist(device_arg="auto"):
         device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}")
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # a key prefix per torchrun restart: the store keeps the addresses of the attempt
-        # before, and the ranks of a new one would otherwise meet stale ones (pytorch#135712)
         store, _, _ = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}/", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store for all its restarts, with the addresses of the
+            # attempt before: a key prefix per restart, or the ranks of a new attempt meet stale
+            # ones (pytorch#135712). Each agent counts its own restarts, so on two nodes the
+            # counts can differ: the README's two-node command gives each attempt a store of its
+            # own instead (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and nothing is prefixed
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"attempt_{attempt}/", store)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     return rank, world_size, device
+
+def leave_dist():
+    """The last call of a run, once train() has returned and its DDP wrapper, which holds the process group, is
+    freed with its locals: destroyed under a live DDP, the group's gloo teardown can abort the exiting process."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 def all_mean(x, world_size):
     """x averaged over ranks."""
@@ -1302,14 +1312,15 @@ def layer_stats(raw, x, ctx):
     return stats
 
 def evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x, step, final):
-    """(the eval's record, each layer's statistics): the val loss and bits per byte, with a text
-    sample printed and the statistics (early warnings of a run going wrong), side paths that
+    """(the eval's record, each layer's statistics): a text sample printed, the val loss and bits
+    per byte, and the statistics (early warnings of a run going wrong), side paths that
     warn but never stop a run."""
-    rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=final)
     if cfg.sample_tokens:  # on every rank: an FSDP forward needs them all
         out = side_path("sampling", sample, raw, tokenizer, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed)
         if out:
             print("-" * 40 + "\n" + out[1] + "\n" + "-" * 40)
+    # the eval line last, so that the loop prints the reference run's figures right below it
+    rec = evaluate(cfg, model, val_loader, ctx, world_size, meta, step, final=final)
     stats = side_path("layer statistics", layer_stats, raw, x, ctx)  # on x, the next batch to train on
     return rec, stats or {}
 
@@ -1439,7 +1450,7 @@ def train(cfg, stop, build=None, resume_fields=()):
         if evals:
             rec, stats = evaluate_and_sample(cfg, model, raw, val_loader, ctx, world_size, meta, tokenizer, x,
                                              step, final)
-            log.record(step=step, **rec, **stats)
+            log.eval(final, step=step, **rec, **stats)
             history.append({"step": step, **rec})
         if saves:
             # The checkpoint is a dict built here and read back by apply_checkpoint. It holds all a resumed run
@@ -1533,8 +1544,6 @@ def train(cfg, stop, build=None, resume_fields=()):
         result |= {**rec, "train_loss": lossf, "tokens": step * tokens_per_step}
         log.result(metric, result, cfg.description)
         print(done_line(step, tokens_per_step, train_time, rec, metric, meta, cfg.out_dir))
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return result
 
 def check_config(cfg):
@@ -1581,7 +1590,8 @@ def main(cfg, build=None, resume_fields=()):
         while True:
             found = list_checkpoints(cfg.out_dir)
             try:
-                return train(cfg, stop, build, resume_fields)
+                result = train(cfg, stop, build, resume_fields)
+                break
             except torch.cuda.OutOfMemoryError:  # nothing saved: the batch in halves
                 if cfg.batch_size % 2 or "RANK" in os.environ or list_checkpoints(cfg.out_dir) != found:
                     raise  # under torchrun the other ranks are mid-step
@@ -1592,6 +1602,8 @@ def main(cfg, build=None, resume_fields=()):
                       f"pass {flags} next time")
             gc.collect()  # out here, where no traceback holds the tensors
             torch.cuda.empty_cache()
+    leave_dist()
+    return result
 
 # -----------------------------------------------------------------------------
 # Machinery, shared by every train_*.py: flags, logs, checkpoint I/O, rollbacks, signals
@@ -1760,15 +1772,68 @@ def start_log(cfg, master, units, unit, flops, device, dtype):
         die(f"cannot write to --out_dir={cfg.out_dir} ({e.strerror}); pick a writable directory")
     except ImportError:
         die("--wandb needs the wandb package: pip install wandb")
-    return RunLog(os.path.join(cfg.out_dir, "metrics.jsonl"), units, unit, flops, device, dtype)
+    return RunLog(os.path.join(cfg.out_dir, "metrics.jsonl"), units, unit, flops, device, dtype, Reference(cfg))
+
+# ---- the reference run: "is my loss normal?"
+
+# The fields a run may change and still be compared with the reference at the steps both evaluated: where it
+# writes, how often it logs, evaluates and saves, its seed, and its budget. Any other field changes what is learnt.
+FREE_FIELDS = {"out_dir", "resume", "seed", "log_every", "eval_every", "save_every", "milestone_every", "wandb",
+               "max_steps", "time_budget", "tokens", "eval_classifier", "phema_every"}
+BUDGET_FIELDS = ("max_steps", "time_budget", "tokens")
+
+class Reference:
+    """A measured run of the default config (assets/reference_SCRIPT.json beside the script, written by
+    tests/reference.py): its metrics at each eval, the machine, dtype and commit they came from, and how far off a
+    metric may be before a newcomer should look for a cause. A run of another config compares with nothing."""
+
+    def __init__(self, cfg):
+        script = os.path.abspath(sys.modules[type(cfg).__module__].__file__)
+        name = os.path.basename(script).removesuffix(".py")
+        self.config = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as lists, as the file has them
+        self.ref = None
+        self.warned = False
+        try:
+            with open(os.path.join(os.path.dirname(script), "assets", f"reference_{name}.json")) as f:
+                ref = json.load(f)
+        except (OSError, ValueError):  # none for this script, or unreadable: the run goes on without
+            return
+        theirs = ref.get("config", {})
+        if set(theirs) == set(self.config) and all(theirs[k] == v for k, v in self.config.items()
+                                                   if k not in FREE_FIELDS):
+            self.ref = ref
+
+    def line(self, step, rec, final):
+        """The reference's metrics at this step (at its end, for a final eval of the same budget), and a line on
+        what to check the first time this run is far worse; "" where the reference has nothing to compare."""
+        same_budget = all(self.config.get(k) == self.ref["config"].get(k) for k in BUDGET_FIELDS)
+        at = self.ref["final_step"] if final and same_budget else step
+        theirs = self.ref["curve"].get(str(at), {})
+        shown, worse = [], []
+        for k in theirs.keys() & rec.keys():
+            acc = k.endswith("acc")  # accuracies are higher-is-better and shown in percent, the rest lower
+            shown.append(f"{k.replace('_', ' ')} " + (f"{100 * theirs[k]:.2f}%" if acc else f"{theirs[k]:.4f}"))
+            if (theirs[k] - rec[k] if acc else rec[k] - theirs[k]) > self.ref["far"][k]:
+                worse.append(k.replace("_", " "))
+        if not shown:
+            return ""
+        where = f"at its end, step {at}" if at != step else f"at step {at}"
+        text = (f"  reference {where}: {' | '.join(sorted(shown))} ({self.ref['machine']}, {self.ref['dtype']}, "
+                f"commit {self.ref['commit']})")
+        if worse and not self.warned:
+            self.warned = True
+            text += (f"\n  far off the reference in {', '.join(sorted(worse))}: check the data (--data_dir, made as "
+                     f"prepare_data.py makes it), the LR (--lr) and the dtype (the reference's {self.ref['dtype']})")
+        return text
 
 class RunLog:
     """A run's log: every rank prints its lines (those of ranks > 0 go to devnull), and rank 0
     records every logged value in metrics.jsonl, a JSON object a line (pandas.read_json(lines=True)),
     and in wandb if a run is open. A step's worth gives its throughput and MFU."""
 
-    def __init__(self, path, units, unit, flops, device, dtype):
+    def __init__(self, path, units, unit, flops, device, dtype, reference=None):
         self.path = path  # None: nothing is recorded
+        self.reference = reference  # the Reference whose figures each eval prints beside its own, or None
         self.units = units  # a step's tokens (or images)
         self.unit = unit  # their name: tok, img
         self.device = device
@@ -1778,6 +1843,15 @@ class RunLog:
         if dtype == torch.float32:
             peak /= 2
         self.ideal = flops / peak if peak else 0.0
+
+    def eval(self, final, **rec):
+        """Record an eval, and print the reference's figures at its step below it (a side path: a reference file
+        edited into another shape warns, and the run goes on)."""
+        self.record(**rec)
+        if self.reference and self.reference.ref:
+            text = side_path("the reference", self.reference.line, rec["step"], rec, final)
+            if text:
+                print(text)
 
     def record(self, **kv):
         """Append kv to metrics.jsonl, and to wandb."""
@@ -2056,7 +2130,13 @@ def resume_point(out_dir, resume, layout, master, max_steps=0, time_budget=0.0):
     resume by themselves), if the checkpoint's run had another layout, or if it is complete
     (its step is max_steps, or its train_time time_budget)."""
     found = list_checkpoints(out_dir)
+    # Each torchrun agent counts its own node's restarts: a node whose workers were restarted because
+    # another node's failed counts none. The ranks take the largest count, so that all of them resume.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if dist.is_initialized():
+        counts = [0] * dist.get_world_size()
+        dist.all_gather_object(counts, restarted)
+        restarted = max(counts)
     if found and not (resume or restarted):
         die(f"{out_dir} holds checkpoints of an earlier run; continue it with --resume or pick a new --out_dir")
     if not found:
@@ -2079,8 +2159,7 @@ def resume_point(out_dir, resume, layout, master, max_steps=0, time_budget=0.0):
             f"--time_budget, ...) to train on")
     if master:  # the newer ones are unreadable: a later save must not count them among the newest
         prune(out_dir, lambda s: s > ckpt["step"])
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarts})" if restarts else ""))
+    print(f"resumed from {path} at step {step}" + (f" (torchrun restart {restarted})" if restarted else ""))
     return ckpt, path
 
 def check_intact(path):

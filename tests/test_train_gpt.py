@@ -371,6 +371,34 @@ def test_two_ranks_match_one_process(corpus, tmp_path, parallel):
     assert sorted(l3) == [4, 5] and all(l3[s] == pytest.approx(l2[s], rel=1e-6, abs=1e-6) for s in l3)
 
 
+DDP_AT_TEARDOWN = """
+import gc, sys
+import torch
+import torch.distributed as dist
+import train_gpt
+destroy = dist.destroy_process_group
+def counted():  # how many DDP wrappers are alive when the group is destroyed (no collection of our own)
+    alive = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    print(f"rank {dist.get_rank()}: {alive} DDP alive at destroy_process_group", file=sys.stderr)  # rank 1's too
+    destroy()
+dist.destroy_process_group = counted
+train_gpt.main(train_gpt.parse_args(train_gpt.Config, sys.argv[1:]))
+"""
+
+
+def test_the_process_group_outlives_ddp(corpus, tmp_path):
+    """The group is destroyed only after train() returned and its DDP wrapper was freed: destroyed under a live
+    DDP, gloo's teardown can abort the exiting process (SIGABRT), as it once did in CI (issue 80)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DDP_AT_TEARDOWN)
+    p = ranks.run([str(driver), f"--data_dir={corpus}", "--n_layer=1", "--n_embd=32", "--n_head=2", "--seq_len=16",
+                   "--max_steps=2", "--time_budget=0", "--sample_tokens=0", "--device=cpu", "--eval_tokens=256",
+                   "--batch_size=2", f"--out_dir={tmp_path}/run"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(line for line in p.stderr.splitlines() if "DDP alive" in line) == [
+        "rank 0: 0 DDP alive at destroy_process_group", "rank 1: 0 DDP alive at destroy_process_group"], p.stderr
+
+
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_on_other_ranks_fall_back_and_consolidate(corpus, tmp_path, capsys):
     """FSDP on two ranks, --async_save: each checkpoint a folder of DCP shards. Resumed in one process with the same
