@@ -725,8 +725,7 @@ def make_shapes(n, size, seed, rotate=True, pool=None, chunk=256):
     # its own, seeded by (seed, the chunk's index), and draws from it in a fixed order: the same seed gives the same
     # images, bit for bit, whether the chunks are drawn here or side by side by a pool's processes.
     jobs = [(seed, index, min(chunk, n - i), size, rotate) for index, i in enumerate(range(0, n, chunk))]
-    firsts = [f"image {i:,}" for i in range(0, n, chunk)]  # each chunk's first, which an error names
-    parts = list(in_order(pool, draw_shapes, jobs, len(jobs), firsts))
+    parts = list(in_order(pool, draw_shapes, jobs, len(jobs), first=lambda i: f"image {i * chunk:,}"))
     return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 def draw_shapes(seed, index, m, size, rotate):
@@ -917,8 +916,8 @@ def source_idx(args):
         return splits, [str(d) for d in range(10)]
     return splits, list(FASHION_CLASSES)
 
-def list_images(root):
-    """{class: sorted image paths} of an ImageFolder-style root (root/CLASS/**/*.png etc.), hidden entries left out."""
+def image_classes(root):
+    """The class folders of an ImageFolder-style root (root/CLASS/**/*.png etc.), sorted, hidden ones left out."""
     if not root.is_dir():
         fail(f"{root} does not exist or is not a folder; give a folder with a subfolder of images per class "
              "(PATH/CLASS/*.png)")
@@ -926,28 +925,38 @@ def list_images(root):
     if len(classes) < 2:  # one class: any classifier scores 100%
         fail(f"{root} has {len(classes)} class subfolders; a classifier needs 2 or more, one folder of images "
              "each (PATH/CLASS/*.png)")
-    found = {}
-    for c in classes:
-        found[c] = []
-        for p in sorted((root / c).rglob("*")):
-            hidden = any(s.startswith(".") for s in p.relative_to(root).parts)
-            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file() and not hidden:
-                found[c].append(p)
-        if not found[c]:
-            fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the "
-                 "folder")
+    return classes
+
+def list_images(root, c):
+    """The sorted image paths of class folder c of root (root/c/**/*.png etc.), relative to root, hidden entries
+    left out."""
+    found = []
+    for p in sorted((root / c).rglob("*")):
+        rel = p.relative_to(root)
+        hidden = any(s.startswith(".") for s in rel.parts)
+        if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file() and not hidden:
+            found.append(rel)
+    if not found:
+        fail(f"class folder {root / c} holds no images ({', '.join(IMAGE_EXTENSIONS)}); add some or remove the "
+             "folder")
     return found
+
+def path_bytes(paths):
+    """(N,) array of dtype S: each path as os.fsencode's bytes, as long as the longest (os.fsdecode reads it back)."""
+    return np.array([os.fsencode(p) for p in paths], "S")
 
 class BadImage(Exception):
     """An image that Pillow cannot read; its message is the command's one-line error."""
 
-def load_images(paths, size):
-    """(uint8 (N, size, size, 3), all grayscale?): RGB, the centre square resized (torchvision's Resize+CenterCrop).
-    One chunk of a split: the task that a decoding worker runs."""
+def load_images(root, paths, size):
+    """(uint8 (N, size, size, 3), all grayscale?) of the images at `paths`, bytes relative to root (a chunk of a
+    split's array): RGB, the centre square resized (torchvision's Resize+CenterCrop). The task a decoding worker
+    runs."""
     from PIL import Image, ImageOps  # source_imagefolder has checked that Pillow is installed
     out = np.empty((len(paths), size, size, 3), np.uint8)
     gray = True
-    for i, p in enumerate(paths):
+    for i, rel in enumerate(paths):
+        p = root / os.fsdecode(rel)  # the path as list_images found it: an error names it as text
         try:  # UnidentifiedImageError is an OSError
             with Image.open(p) as im:
                 gray &= im.mode in ("1", "L", "LA")
@@ -962,7 +971,8 @@ def load_images(paths, size):
     return out, gray
 
 def source_imagefolder(args):
-    """({split: [(path, label)]}, classes) of PATH/CLASS/*.png (ImageFolder's layout); val: --val=PATH, or
+    """({split: (root, paths, labels)}, classes) of PATH/CLASS/*.png (ImageFolder's layout): a split's image paths,
+    relative to its root, as one (N,) array of bytes (path_bytes), and their labels (N,) int64; val: --val=PATH, or
     --val_fraction by path hash. The images are read later, a chunk at a time, by write_imagefolder."""
     root = Path(args.path)
     if args.image_size < 1 or args.workers < 0 or not 0 < args.val_fraction < 1:
@@ -971,32 +981,41 @@ def source_imagefolder(args):
         import PIL  # noqa: F401
     except ImportError:
         fail("imagefolder needs Pillow: pip install Pillow")
-    train = list_images(root)
-    classes = list(train)
+    classes = image_classes(root)
+    # The pixels are streamed in 2 MiB chunks, so the list of paths is what grows with the folder. A Path object keeps
+    # its parts as a list of strings, and with a (path, label) tuple it takes about 470 bytes an image: 600 MB for
+    # ImageNet's 1.28M files. A path relative to its root, as bytes in one array a split, takes tens (ImageNet's are
+    # 30, as "n01440764/n01440764_10026.JPEG": 50 MB with the labels, twice that while the classes are joined), and
+    # a class's Path objects live only while that class is listed.
+    parts = {"train": [], "val": []}  # {split: [(paths, labels) of each class]}
+    for k, c in enumerate(classes):
+        rel = list_images(root, c)
+        paths = path_bytes(rel)
+        labels = np.full(len(paths), k, np.int64)
+        if args.val:
+            parts["train"].append((paths, labels))
+            continue
+        # hashing the path, not its place in the list, keeps an image on its side as others come and go; the
+        # highest hash stays in train, so that every class has a train image
+        h = np.array([zlib.crc32(r.as_posix().encode()) for r in rel]) / 2**32  # (N,) in [0, 1)
+        val = (h < args.val_fraction) & (h < h.max())
+        parts["train"].append((paths[~val], labels[~val]))
+        parts["val"].append((paths[val], labels[val]))
+    roots = {"train": root, "val": root}
     # a val folder of its own (a benchmark's fixed split) is kept as it is; otherwise val is drawn from train
     if args.val:
-        val = list_images(Path(args.val))
-        if unknown := sorted(set(val) - set(train)):
+        roots["val"] = Path(args.val)
+        val = {c: path_bytes(list_images(roots["val"], c)) for c in image_classes(roots["val"])}
+        if unknown := sorted(set(val) - set(classes)):
             fail(f"{args.val} has class folder(s) {', '.join(unknown)} that {root} lacks; a val class must also be a "
                  "train class")
-        items = {
-            "train": [(p, k) for k, c in enumerate(classes) for p in train[c]],
-            "val": [(p, classes.index(c)) for c, ps in val.items() for p in ps],
-        }
-    else:
-        items = {"train": [], "val": []}
-        for k, c in enumerate(classes):
-            # hashing the path, not its place in the list, keeps an image on its side as others come and go; the
-            # highest hash stays in train, so that every class has a train image
-            h = [zlib.crc32(p.relative_to(root).as_posix().encode()) / 2**32 for p in train[c]]  # in [0, 1)
-            top = max(h)
-            for p, x in zip(train[c], h):
-                if x < args.val_fraction and x < top:
-                    items["val"].append((p, k))
-                else:
-                    items["train"].append((p, k))
-        if not items["val"]:
-            fail(f"no image of {root} fell into val at --val_fraction={args.val_fraction}; raise it or give --val=PATH")
+        for c, paths in val.items():
+            parts["val"].append((paths, np.full(len(paths), classes.index(c), np.int64)))
+    elif not sum(len(paths) for paths, _ in parts["val"]):
+        fail(f"no image of {root} fell into val at --val_fraction={args.val_fraction}; raise it or give --val=PATH")
+    items = {}
+    for s, pairs in parts.items():
+        items[s] = roots[s], np.concatenate([p for p, _ in pairs]), np.concatenate([y for _, y in pairs])
     return items, classes
 
 # Arrays too large for memory are written and read a chunk of about 2 MiB at a time: 170 images of 64x64x3, 13 of
@@ -1125,9 +1144,10 @@ def worker_pool(workers):
         # ones they hold (2 MiB each) and exit
         pool.shutdown(cancel_futures=True)
 
-def in_order(pool, work, jobs, window, firsts):
+def in_order(pool, work, jobs, window, first):
     """work(*job) of each job, in order: in this process if pool is None, else by the pool, with at most `window`
-    jobs in flight (queued, at work, or done and waiting to be taken). firsts[i]: job i's first image, for errors."""
+    jobs in flight (queued, at work, or done and waiting to be taken). first(i) names job i's first image, for errors:
+    a function, so that a name is made only when an error needs it."""
     if pool is None:
         for job in jobs:
             yield work(*job)
@@ -1153,27 +1173,32 @@ def in_order(pool, work, jobs, window, firsts):
         if last == taken + 1:
             where = f"chunk {last}"
         fail(f"a worker process was killed from outside with {where} of {len(jobs)} under way (the first starts "
-             f"at {firsts[taken]}), most likely by the kernel's OOM killer: memory ran out; run this again with fewer "
+             f"at {first(taken)}), most likely by the kernel's OOM killer: memory ran out; run this again with fewer "
              f"--workers, or with more memory free")
 
-def write_split(stage, split, pairs, size, pool, window):
-    """Decode a split's (path, label) pairs into stage/{split}_images.npy, a chunk at a time in the file's order,
-    and write its labels; show progress; return whether every image was grayscale."""
-    paths = [p for p, _ in pairs]
+def write_split(stage, split, root, paths, labels, size, pool, window):
+    """Decode a split's images (paths: source_imagefolder's bytes, relative to root) into stage/{split}_images.npy, a
+    chunk at a time in the file's order, and write its labels; show progress; return whether every image was
+    grayscale."""
     # 8 bytes an image (10 MB for ImageNet's train split): the labels are written at once
-    np.save(stage / f"{split}_labels.npy", np.array([k for _, k in pairs], np.int64))
+    np.save(stage / f"{split}_labels.npy", labels)
     path = stage / f"{split}_images.npy"
     offset = new_npy(path, (len(paths), size, size, 3))
     per_chunk = images_per_chunk((size, size, 3))
-    chunks = [paths[i:i + per_chunk] for i in range(0, len(paths), per_chunk)]
-    jobs = [(chunk, size) for chunk in chunks]
+    # a chunk is a view of the array, not a copy; a worker is sent its own chunk's bytes and no more
+    jobs = [(root, paths[i:i + per_chunk], size) for i in range(0, len(paths), per_chunk)]
+
+    def first(i):
+        """The path of chunk i's first image, which the error of a killed worker names."""
+        return root / os.fsdecode(paths[i * per_chunk])
+
     gray = True
     done = 0
     shown = 0.0
     with open(path, "r+b") as f:
         f.seek(offset)
         try:
-            for x, chunk_gray in in_order(pool, load_images, jobs, window, [c[0] for c in chunks]):
+            for x, chunk_gray in in_order(pool, load_images, jobs, window, first):
                 f.write(x)  # (n, size, size, 3): the next n images, appended in place
                 gray = gray and chunk_gray
                 done += len(x)
@@ -1209,14 +1234,14 @@ def write_imagefolder(args, flip_ok):
     size = args.image_size
     # no more workers than the largest split has chunks: a split of one chunk is decoded in this process, since a
     # pool's start would cost more than it saves
-    most = max(len(pairs) for pairs in items.values())
+    most = max(len(paths) for _, paths, _ in items.values())
     workers = min(args.workers, math.ceil(most / images_per_chunk((size, size, 3))))
     gray = True
     with staging(data_dir) as stage:
         with worker_pool(workers) as pool:
-            for split, pairs in items.items():
+            for split, (root, paths, labels) in items.items():
                 # two chunks a worker: each has its next chunk queued while the main process writes the oldest
-                split_gray = write_split(stage, split, pairs, size, pool, window=2 * workers)
+                split_gray = write_split(stage, split, root, paths, labels, size, pool, window=2 * workers)
                 gray = gray and split_gray
         if gray:
             # every image is grayscale: keep one channel (L -> RGB copied it into all three)

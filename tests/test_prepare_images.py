@@ -1,4 +1,5 @@
 """prepare_data.py's image commands on tiny fixtures in the official formats, written here: nothing is downloaded."""
+import argparse
 import gzip
 import io
 import json
@@ -7,6 +8,7 @@ import pickle
 import shutil
 import struct
 import tarfile
+import tracemalloc
 import zlib
 
 import numpy as np
@@ -397,6 +399,41 @@ def test_imagefolder_grayscale_keeps_one_channel(tmp_path):
     assert info["std"] == pytest.approx(train.std((0, 1, 2)).tolist(), abs=1e-4)
     x = np.concatenate([x, splits["val"][0]])
     assert len(x) == 7 and sum((a[..., 0] == a[..., 1]).all() and (a[..., 1] == a[..., 2]).all() for a in x) == 6
+
+
+def test_imagefolder_lists_a_folder_in_tens_of_bytes_an_image(tmp_path):
+    """Issue 80: source_imagefolder keeps a split's paths as one array of bytes, relative to the folder, not a Path
+    object an image in (path, label) tuples, and the split is the same: val holds the images whose crc32 of the path
+    relative to the folder, in posix form, is below --val_fraction (but each class's highest). Measured with
+    tracemalloc on 20,000 empty files in 20 class folders: a peak of 510 bytes an image before, 75 after (29 held once
+    the split is made); the bound, 200, lies between. For ImageNet's 1.28M files: about 600 MB before, 50 MB after
+    (100 MB at the peak)."""
+    root = tmp_path / "imgs"
+    names = []
+    for c in range(20):
+        (root / f"c{c:02d}" / "sub").mkdir(parents=True)
+        for i in range(1000):
+            names.append(f"c{c:02d}/{'sub/' * (i % 2)}{i:04d}.png")  # nested folders count too
+            (root / names[-1]).touch()  # empty: the listing checks a file's suffix, and reads no pixels
+    args = argparse.Namespace(path=str(root), image_size=8, workers=0, val_fraction=0.1, val=None)
+    tracemalloc.start()
+    try:
+        items, classes = pd.source_imagefolder(args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / len(names) < 200, f"{peak / len(names):.0f} bytes an image"
+    # the split computed here from the names: sorted by their parts within a class, as pathlib sorts paths
+    expected = {"train": [], "val": []}
+    for k, c in enumerate(classes):
+        mine = sorted((n for n in names if n.startswith(f"{c}/")), key=lambda n: n.split("/"))
+        h = [zlib.crc32(n.encode()) / 2**32 for n in mine]
+        for n, x in zip(mine, h):
+            expected["val" if x < 0.1 and x < max(h) else "train"].append((n, k))
+    assert classes == [f"c{c:02d}" for c in range(20)] and 1500 < len(expected["val"]) < 2500
+    for s, (split_root, paths, labels) in items.items():
+        assert split_root == root and paths.dtype.kind == "S" and labels.dtype == np.int64
+        assert list(zip([os.fsdecode(p) for p in paths], labels.tolist())) == expected[s]
 
 
 def test_imagefolder_bad_inputs_are_one_line_errors(tmp_path):

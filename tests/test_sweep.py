@@ -573,11 +573,11 @@ def test_an_interrupted_or_failed_preparation_leaves_no_new_folder(tmp_path, mon
 KILLED = os.path.join("train", "c1", "im5.png")  # the 14th of 16 train images: in chunk 7 of 8, of two images each
 
 
-def decode_or_be_killed(paths, size):
+def decode_or_be_killed(root, paths, size):
     """prepare_data.load_images in a worker that is killed (SIGKILL, as the OOM killer kills) when it is given the
     chunk that holds KILLED; the other chunks decode to black, which this test does not read."""
     import numpy as np
-    if any(str(p).endswith(KILLED) for p in paths):
+    if any(str(root / os.fsdecode(p)).endswith(KILLED) for p in paths):
         os.kill(os.getpid(), signal.SIGKILL)
     return np.zeros((len(paths), size, size, 3), np.uint8), False
 
