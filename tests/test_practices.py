@@ -310,6 +310,20 @@ def test_fp16_has_a_loss_scaler_that_doubles_every_2000_steps():
     assert not tg.setup_precision(CPU, "bfloat16")[2].is_enabled()
 
 
+def test_an_fp16_step_scales_the_loss_and_unscales_the_grads(corpus, tmp_path):
+    """The loop's use of the GradScaler: an fp16 run (autocast on the CPU) multiplies each loss by the scale before
+    its backward and divides the grads by it before the clip and the step, so the grad norm it logs is the size of
+    the fp32 run's. Without the scale() call it would be 2^16 times smaller; without unscale_(), 2^16 times larger.
+    (Here the first step, at the scaler's first scale of 2^16, overflows fp16 and is skipped, as GradScaler means it
+    to be: the scale halves and the next step goes through.)"""
+    for dtype in ("float32", "float16"):
+        tg.main(tiny(corpus, tmp_path / dtype, max_steps=3, dtype=dtype))
+    assert json.loads((tmp_path / "float16" / "config.json").read_text())["dtype"] == "float16"
+    fp32 = losses(tmp_path / "float32")[0][1]["gnorm"]
+    fp16 = next(r["gnorm"] for _, r in losses(tmp_path / "float16") if math.isfinite(r["gnorm"]))
+    assert 0.5 < fp16 / fp32 < 2, (fp16, fp32)
+
+
 def test_weights_grads_and_optimizer_state_stay_fp32_under_autocast():
     """Under bf16 autocast the parameters (the master weights), their gradients and every optimizer state (Muon's
     momentum, AdamW's moments) stay fp32; only the matmuls run in bf16."""
@@ -384,6 +398,9 @@ def test_every_trainer_clips_at_its_grad_clip(script, tmp_path, monkeypatch):
     extra = {tg: ["--seq_len=16", "--vocab_size=257"], tv: ["--patch_size=8"], td: ["--patch_size=8"]}[script]
     r = bench.main([script.__file__, *common, "--batch_size=4", *extra])
     assert script.Config().grad_clip == 1.0 and seen == [1.0] * r["steps"] and r["steps"] == 6
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3.0)  # a grad norm of 6
+    assert clip([p], 1.0).item() == pytest.approx(6.0) and p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_tokens_auto_trains_20_tokens_per_parameter(corpus, tmp_path, capsys):
@@ -459,6 +476,26 @@ def test_accumulation_equals_one_big_batch(corpus, tmp_path):
     for (_, a), (_, b) in zip(big, acc):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["gnorm"] == pytest.approx(a["gnorm"], rel=1e-4)
 
+
+
+@pytest.mark.parametrize("script", [tv, td])
+def test_the_image_trainers_divide_the_loss_by_the_micro_steps(script, tmp_path):
+    """--grad_accum in the ViT and the DiT: each micro-step's loss is divided by their number, so a step's loss (and
+    its grads) is the mean over its micro-batches, not their sum. Read at the first step, where the ViT's zero head
+    gives ln(classes) on any batch and the DiT's zero output the mean square of its target, near the same on any
+    batch of 16: two micro-steps log what one does, where their sum would log twice as much."""
+    splits = {"train": prepare_data.make_shapes(64, 16, 0), "val": prepare_data.make_shapes(40, 16, 1)}
+    prepare_data.write_images(tmp_path / "data", splits, list(prepare_data.SHAPES), "shapes")
+    tiny = dict(data_dir=str(tmp_path / "data"), n_layer=1, n_head=2, n_embd=32, patch_size=4, batch_size=16,
+                max_steps=1, time_budget=0.0, log_every=1, device="cpu", compile="false", dtype="float32",
+                eval_images=40)
+    if script is td:
+        tiny |= dict(sample_steps=2, per_class=1, eval_samples=10, final_samples=10)
+    first = []
+    for accum in (1, 2):
+        script.main(script.Config(**tiny, grad_accum=accum, out_dir=str(tmp_path / f"accum{accum}")))
+        first.append(losses(tmp_path / f"accum{accum}")[0][1]["loss"])
+    assert first[1] == pytest.approx(first[0], rel=0.3 if script is td else 1e-5)  # DiT, measured: 0.70 and 0.81
 
 def test_grads_are_freed_before_each_step(corpus, tmp_path, monkeypatch):
     """zero_grad(set_to_none=True): each step's forward runs with no gradient tensors held (zeroing them would keep

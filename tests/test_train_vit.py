@@ -141,6 +141,7 @@ def test_loader_ranks_partition_the_global_batch_and_resume():
     loaders = [tv.ImageLoader(x, y, 4, r, 2, torch.device("cpu"), seed=3) for r in range(2)]
     seen = [torch.cat([ld.next()[1] for ld in loaders]) for _ in range(6)]  # 6 global batches of 8: 48 of 50
     assert len(set(torch.cat(seen).tolist())) == 48  # no image twice within an epoch
+    assert torch.cat(seen).tolist() != list(range(48))  # and not in the file's order: shuffled
     state = loaders[0].state()
     nxt = loaders[0].next()[1]  # the 7th batch starts epoch 1 (the 2 left over are dropped)
     assert loaders[0].epoch == 1
